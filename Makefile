@@ -1,0 +1,19 @@
+# `make demo` and `make test` set everything up on a fresh machine (see scripts/setup.sh).
+VENV ?= .venv
+
+.PHONY: setup demo test bench lint
+
+setup:
+	@VENV=$(VENV) bash scripts/setup.sh
+
+demo: setup
+	$(VENV)/bin/cswap demo
+
+test: setup
+	$(VENV)/bin/python -m pytest -q
+
+bench: setup
+	$(VENV)/bin/cswap bench step --out benchmarks/results/step-$$(date +%F)-$$(hostname)
+
+lint: setup
+	$(VENV)/bin/ruff check cswap_lightning tests

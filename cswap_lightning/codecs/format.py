@@ -1,0 +1,179 @@
+"""The packed tensor format (version 1): the spec every codec implementation must match bit for bit.
+
+A packed tensor is a header followed by a codec-specific payload. All integers are
+little-endian. The reference codecs reinterpret tensor memory with ``Tensor.view``, so they
+assume a little-endian host, as are all PyTorch targets.
+
+Header (``8 + 8 * ndim`` bytes)::
+
+    offset  size      field
+    0       4         magic b"CSWP"
+    4       1  u8     format version (1)
+    5       1  u8     codec id: raw=0, zvc=1, rle=2; 3..255 reserved for future (lossy) codecs
+    6       1  u8     dtype id: the index of the dtype in ``DTYPES``
+    7       1  u8     ndim
+    8       8*ndim    dims, int64 each, outermost first
+
+Payload. Elements are always stored as their raw bit patterns in logical row-major order,
+whatever the strides of the source tensor. An element is *zero* when all its bits are zero:
+``-0.0`` and NaNs are non-zero, and their bits are preserved. Every section starts at a
+16-byte-aligned offset from the start of the payload; padding bytes are zero; the payload
+ends right after its last section (no trailing padding). ``align16(n) = ceil(n / 16) * 16``.
+
+raw -- ``numel * elem_size`` bytes::
+
+    [0, numel * elem_size)   the elements
+
+zvc (zero-value compression; needs numel < 2**32)::
+
+    [0, 8)          nnz: u64, the number of non-zero elements
+    [8, 16)         reserved: u64 = 0
+    [16, M)         mask: ceil(numel / 32) u32 words, M = 16 + 4 * ceil(numel / 32);
+                    bit i of word w is set iff element 32 * w + i is non-zero;
+                    bits past numel are zero
+    [V, V + nnz * elem_size)   the non-zero elements in order, V = align16(M)
+
+rle (runs of zeros; needs numel < 2**32). A run is a maximal range of consecutive zero
+elements; runs are listed in increasing order::
+
+    [0, 8)          nruns: u64
+    [8, 16)         nnz: u64
+    [16, 16 + 4 * nruns)       run starts: u32 element index of each run's first element
+    [L, L + 4 * nruns)         run lengths: u32, L = 16 + align16(4 * nruns)
+    [V, V + nnz * elem_size)   the non-zero elements in order, V = L + align16(4 * nruns)
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+import torch
+
+FORMAT_VERSION = 1
+MAGIC = b"CSWP"
+
+# A dtype's wire id is its index: append only, never reorder.
+DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.bool,
+    torch.float64,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+)
+
+# Wire ids of the codec formats; ids 3..255 are reserved for future (lossy) codecs.
+CODEC_IDS: dict[str, int] = {"raw": 0, "zvc": 1, "rle": 2}
+
+_FIXED = struct.Struct("<4sBBBB")
+_BITS_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The integer dtype whose elements have the same size as ``dtype``'s."""
+    return _BITS_DTYPES[dtype.itemsize]
+
+
+def bit_view(t: torch.Tensor) -> torch.Tensor:
+    """Reinterpret ``t`` as integers of the same size, so that zero means all bits zero."""
+    return t.view(bits_dtype(t.dtype))
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a payload needs to be decoded: codec, dtype and shape."""
+
+    codec: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if self.codec not in CODEC_IDS:
+            raise ValueError(f"unknown codec {self.codec!r}; known: {sorted(CODEC_IDS)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {self.dtype}; supported: {DTYPES}")
+        if len(self.shape) > 255 or any(d < 0 for d in self.shape):
+            raise ValueError(f"invalid shape {tuple(self.shape)}")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the uncompressed tensor."""
+        return self.numel * self.dtype.itemsize
+
+    def to_bytes(self) -> bytes:
+        fixed = _FIXED.pack(
+            MAGIC, self.version, CODEC_IDS[self.codec], DTYPES.index(self.dtype), len(self.shape)
+        )
+        return fixed + struct.pack(f"<{len(self.shape)}q", *self.shape)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Header:
+        """Parse a header from the start of ``data``; bytes after it are ignored."""
+        if len(data) < _FIXED.size:
+            raise ValueError(f"truncated header: {len(data)} bytes, need at least {_FIXED.size}")
+        magic, version, codec_id, dtype_id, ndim = _FIXED.unpack_from(data)
+        if magic != MAGIC:
+            raise ValueError(f"bad magic {magic!r}, expected {MAGIC!r}: not a cswap packed tensor")
+        if version != FORMAT_VERSION:
+            raise ValueError(
+                f"unknown format version {version}; this reader knows {FORMAT_VERSION}"
+            )
+        codecs = {i: name for name, i in CODEC_IDS.items()}
+        if codec_id not in codecs:
+            raise ValueError(f"unknown codec id {codec_id}; known: {sorted(codecs)}")
+        if dtype_id >= len(DTYPES):
+            raise ValueError(f"unknown dtype id {dtype_id}; known: 0..{len(DTYPES) - 1}")
+        size = _FIXED.size + 8 * ndim
+        if len(data) < size:
+            raise ValueError(f"truncated header: {len(data)} bytes, need {size} for {ndim} dims")
+        shape = struct.unpack_from(f"<{ndim}q", data, _FIXED.size)
+        return cls(codecs[codec_id], DTYPES[dtype_id], shape, version)
+
+
+@dataclass
+class Packed:
+    """A packed tensor: header plus payload (1-D uint8, on any device)."""
+
+    header: Header
+    payload: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.payload.dtype != torch.uint8 or self.payload.dim() != 1:
+            raise ValueError(
+                f"payload must be a 1-D uint8 tensor, got {self.payload.dtype} "
+                f"of shape {tuple(self.payload.shape)}"
+            )
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.header.to_bytes()) + self.payload.numel()
+
+    def to_bytes(self) -> bytes:
+        head = self.header.to_bytes()
+        out = bytearray(len(head) + self.payload.numel())
+        out[: len(head)] = head
+        if self.payload.numel():
+            torch.frombuffer(out, dtype=torch.uint8, offset=len(head)).copy_(self.payload)
+        return bytes(out)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, device: torch.device | str = "cpu") -> Packed:
+        header = Header.from_bytes(data)
+        body = bytearray(memoryview(data)[len(header.to_bytes()) :])
+        if not body:
+            return cls(header, torch.empty(0, dtype=torch.uint8, device=device))
+        # Copy so the payload owns allocator-aligned memory, whatever the buffer's alignment.
+        return cls(header, torch.frombuffer(body, dtype=torch.uint8).to(device, copy=True))

@@ -1,0 +1,117 @@
+"""What the engine did in one step: plain records, and a table for people."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SiteStats:
+    """One saved tensor of a step (a *site*: the k-th tensor autograd saved)."""
+
+    site: int
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    decision: str  # keep | raw | zvc | rle | dedup
+    reason: str = ""  # why a tensor was kept, or which site it shares storage with
+    stored_bytes: int = 0  # bytes held off the device (compressed size when compressed)
+    sparsity: float | None = None  # fraction of bitwise-zero elements
+    offload_s: float = 0.0  # worker time to compress and copy out
+    wait_s: float = 0.0  # time backward waited for this tensor to come back
+    prefetched: bool = False  # brought back ahead of use, not on demand
+
+    @property
+    def ratio(self) -> float | None:
+        return self.nbytes / self.stored_bytes if self.stored_bytes else None
+
+
+@dataclass
+class StepStats:
+    """All sites of one step, with the totals people ask about."""
+
+    step: int
+    sites: list[SiteStats] = field(default_factory=list)
+
+    def _sum(self, attr: str, decisions: tuple[str, ...] | None = None) -> int | float:
+        return sum(
+            getattr(s, attr) for s in self.sites if decisions is None or s.decision in decisions
+        )
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes autograd saved (each storage counted once)."""
+        return int(self._sum("nbytes", ("keep", "raw", "zvc", "rle")))
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes that left the device."""
+        return int(self._sum("nbytes", ("raw", "zvc", "rle")))
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes held off the device for them (after compression)."""
+        return int(self._sum("stored_bytes"))
+
+    @property
+    def kept_bytes(self) -> int:
+        return int(self._sum("nbytes", ("keep",)))
+
+    @property
+    def ratio(self) -> float | None:
+        return self.offloaded_bytes / self.stored_bytes if self.stored_bytes else None
+
+    @property
+    def wait_s(self) -> float:
+        return float(self._sum("wait_s"))
+
+    def as_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "saved_bytes": self.saved_bytes,
+            "offloaded_bytes": self.offloaded_bytes,
+            "stored_bytes": self.stored_bytes,
+            "kept_bytes": self.kept_bytes,
+            "ratio": self.ratio,
+            "wait_s": self.wait_s,
+            "sites": [vars(s) | {"ratio": s.ratio} for s in self.sites],
+        }
+
+    def table(self) -> str:
+        """A per-site table with a totals line, for printing."""
+        head = (
+            f"{'site':>4} {'shape':<20} {'dtype':<9} {'size':>9} {'decision':<8} "
+            f"{'sparsity':>8} {'stored':>9} {'ratio':>6} {'wait ms':>8}  note"
+        )
+        rows = [head, "-" * len(head)]
+        for s in self.sites:
+            rows.append(
+                f"{s.site:>4} {list(s.shape)!s:<20} {s.dtype:<9} {fmt_bytes(s.nbytes):>9} "
+                f"{s.decision:<8} {_pct(s.sparsity):>8} {fmt_bytes(s.stored_bytes):>9} "
+                f"{_ratio(s.ratio):>6} {s.wait_s * 1e3:>8.2f}  {s.reason}"
+            )
+        rows.append("-" * len(head))
+        rows.append(
+            f"step {self.step}: saved {fmt_bytes(self.saved_bytes)}, offloaded "
+            f"{fmt_bytes(self.offloaded_bytes)} stored as {fmt_bytes(self.stored_bytes)} "
+            f"(ratio {_ratio(self.ratio)}), kept on device {fmt_bytes(self.kept_bytes)}, "
+            f"backward waited {self.wait_s * 1e3:.2f} ms"
+        )
+        return "\n".join(rows)
+
+
+def fmt_bytes(n: float) -> str:
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    i = 0
+    while abs(n) >= 1024 and i < len(units) - 1:
+        n /= 1024
+        i += 1
+    return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"

@@ -1,0 +1,45 @@
+import pytest
+import torch
+from torch import nn
+
+from cswap_lightning.demo import build_cnn
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def make_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                         nn.Linear(256, 10))
+
+
+def make_cnn() -> nn.Module:
+    return build_cnn(width=8)
+
+
+def make_transformer() -> nn.Module:
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    return nn.Sequential(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False),
+                         nn.Flatten(), nn.Linear(32 * 16, 10))
+
+
+MODELS = {
+    "mlp": (make_mlp, (32, 64)),
+    "cnn": (make_cnn, (16, 1, 8, 8)),
+    "transformer": (make_transformer, (4, 16, 32)),
+}
+
+
+def model_and_batch(name: str, device: str = "cpu", seed: int = 0):
+    factory, shape = MODELS[name]
+    torch.manual_seed(seed)
+    model = factory().to(device)
+    x = torch.randn(*shape, device=device)
+    y = torch.randint(0, 10, (shape[0],), device=device)
+    return model, x, y

@@ -1,0 +1,348 @@
+"""The engine's invariants (DESIGN.md): lossless, nothing lost, PyTorch semantics kept."""
+
+import contextlib
+import copy
+import gc
+import warnings
+
+import pytest
+import torch
+from conftest import MODELS, model_and_batch
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+from cswap_lightning import CSwapConfig, Offloader, engine, offload
+
+LOSSLESS = ("raw", "zvc", "rle", "auto")
+
+
+def grads(model, x, y, offloader=None, steps=1):
+    """Gradients after `steps` forward/backward passes of the same batch (reset each step)."""
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        if offloader is None:
+            loss = F.cross_entropy(model(x), y)
+        else:
+            with offloader:
+                loss = F.cross_entropy(model(x), y)
+        loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def assert_bitwise_equal(a, b):
+    assert len(a) == len(b)
+    for ga, gb in zip(a, b):
+        assert torch.equal(ga, gb)
+
+
+def check_lossless(name, plan, device):
+    model, x, y = model_and_batch(name, device)
+    ref = grads(copy.deepcopy(model), x, y, steps=2)
+    off = offload(CSwapConfig(plan=plan, min_bytes=0))
+    got = grads(copy.deepcopy(model), x, y, off, steps=2)
+    assert_bitwise_equal(ref, got)
+    step = off.last_step()
+    assert step.offloaded_bytes > 0, step.table()
+    if plan in ("zvc", "rle"):
+        assert {s.decision for s in step.sites} & {plan}
+    off.close()
+    return step
+
+
+@pytest.mark.parametrize("plan", LOSSLESS)
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_lossless_plans_give_bitwise_equal_gradients(name, plan):
+    check_lossless(name, plan, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", LOSSLESS)
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_lossless_on_cuda(name, plan):
+    check_lossless(name, plan, "cuda")
+
+
+def test_auto_plan_compresses_sparse_sites_and_swaps_dense_ones_raw():
+    model, x, y = model_and_batch("mlp")
+    off = Offloader(CSwapConfig(plan="auto", min_bytes=0, sparsity_threshold=0.3))
+    grads(model, x, y, off, steps=1)
+    first = off.last_step()
+    assert {s.decision for s in first.sites} - {"keep", "dedup"} == {"raw"}
+    grads(model, x, y, off, steps=1)
+    second = off.last_step()
+    for before, after in zip(first.sites, second.sites):
+        if before.sparsity is None:
+            continue
+        expected = "zvc" if before.sparsity >= 0.3 else "raw"
+        assert after.decision == expected, (before, after)
+    assert any(s.decision == "zvc" for s in second.sites)  # ReLU outputs are ~50% zeros
+    assert any(s.decision == "raw" for s in second.sites)  # the input batch is dense
+
+
+def test_compression_really_saves_host_memory_on_cpu():
+    model, x, y = model_and_batch("mlp")
+    x = x.relu()  # sparse input too
+    off = Offloader(CSwapConfig(plan="zvc", min_bytes=0))
+    with off:
+        loss = F.cross_entropy(model(x), y)
+    off.transfer.drain()
+    held = off.live_host_bytes()
+    step = off.last_step()
+    assert 0 < held == step.stored_bytes < step.offloaded_bytes
+    assert step.ratio > 1.3
+    loss.backward()
+
+
+def test_filters_keep_parameters_views_small_and_unsupported_tensors():
+    w = torch.nn.Parameter(torch.randn(256, 256))
+    big = torch.randn(256, 256, requires_grad=True)
+    off = Offloader(CSwapConfig(plan="raw", min_bytes=1024))
+    with off:
+        torch.mm(big * 2, w.t()).sum().backward()  # saves (big*2) and w.t(), a parameter view
+        small = torch.randn(4, requires_grad=True)
+        (small * 2).sin().sum().backward()
+        z = torch.randn(64, 64, dtype=torch.complex64, requires_grad=True)
+        (z * z).abs().sum().backward()
+        sparse = torch.randn(64, 64).to_sparse().requires_grad_()
+        torch.sparse.mm(sparse, big[:64].detach().requires_grad_()).sum().backward()
+    reasons = {s.reason for s in off.last_step().sites if s.decision == "keep"}
+    decisions = [s.decision for s in off.last_step().sites]
+    assert "view of a leaf" in reasons
+    assert "small" in reasons
+    assert "dtype complex64" in reasons
+    assert "sparse/nested" in reasons
+    assert "raw" in decisions
+
+
+def test_views_of_one_storage_are_offloaded_once():
+    x = torch.randn(64, 96, requires_grad=True)
+    off = Offloader(CSwapConfig(plan="raw", min_bytes=0))
+    with off:
+        h = (x * 3).relu()
+        q, k, v = h.split(32, dim=1)  # three views of one storage, like attention q/k/v
+        out = (q.sin() + k.sin() + v.sin() + h.t().cos().t()[:, :32]).sum()
+    out.backward()
+    ref_x = x.detach().clone().requires_grad_()
+    h = (ref_x * 3).relu()
+    q, k, v = h.split(32, dim=1)
+    (q.sin() + k.sin() + v.sin() + h.t().cos().t()[:, :32]).sum().backward()
+    assert torch.equal(x.grad, ref_x.grad)
+    sites = off.last_step().sites
+    dedup = [s for s in sites if s.decision == "dedup"]
+    offloaded = [s for s in sites if s.decision == "raw"]
+    assert len(dedup) >= 3
+    assert sum(s.nbytes for s in offloaded) < 3 * h.numel() * 4  # not once per view
+
+
+def test_retain_graph_allows_two_backward_passes():
+    model, x, y = model_and_batch("cnn")
+    ref_model, off_model = copy.deepcopy(model), copy.deepcopy(model)
+    loss = F.cross_entropy(ref_model(x), y)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    off = Offloader(CSwapConfig(plan="zvc", min_bytes=0))
+    with off:
+        loss = F.cross_entropy(off_model(x), y)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    assert_bitwise_equal([p.grad for p in ref_model.parameters()],
+                         [p.grad for p in off_model.parameters()])
+
+
+def test_gradient_accumulation_over_micro_batches():
+    model, x, y = model_and_batch("cnn")
+    ref_model, off_model = copy.deepcopy(model), copy.deepcopy(model)
+    off = Offloader(CSwapConfig(plan="auto", min_bytes=0))
+    for xb, yb in zip(x.chunk(4), y.chunk(4)):
+        F.cross_entropy(ref_model(xb), yb).backward()
+        with off:
+            loss = F.cross_entropy(off_model(xb), yb)
+        loss.backward()
+    assert_bitwise_equal([p.grad for p in ref_model.parameters()],
+                         [p.grad for p in off_model.parameters()])
+    # several forwards before one backward (the other accumulation style)
+    ref_model.zero_grad()
+    off_model.zero_grad()
+    sum(F.cross_entropy(ref_model(xb), yb) for xb, yb in zip(x.chunk(2), y.chunk(2))).backward()
+    losses = []
+    for xb, yb in zip(x.chunk(2), y.chunk(2)):
+        with off:
+            losses.append(F.cross_entropy(off_model(xb), yb))
+    sum(losses).backward()
+    assert_bitwise_equal([p.grad for p in ref_model.parameters()],
+                         [p.grad for p in off_model.parameters()])
+
+
+def test_autocast_bfloat16_on_cpu():
+    model, x, y = model_and_batch("transformer")
+    ref_model, off_model = copy.deepcopy(model), copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss = F.cross_entropy(ref_model(x), y)
+    ref_loss.backward()
+    off = Offloader(CSwapConfig(plan="zvc", min_bytes=0))
+    with off, torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(off_model(x), y)
+    loss.backward()
+    assert_bitwise_equal([p.grad for p in ref_model.parameters()],
+                         [p.grad for p in off_model.parameters()])
+    assert any(s.dtype == "bfloat16" and s.decision == "zvc" for s in off.last_step().sites)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_region_inside_offloaded_forward(reentrant):
+    model, x, y = model_and_batch("mlp")
+    x.requires_grad_(reentrant)  # the reentrant variant needs an input that requires grad
+
+    def forward(m):
+        h = m[0](x).relu()
+        h = checkpoint(lambda t: m[3](m[2](t).relu()), h, use_reentrant=reentrant)
+        return F.cross_entropy(m[4](h), y)
+
+    ref_model, off_model = copy.deepcopy(model), copy.deepcopy(model)
+    forward(ref_model).backward()
+    off = Offloader(CSwapConfig(plan="zvc", min_bytes=0))
+    with off:
+        loss = forward(off_model)
+    loss.backward()
+    assert_bitwise_equal([p.grad for p in ref_model.parameters()],
+                         [p.grad for p in off_model.parameters()])
+    assert off.last_step().offloaded_bytes > 0
+
+
+@pytest.mark.parametrize("plan", ["zvc", "keep"])
+@pytest.mark.parametrize("after_forward", [False, True])
+def test_inplace_modification_after_pack_raises_like_pytorch(plan, after_forward):
+    def run(offloader):
+        x = torch.randn(128, 128, requires_grad=True)
+        with offloader:
+            y = x.sigmoid()  # sigmoid saves its output
+            if not after_forward:
+                y.mul_(2)
+        if after_forward:
+            y.mul_(2)
+        y.sum().backward()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run(contextlib.nullcontext())  # plain PyTorch
+    # (plain saved_tensors_hooks skip this check; the engine must not)
+    off = Offloader(CSwapConfig(plan=plan, min_bytes=0))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run(off)
+    assert (off.last_step().offloaded_bytes > 0) == (plan != "keep")
+
+
+def test_exception_in_forward_leaves_no_state_and_nothing_leaks():
+    model, x, y = model_and_batch("cnn")
+    off = Offloader(CSwapConfig(plan="zvc", min_bytes=0))
+    with pytest.raises(ValueError, match="boom"), off:
+        model(x)
+        raise ValueError("boom")
+    gc.collect()
+    assert off.live_entries() == 0
+    held = []
+    for _ in range(20):
+        grads(model, x, y, off)
+        gc.collect()
+        held.append((off.live_entries(), off.live_host_bytes()))
+    assert set(held) == {(0, 0)}
+    # hooks are gone after the failed step: a plain forward saves tensors normally
+    out = model(x).sum()
+    assert out.grad_fn is not None
+    assert off.last_step().offloaded_bytes > 0
+
+
+def test_hooks_are_not_left_installed_after_the_block():
+    off = Offloader(CSwapConfig(plan="raw", min_bytes=0))
+    x = torch.randn(64, 64, requires_grad=True)
+    with off:
+        (x * 2).sin().sum()
+    n_sites = len(off.last_step().sites)
+    (x * 2).sin().sum().backward()
+    assert len(off.last_step().sites) == n_sites
+    with off, pytest.raises(RuntimeError, match="already active"):
+        off.__enter__()
+
+
+def test_prefetch_follows_the_learned_order_within_the_budget():
+    model, x, y = model_and_batch("mlp")
+    off = Offloader(CSwapConfig(plan="raw", min_bytes=0))
+    grads(model, x, y, off, steps=2)
+    offloaded = [s for s in off.last_step().sites if s.decision == "raw"]
+    assert len(offloaded) >= 4
+    # with room for everything, every site but the first one backward needs is prefetched
+    assert sum(s.prefetched for s in offloaded) == len(offloaded) - 1
+    none = Offloader(CSwapConfig(plan="raw", min_bytes=0, prefetch_bytes=0))
+    grads(model, x, y, none, steps=2)
+    assert not any(s.prefetched for s in none.last_step().sites)
+
+
+def test_prefetch_follows_the_recorded_order_not_a_fixed_one():
+    model, x, y = model_and_batch("mlp")
+    off = Offloader(CSwapConfig(plan="raw", min_bytes=0))
+    grads(model, x, y, off, steps=2)
+    learned = off._step.unpack_order  # what the next step will follow
+    assert len(learned) >= 4
+    learned.reverse()  # pretend backward ran the other way round last step
+    grads(model, x, y, off)
+    # the real order walks backwards through the pretended one: nothing is ahead to prefetch
+    assert not any(s.prefetched for s in off.last_step().sites)
+
+
+def test_offload_failure_keeps_the_tensor_with_one_warning(monkeypatch):
+    class Broken:
+        name = "broken"
+
+        def encode(self, t):
+            raise MemoryError("host RAM exhausted")
+
+    monkeypatch.setattr(engine, "get_codec", lambda name: Broken())
+    model, x, y = model_and_batch("mlp")
+    ref = grads(copy.deepcopy(model), x, y)
+    off = Offloader(CSwapConfig(plan="raw", min_bytes=0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = grads(copy.deepcopy(model), x, y, off, steps=2)
+    assert_bitwise_equal(ref, got)
+    messages = [str(w.message) for w in caught if "could not offload" in str(w.message)]
+    assert len(messages) == 1 and "host RAM exhausted" in messages[0]
+    assert {s.reason for s in off.last_step().sites} >= {"offload failed"}
+
+
+def test_statistics_table_and_dict():
+    model, x, y = model_and_batch("cnn")
+    off = Offloader(CSwapConfig(plan="zvc", min_bytes=0))
+    grads(model, x, y, off)
+    step = off.last_step()
+    table = step.table()
+    assert table.count("\n") >= len(step.sites) + 2
+    assert "zvc" in table and "ratio" in table
+    d = step.as_dict()
+    assert d["offloaded_bytes"] == step.offloaded_bytes > 0
+    assert len(d["sites"]) == len(step.sites)
+    assert all(s["sparsity"] is not None for s in d["sites"] if s["decision"] == "zvc")
+
+
+@pytest.mark.gpu
+def test_cuda_forward_never_synchronises_and_memory_stays_flat():
+    model, x, y = model_and_batch("cnn", "cuda")
+    off = Offloader(CSwapConfig(plan="raw", min_bytes=0))
+    grads(model, x, y, off, steps=2)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(5):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with off:
+                loss = F.cross_entropy(model(x), y)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        loss.backward()
+        del loss
+    torch.cuda.synchronize()
+    gc.collect()
+    step = off.last_step()
+    assert step.offloaded_bytes > 0
+    assert "offload failed" not in {s.reason for s in step.sites}
+    assert torch.cuda.memory_allocated() - before <= 1 << 20
+    assert off.live_host_bytes() == 0
