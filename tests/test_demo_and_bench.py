@@ -1,0 +1,52 @@
+"""The main job and the step benchmark, run for real at a small size."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from cswap_lightning.bench import run_step_bench
+from cswap_lightning.cli import main
+from cswap_lightning.demo import run_demo
+
+
+def test_demo_trains_saves_memory_and_keeps_gradients(capsys):
+    result = run_demo(epochs=2)
+    out = capsys.readouterr().out
+    assert result["gradients_equal"]
+    assert result["accuracy"] > 0.8  # digits are learnable in two epochs
+    step = result["last_step"]
+    assert step["offloaded_bytes"] > step["stored_bytes"] > 0  # ReLU outputs compressed
+    assert any(s["decision"] == "zvc" for s in step["sites"])
+    assert "bitwise equal" in out and "site" in out and "Memory:" in out
+
+
+def test_cli_demo_exit_code_and_module_entry_point():
+    assert main(["demo", "--epochs", "1", "--plan", "raw"]) == 0
+    proc = subprocess.run([sys.executable, "-m", "cswap_lightning", "demo", "--epochs", "1"],
+                          check=False, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "Gradient check" in proc.stdout
+
+
+def test_cli_rejects_unknown_plan(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--plan", "lz4"])
+    assert "invalid choice: 'lz4'" in capsys.readouterr().err
+
+
+def test_step_bench_measures_every_method(tmp_path):
+    rows = run_step_bench("mlp", "cpu", batch_size=64, steps=1, warmup=1,
+                          out=str(tmp_path / "step"))
+    by_name = {r["method"]: r for r in rows}
+    assert by_name["no offload"]["time_ratio"] == 1.0
+    assert by_name["no offload"]["moved_bytes"] == 0
+    assert by_name["save_on_cpu(pin_memory=True)"]["moved_bytes"] > 0
+    assert "skipped" in by_name["torchtune OffloadActivations"]  # CPU: torchtune needs CUDA
+    raw, zvc = by_name["cswap plan=raw"], by_name["cswap plan=zvc"]
+    assert raw["moved_bytes"] > zvc["moved_bytes"] > 0  # ReLU activations compress
+    assert all(r["step_s"] > 0 for r in rows if "step_s" in r)
+    saved = json.loads((tmp_path / "step.json").read_text())
+    assert saved["meta"]["model"] == "mlp" and len(saved["rows"]) == len(rows)
+    assert "| cswap plan=zvc |" in (tmp_path / "step.md").read_text()
