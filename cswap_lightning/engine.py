@@ -244,13 +244,10 @@ class _Step:
             stats.decision, stats.reason = "keep", "offload failed"
 
     def close(self) -> None:
-        """Turn the device-side zero counts of finished jobs into sparsities (one read)."""
+        """Turn the zero counts of finished jobs into sparsities (call after a drain)."""
         counts, self._counts = self._counts, []
-        if not counts:
-            return
-        nonzero = torch.stack([c[2].to("cpu", torch.float64) for c in counts]).tolist()
-        for (stats, numel, _), nnz in zip(counts, nonzero):
-            stats.sparsity = 1.0 - nnz / numel if numel else 0.0
+        for stats, numel, nonzero in counts:
+            stats.sparsity = 1.0 - nonzero.item() / numel if numel else 0.0
 
 
 class Offloader:

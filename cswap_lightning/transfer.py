@@ -26,7 +26,7 @@ class Stored:
 
     packed: Packed
     device: torch.device  # where the tensor came from and goes back to
-    nonzero: torch.Tensor  # 0-dim count, possibly still on the device
+    nonzero: torch.Tensor  # 0-dim count of non-zero elements, in host memory once `done`
     done: torch.cuda.Event | None  # recorded after the device-to-host copy
     seconds: float  # worker time spent compressing and copying
 
@@ -91,7 +91,7 @@ class Transfer:
             with self._on_stream(flat.device, 0):
                 if ready is not None:
                     torch.cuda.current_stream().wait_event(ready)
-                nonzero = nonzero_count(flat)
+                nonzero = self._to_host(nonzero_count(flat), source=flat)
                 packed = codec.encode(flat)
                 host = self._to_host(packed.payload, source=flat)
                 done = torch.cuda.current_stream().record_event() if flat.is_cuda else None

@@ -29,7 +29,9 @@ class Codec(abc.ABC):
     max_numel: int = 2**63 - 1
 
     def encode(self, t: torch.Tensor) -> Packed:
-        """Pack ``t`` (any shape and strides) in logical row-major order; payload on ``t.device``."""
+        """Pack ``t`` (any shape and strides) in logical row-major order; payload on ``t.device``.
+
+        The payload may share memory with ``t`` (raw does when ``t`` is contiguous)."""
         header = Header(self.name, t.dtype, tuple(t.shape))
         if t.numel() > self.max_numel:
             raise ValueError(
@@ -68,7 +70,10 @@ class RawCodec(Codec):
         return numel * elem_size
 
     def _encode_bits(self, bits: torch.Tensor) -> torch.Tensor:
-        return _assemble([bits], bits.device)
+        # A byte view when possible: copying a tensor that is about to leave the device
+        # would briefly double its memory.
+        bits = bits.contiguous()
+        return bits.as_strided((bits.numel(),), (1,)).view(torch.uint8)  # size-1 dims: any stride
 
     def _decode_bits(self, payload: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
         expected = self.payload_nbytes(numel, numel, dtype.itemsize)
