@@ -164,6 +164,7 @@ def run_step_bench(model_name: str = "cnn", device: str = "auto", batch_size: in
             rows.append({"method": name, "skipped": factory})
             print(f"  {name}: skipped ({factory})")
             continue
+        print(f"  measuring {name} ...", flush=True)
         model = copy.deepcopy(model0)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         ctx = factory()
