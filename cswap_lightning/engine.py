@@ -87,7 +87,10 @@ def version_probe(t: torch.Tensor) -> torch.Tensor:
     probe = t.detach()
     with torch.no_grad():
         probe.set_()  # drops the storage, and bumps the shared counter: undo that
-    torch._C._autograd._unsafe_set_version_counter((probe,), (version,))
+    try:
+        torch._C._autograd._unsafe_set_version_counter((probe,), (version,))
+    except TypeError:  # torch < 2.6 takes a single tensor
+        torch._C._autograd._unsafe_set_version_counter(probe, version)
     return probe
 
 
