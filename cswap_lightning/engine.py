@@ -89,7 +89,7 @@ def version_probe(t: torch.Tensor) -> torch.Tensor:
         probe.set_()  # drops the storage, and bumps the shared counter: undo that
     try:
         torch._C._autograd._unsafe_set_version_counter((probe,), (version,))
-    except TypeError:  # torch < 2.6 takes a single tensor
+    except TypeError:  # older torch releases take one tensor and one version
         torch._C._autograd._unsafe_set_version_counter(probe, version)
     return probe
 
