@@ -1,4 +1,4 @@
-"""The `cswap` console script: `cswap demo`, `cswap bench step`."""
+"""The `cswap` console script: `cswap demo`, `cswap bench step`, `cswap build-ext`."""
 
 from __future__ import annotations
 
@@ -35,7 +35,21 @@ def main(argv: list[str] | None = None) -> int:
     step.add_argument("--warmup", type=int, default=3)
     step.add_argument("--out", default=None, help="write markdown and JSON results here (stem)")
 
+    build_ext = commands.add_parser(
+        "build-ext", help="compile the CUDA codec library with nvcc and print its path"
+    )
+    build_ext.add_argument("--force", action="store_true", help="rebuild even if cached")
+
     args = parser.parse_args(argv)
+    if args.command == "build-ext":
+        from .codecs.cuda_build import BuildError, build
+
+        try:
+            print(build(force=args.force))
+        except BuildError as err:
+            print(f"cswap build-ext: {err}", file=sys.stderr)
+            return 1
+        return 0
     if args.command == "demo":
         from .demo import run_demo
 

@@ -1,0 +1,260 @@
+"""Tests for the compiled CUDA codecs: the build, the loader without a GPU, and (on a GPU)
+byte-for-byte agreement with the reference codecs."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import stat
+import warnings
+
+import pytest
+import torch
+
+from cswap_lightning import cli
+from cswap_lightning.codecs import bit_view, cuda_build, get_codec
+from cswap_lightning.codecs import cuda as cuda_codecs
+from cswap_lightning.codecs.cuda import CudaRLECodec, CudaZVCCodec, load_extension
+
+NVCC = cuda_build.find_nvcc()
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason=f"no nvcc: {cuda_build.NVCC_MISSING}")
+CUDA_CODECS = {"zvc": CudaZVCCodec, "rle": CudaRLECodec}
+
+
+@pytest.fixture(scope="module")
+def built_library(tmp_path_factory) -> str:
+    """The library compiled for sm_80 and sm_90 into a fresh cache."""
+    if NVCC is None:
+        pytest.skip(f"no nvcc: {cuda_build.NVCC_MISSING}")
+    return str(cuda_build.build(cache_dir=tmp_path_factory.mktemp("cache")))
+
+
+@pytest.fixture
+def fresh_loader():
+    load_extension.cache_clear()
+    yield
+    load_extension.cache_clear()
+
+
+def sample(numel: int, dtype: torch.dtype, sparsity: float, seed: int = 0) -> torch.Tensor:
+    """Random bit patterns (NaN, inf, -0.0 among them) with a fraction of elements zeroed."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(numel, generator=g) >= sparsity
+    raw = torch.randint(0, 256, (numel * dtype.itemsize,), dtype=torch.uint8, generator=g)
+    t = raw.view(dtype).clone()
+    bit_view(t)[torch.rand(numel, generator=g) < sparsity] = 0
+    if dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) and numel >= 8:
+        t[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0], dtype=dtype)
+    return t
+
+
+# --- build -----------------------------------------------------------------------------------
+
+
+@needs_nvcc
+def test_build_produces_private_library_for_sm80_and_sm90(tmp_path):
+    path = cuda_build.build(cache_dir=tmp_path)
+    assert path.name == "libcswap_codec.so" and path.stat().st_size > 0
+    assert path.parent.parent == tmp_path
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert all(f in cuda_build.ARCH_FLAGS for f in (
+        "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"))
+    assert cuda_build.build(cache_dir=tmp_path) == path  # cached: same key, no rebuild
+    assert list(path.parent.iterdir()) == [path]  # no temporary files left behind
+
+    os.chmod(path, 0o777)
+    with pytest.raises(cuda_build.BuildError, match="writable by group or others"):
+        cuda_build.check_library(path)
+    with pytest.raises(cuda_build.BuildError, match="writable by group or others"):
+        cuda_build.build(cache_dir=tmp_path)
+
+
+def test_missing_nvcc_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.setattr(cuda_build, "find_nvcc", lambda: None)
+    with pytest.raises(cuda_build.BuildError, match="nvcc .* not found.*CUDA_HOME"):
+        cuda_build.build()
+    assert cli.main(["build-ext"]) == 1
+    assert "install the CUDA toolkit" in capsys.readouterr().err
+
+
+def test_sources_are_package_data():
+    for name in cuda_build.SOURCE_NAMES:
+        assert (cuda_build.source_dir() / name).is_file()
+
+
+# --- the library's host side, which runs without a GPU -------------------------------------
+
+
+def test_library_host_api(built_library):
+    lib = cuda_codecs.open_library(built_library)
+    assert lib.cswap_abi_version() == cuda_codecs.ABI_VERSION
+    assert lib.cswap_status_string(1) == b"invalid argument"
+    assert lib.cswap_max_payload_bytes(1, 33, 4) == 16 + 16 + 33 * 4
+    assert lib.cswap_max_payload_bytes(2, 5, 2) == 16 + 2 * 16 + 5 * 2
+    assert lib.cswap_max_payload_bytes(1, 5, 3) == 0
+
+    # Arguments are checked before anything touches the device, so fake pointers are safe.
+    fake, ws = 1 << 20, lib.cswap_workspace_bytes(100, 4)
+    bad_calls = {
+        "elem_size must be 1, 2, 4 or 8": (fake, 100, 3, fake, 1 << 16, None, fake, ws, 4, 256),
+        "numel must be below 2\\*\\*32": (fake, 2**32, 4, fake, 1 << 40, None, fake, 1 << 40, 4,
+                                           256),
+        "block must be a multiple of 32": (fake, 100, 4, fake, 1 << 16, None, fake, ws, 4, 48),
+        "grid must be at least 1": (fake, 100, 4, fake, 1 << 16, None, fake, ws, 0, 256),
+        "payload buffer has 10 bytes": (fake, 100, 4, fake, 10, None, fake, ws, 4, 256),
+        "workspace has 8 bytes": (fake, 100, 4, fake, 1 << 16, None, fake, 8, 4, 256),
+        "misaligned pointer": (fake + 2, 100, 4, fake, 1 << 16, None, fake, ws, 4, 256),
+    }
+    for message, args in bad_calls.items():
+        assert lib.cswap_zvc_compress(*args, None) == 1
+        with pytest.raises(RuntimeError, match=f"invalid argument: {message}"):
+            cuda_codecs.check_status(lib, lib.cswap_rle_compress(*args, None), "rle compress")
+    assert lib.cswap_zvc_decompress(fake, 8, fake, 100, 4, fake, ws, 4, 256, None) == 1
+    assert b"fewer than the 32" in lib.cswap_last_error()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error path")
+def test_library_reports_missing_device(built_library):
+    lib = cuda_codecs.open_library(built_library)
+    assert lib.cswap_check_device() == 2
+    assert lib.cswap_last_error().startswith(b"the CUDA runtime cannot see a device")
+
+
+def test_loader_warns_once_without_cuda(monkeypatch, fresh_loader):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.warns(RuntimeWarning, match="CUDA codec library is unavailable: CUDA is not "
+                      "available.*pure-torch reference"):
+        assert load_extension() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_extension() is None  # no second warning
+        assert cuda_codecs.enable_cuda_codecs() is False
+
+
+def test_loader_warns_when_nvcc_is_missing(monkeypatch, fresh_loader):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda_build, "find_nvcc", lambda: None)
+    with pytest.warns(RuntimeWarning, match="nvcc .* not found"):
+        assert load_extension() is None
+
+
+@pytest.mark.parametrize("name", sorted(CUDA_CODECS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.bool,
+                                   torch.float64])
+def test_cpu_tensors_use_the_reference(name, dtype):
+    codec, reference = CUDA_CODECS[name](), get_codec(name)
+    assert codec.name == name
+    for numel, sparsity in [(0, 0.5), (1, 0.0), (33, 0.5), (100, 1.0), (1000, 0.9)]:
+        t = sample(numel, dtype, sparsity, seed=numel)
+        packed = codec.encode(t[1:] if numel else t)
+        expected = reference.encode(t[1:] if numel else t)
+        assert packed.header == expected.header
+        assert torch.equal(packed.payload, expected.payload)
+        out = codec.decode(packed)
+        assert torch.equal(bit_view(out), bit_view(t[1:] if numel else t))
+
+
+# --- on a GPU: the same bytes as the reference ----------------------------------------------
+
+GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.bool]
+SIZES = [0, 1, 31, 32, 33, 2**20 + 7]
+# (grid, block); None: the default grid. Small grids make each block walk several tiles.
+LAUNCHES = [(None, 256), (1, 32), (3, 64), (7, 1024)]
+
+
+def check_against_reference(name: str, t: torch.Tensor, codec=None) -> None:
+    codec = codec or CUDA_CODECS[name]()
+    expected = get_codec(name).encode(t.cpu())
+    packed = codec.encode(t)
+    assert packed.payload.is_cuda
+    assert packed.header == expected.header
+    assert packed.payload.numel() == expected.payload.numel()
+    assert torch.equal(packed.payload.cpu(), expected.payload), "payload bytes differ"
+    out = codec.decode(packed)
+    assert out.is_cuda and out.dtype == t.dtype and out.shape == t.shape
+    assert torch.equal(bit_view(out.cpu()), bit_view(t.cpu().contiguous()))
+    # Reference payloads decode on the GPU too.
+    cross = codec.decode(type(expected)(expected.header, expected.payload.cuda()))
+    assert torch.equal(bit_view(cross.cpu()), bit_view(t.cpu().contiguous()))
+
+
+@pytest.fixture
+def cuda_lib():
+    if load_extension() is None:
+        pytest.fail("the CUDA codec library did not load on a CUDA machine")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(CUDA_CODECS))
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("sparsity", [0.0, 0.5, 1.0])
+def test_gpu_matches_reference(cuda_lib, name, dtype, numel, sparsity):
+    check_against_reference(name, sample(numel, dtype, sparsity, seed=numel).cuda())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(CUDA_CODECS))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64, torch.uint8, torch.int16,
+                                   torch.float8_e4m3fn])
+def test_gpu_other_element_sizes(cuda_lib, name, dtype):
+    for numel in (1, 33, 70_001):
+        check_against_reference(name, sample(numel, dtype, 0.6, seed=numel).cuda())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(CUDA_CODECS))
+@pytest.mark.parametrize("grid,block", LAUNCHES)
+def test_gpu_launch_configurations(cuda_lib, name, grid, block):
+    codec = CUDA_CODECS[name](grid=grid, block=block)
+    for numel, sparsity in [(1, 0.5), (32 * block * 5 + 3, 0.5), (300_007, 0.97),
+                            (300_007, 0.03), (2**20 + 7, 0.5)]:
+        check_against_reference(name, sample(numel, torch.float16, sparsity, numel).cuda(), codec)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(CUDA_CODECS))
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_misaligned_views_and_layouts(cuda_lib, name, dtype):
+    base = sample(4099, dtype, 0.5, seed=5).cuda()
+    for offset in (1, 3, 7, 31, 33):
+        check_against_reference(name, base[offset:])
+    check_against_reference(name, base[: 64 * 64].view(64, 64).t())  # non-contiguous
+    check_against_reference(name, base[1::3])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(CUDA_CODECS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gpu_special_values(cuda_lib, name, dtype):
+    values = [0.0, -0.0, float("nan"), -float("nan"), float("inf"), -float("inf"), 1e-3, 0.0]
+    t = torch.tensor(values * 9, dtype=dtype)
+    bit_view(t)[7] = 1  # smallest positive denormal
+    check_against_reference(name, t.cuda())
+    runs = torch.zeros(10_000, dtype=dtype)
+    runs[[0, 31, 32, 33, 4095, 4096, 9999]] = -0.0  # non-zero bits between runs of zeros
+    check_against_reference(name, runs.cuda())
+
+
+@pytest.mark.gpu
+def test_gpu_encode_runs_on_the_current_stream(cuda_lib):
+    t = sample(2**20 + 7, torch.float32, 0.5).cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        packed = CudaZVCCodec().encode(t)
+        out = CudaZVCCodec().decode(packed)
+    side.synchronize()
+    assert torch.equal(bit_view(out), bit_view(t))
+    assert math.prod(out.shape) == t.numel()
+
+
+def test_ctypes_signatures_cover_the_header():
+    header = (cuda_build.source_dir() / "cswap_codec.h").read_text()
+    declared = {line.split("(")[0].split()[-1].lstrip("*") for line in header.splitlines()
+                if line.startswith(("int cswap_", "const char *cswap_", "uint64_t cswap_"))}
+    assert declared == set(cuda_codecs._SIGNATURES)
+    assert all(isinstance(v[0], type) and issubclass(v[0], ctypes._SimpleCData)
+               for v in cuda_codecs._SIGNATURES.values())
