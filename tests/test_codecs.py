@@ -86,7 +86,7 @@ def count_runs(t: torch.Tensor) -> int:
     return sum(1 for is_zero, _ in itertools.groupby(v == 0 for v in ints) if is_zero)
 
 
-def check_codec(codec_name: str, t: torch.Tensor) -> Packed:
+def assert_round_trip(codec_name: str, t: torch.Tensor) -> Packed:
     """Round trip is bit-exact, payload matches the spec, and its size matches the formula."""
     codec = get_codec(codec_name)
     packed = codec.encode(t)
@@ -128,7 +128,7 @@ def test_round_trip_main_dtypes(codec, dtype, shape, sparsity, seed, layout):
     base = random_tensor(shape, dtype, sparsity, seed)
     t = LAYOUTS[layout](base)
     assert_bit_equal(t, base)  # the layout changes strides, not contents
-    check_codec(codec, t)
+    assert_round_trip(codec, t)
 
 
 @settings(max_examples=100, deadline=None)
@@ -140,14 +140,14 @@ def test_round_trip_main_dtypes(codec, dtype, shape, sparsity, seed, layout):
     seed=st.integers(0, 2**31),
 )
 def test_round_trip_all_dtypes(codec, dtype, shape, sparsity, seed):
-    check_codec(codec, random_tensor(shape, dtype, sparsity, seed))
+    assert_round_trip(codec, random_tensor(shape, dtype, sparsity, seed))
 
 
 @pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("dtype", MAIN_DTYPES)
 @pytest.mark.parametrize("shape", [(), (0,), (1,), (3, 0, 2), (1, 1, 1, 1), (33,), (2, 40)])
 def test_edge_shapes(codec, dtype, shape):
-    check_codec(codec, random_tensor(shape, dtype, 0.5, seed=1))
+    assert_round_trip(codec, random_tensor(shape, dtype, 0.5, seed=1))
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -165,7 +165,7 @@ def test_non_contiguous_views(codec):
     ]
     for v in views:
         assert not v.is_contiguous()
-        check_codec(codec, v)
+        assert_round_trip(codec, v)
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -179,7 +179,7 @@ def test_special_values(codec, dtype):
     nan_with_payload = torch.full((1,), float("nan"), dtype=dtype)
     bit_view(nan_with_payload)[0] |= 0b10110  # set mantissa payload bits
     t = torch.cat([t, nan_with_payload])
-    packed = check_codec(codec, t)
+    packed = assert_round_trip(codec, t)
     out = get_codec(codec).decode(packed)
     assert torch.signbit(out[1]) and out[1] == 0  # -0.0 survives
     assert torch.isnan(out[2]) and torch.isnan(out[3])

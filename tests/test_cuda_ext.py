@@ -164,7 +164,7 @@ SIZES = [0, 1, 31, 32, 33, 2**20 + 7]
 LAUNCHES = [(None, 256), (1, 32), (3, 64), (7, 1024)]
 
 
-def check_against_reference(name: str, t: torch.Tensor, codec=None) -> None:
+def assert_matches_reference(name: str, t: torch.Tensor, codec=None) -> None:
     codec = codec or CUDA_CODECS[name]()
     expected = get_codec(name).encode(t.cpu())
     packed = codec.encode(t)
@@ -192,7 +192,7 @@ def cuda_lib():
 @pytest.mark.parametrize("numel", SIZES)
 @pytest.mark.parametrize("sparsity", [0.0, 0.5, 1.0])
 def test_gpu_matches_reference(cuda_lib, name, dtype, numel, sparsity):
-    check_against_reference(name, sample(numel, dtype, sparsity, seed=numel).cuda())
+    assert_matches_reference(name, sample(numel, dtype, sparsity, seed=numel).cuda())
 
 
 @pytest.mark.gpu
@@ -201,7 +201,7 @@ def test_gpu_matches_reference(cuda_lib, name, dtype, numel, sparsity):
                                    torch.float8_e4m3fn])
 def test_gpu_other_element_sizes(cuda_lib, name, dtype):
     for numel in (1, 33, 70_001):
-        check_against_reference(name, sample(numel, dtype, 0.6, seed=numel).cuda())
+        assert_matches_reference(name, sample(numel, dtype, 0.6, seed=numel).cuda())
 
 
 @pytest.mark.gpu
@@ -211,7 +211,7 @@ def test_gpu_launch_configurations(cuda_lib, name, grid, block):
     codec = CUDA_CODECS[name](grid=grid, block=block)
     for numel, sparsity in [(1, 0.5), (32 * block * 5 + 3, 0.5), (300_007, 0.97),
                             (300_007, 0.03), (2**20 + 7, 0.5)]:
-        check_against_reference(name, sample(numel, torch.float16, sparsity, numel).cuda(), codec)
+        assert_matches_reference(name, sample(numel, torch.float16, sparsity, numel).cuda(), codec)
 
 
 @pytest.mark.gpu
@@ -220,9 +220,9 @@ def test_gpu_launch_configurations(cuda_lib, name, grid, block):
 def test_gpu_misaligned_views_and_layouts(cuda_lib, name, dtype):
     base = sample(4099, dtype, 0.5, seed=5).cuda()
     for offset in (1, 3, 7, 31, 33):
-        check_against_reference(name, base[offset:])
-    check_against_reference(name, base[: 64 * 64].view(64, 64).t())  # non-contiguous
-    check_against_reference(name, base[1::3])
+        assert_matches_reference(name, base[offset:])
+    assert_matches_reference(name, base[: 64 * 64].view(64, 64).t())  # non-contiguous
+    assert_matches_reference(name, base[1::3])
 
 
 @pytest.mark.gpu
@@ -232,10 +232,10 @@ def test_gpu_special_values(cuda_lib, name, dtype):
     values = [0.0, -0.0, float("nan"), -float("nan"), float("inf"), -float("inf"), 1e-3, 0.0]
     t = torch.tensor(values * 9, dtype=dtype)
     bit_view(t)[7] = 1  # smallest positive denormal
-    check_against_reference(name, t.cuda())
+    assert_matches_reference(name, t.cuda())
     runs = torch.zeros(10_000, dtype=dtype)
     runs[[0, 31, 32, 33, 4095, 4096, 9999]] = -0.0  # non-zero bits between runs of zeros
-    check_against_reference(name, runs.cuda())
+    assert_matches_reference(name, runs.cuda())
 
 
 @pytest.mark.gpu

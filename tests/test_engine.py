@@ -35,7 +35,7 @@ def assert_bitwise_equal(a, b):
         assert torch.equal(ga, gb)
 
 
-def check_lossless(name, plan, device):
+def assert_lossless(name, plan, device):
     model, x, y = model_and_batch(name, device)
     ref = grads(copy.deepcopy(model), x, y, steps=2)
     off = offload(CSwapConfig(plan=plan, min_bytes=0))
@@ -52,14 +52,14 @@ def check_lossless(name, plan, device):
 @pytest.mark.parametrize("plan", LOSSLESS)
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_lossless_plans_give_bitwise_equal_gradients(name, plan):
-    check_lossless(name, plan, "cpu")
+    assert_lossless(name, plan, "cpu")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("plan", LOSSLESS)
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_lossless_on_cuda(name, plan):
-    check_lossless(name, plan, "cuda")
+    assert_lossless(name, plan, "cuda")
 
 
 def test_auto_plan_compresses_sparse_sites_and_swaps_dense_ones_raw():
