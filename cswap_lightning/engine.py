@@ -322,6 +322,8 @@ class Offloader:
     def close(self) -> None:
         """Stop the worker threads (the Offloader cannot be used afterwards)."""
         self.transfer.close()
+        if _SHARED.get(self.config) is self:
+            del _SHARED[self.config]
 
     def _close_step(self) -> None:
         step = self._step
@@ -344,6 +346,13 @@ class Offloader:
                 self.plan[s.site] = ((s.shape, s.dtype), codec)
 
 
+_SHARED: dict[CSwapConfig, Offloader] = {}
+
+
 def offload(config: CSwapConfig | None = None) -> Offloader:
-    """An :class:`Offloader` for ``config``; enter it around each forward pass."""
-    return Offloader(config)
+    """The process's :class:`Offloader` for ``config`` (one per distinct config), so that
+    ``with offload(config):`` written inside a training loop learns across steps."""
+    config = config if config is not None else CSwapConfig()
+    if config not in _SHARED:
+        _SHARED[config] = Offloader(config)
+    return _SHARED[config]

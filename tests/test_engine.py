@@ -38,7 +38,7 @@ def assert_bitwise_equal(a, b):
 def assert_lossless(name, plan, device):
     model, x, y = model_and_batch(name, device)
     ref = grads(copy.deepcopy(model), x, y, steps=2)
-    off = offload(CSwapConfig(plan=plan, min_bytes=0))
+    off = Offloader(CSwapConfig(plan=plan, min_bytes=0))
     got = grads(copy.deepcopy(model), x, y, off, steps=2)
     assert_bitwise_equal(ref, got)
     step = off.last_step()
@@ -60,6 +60,22 @@ def test_lossless_plans_give_bitwise_equal_gradients(name, plan):
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_lossless_on_cuda(name, plan):
     assert_lossless(name, plan, "cuda")
+
+
+def test_offload_in_a_loop_reuses_one_session_and_learns():
+    model, x, y = model_and_batch("mlp")
+    config = CSwapConfig(plan="auto", min_bytes=0, sparsity_threshold=0.3)
+    assert offload(config) is offload(CSwapConfig(plan="auto", min_bytes=0,
+                                                  sparsity_threshold=0.3))
+    assert offload(config) is not offload(CSwapConfig(plan="raw"))
+    for _ in range(2):
+        with offload(config):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+    assert any(s.decision == "zvc" for s in offload(config).last_step().sites)
+    shared = offload(config)
+    shared.close()
+    assert offload(config) is not shared  # a closed session is never handed out again
 
 
 def test_auto_plan_compresses_sparse_sites_and_swaps_dense_ones_raw():
