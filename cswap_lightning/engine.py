@@ -87,11 +87,19 @@ def version_probe(t: torch.Tensor) -> torch.Tensor:
     probe = t.detach()
     with torch.no_grad():
         probe.set_()  # drops the storage, and bumps the shared counter: undo that
-    try:
-        torch._C._autograd._unsafe_set_version_counter((probe,), (version,))
-    except TypeError:  # older torch releases take one tensor and one version
-        torch._C._autograd._unsafe_set_version_counter(probe, version)
+    _set_version(probe, version)
     return probe
+
+
+def _set_version(t: torch.Tensor, version: int) -> None:
+    torch._C._autograd._unsafe_set_version_counter((t,), (version,))
+
+
+try:  # chosen once here, not on every pack: older torch releases take one tensor, one version
+    _set_version(torch.empty(0), 0)
+except TypeError:
+    def _set_version(t: torch.Tensor, version: int) -> None:
+        torch._C._autograd._unsafe_set_version_counter(t, version)
 
 
 def check_version(current: int, saved: int, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
@@ -329,8 +337,7 @@ class Offloader:
         step = self._step
         if step is None:
             return
-        self.transfer.drain()
-        step.close()
+        self.last_step()
         if step.failed:
             return
         self._closed = step
