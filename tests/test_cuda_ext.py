@@ -1,5 +1,5 @@
-"""Tests for the compiled CUDA codecs: the build, the loader without a GPU, and (on a GPU)
-byte-for-byte agreement with the reference codecs."""
+"""Tests for the compiled CUDA codecs: the build, the loader without a GPU, the lossy element
+math run on the host, and (on a GPU) byte-for-byte agreement with the reference codecs."""
 
 from __future__ import annotations
 
@@ -7,19 +7,33 @@ import ctypes
 import math
 import os
 import stat
+import subprocess
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 from cswap_lightning import cli
-from cswap_lightning.codecs import bit_view, cuda_build, get_codec
+from cswap_lightning.codecs import CODEC_IDS, Packed, bit_view, cuda_build, get_codec
 from cswap_lightning.codecs import cuda as cuda_codecs
-from cswap_lightning.codecs.cuda import CudaRLECodec, CudaZVCCodec, load_extension
+from cswap_lightning.codecs.cuda import (
+    CudaFP8Codec,
+    CudaInt4Codec,
+    CudaInt8Codec,
+    CudaRLECodec,
+    CudaZVCCodec,
+    load_extension,
+)
+from cswap_lightning.codecs.lossy import FP8Codec, Int4Codec, Int8Codec
 
 NVCC = cuda_build.find_nvcc()
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason=f"no nvcc: {cuda_build.NVCC_MISSING}")
 CUDA_CODECS = {"zvc": CudaZVCCodec, "rle": CudaRLECodec}
+LOSSY_CUDA = {"int8": CudaInt8Codec, "fp8": CudaFP8Codec, "int4": CudaInt4Codec}
+LOSSY_REFERENCE = {"int8": Int8Codec, "fp8": FP8Codec, "int4": Int4Codec}
+LOSSY_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+HARNESS = Path(__file__).parent / "lossy_host_harness.cu"
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +62,28 @@ def sample(numel: int, dtype: torch.dtype, sparsity: float, seed: int = 0) -> to
     if dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) and numel >= 8:
         t[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0], dtype=dtype)
     return t
+
+
+def lossy_sample(numel: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Groups of 64 elements with magnitudes from 1e-40 to 1e38 (so subnormal, overflowing
+    and all-zero blocks too), some zeros, and NaN, +-inf and -0.0."""
+    g = torch.Generator().manual_seed(seed)
+    magnitudes = torch.logspace(-40, 38, 79, dtype=torch.float64)
+    groups = magnitudes[torch.randint(0, 79, (numel // 64 + 1,), generator=g)]
+    x = torch.randn(numel, generator=g, dtype=torch.float64) * groups.repeat_interleave(64)[:numel]
+    x[torch.rand(numel, generator=g) < 0.05] = 0.0
+    x = x.to(dtype)
+    if numel >= 8:
+        x[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0], dtype=dtype)
+    return x
+
+
+def assert_same_values(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Equal bit patterns, except that NaNs need only be NaNs in the same places."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    nan = torch.isnan(a)
+    assert torch.equal(nan, torch.isnan(b))
+    assert torch.equal(bit_view(a[~nan]), bit_view(b[~nan]))
 
 
 # --- build -----------------------------------------------------------------------------------
@@ -113,6 +149,87 @@ def test_library_host_api(built_library):
             cuda_codecs.check_status(lib, lib.cswap_rle_compress(*args, None), "rle compress")
     assert lib.cswap_zvc_decompress(fake, 8, fake, 100, 4, fake, ws, 4, 256, None) == 1
     assert b"fewer than the 32" in lib.cswap_last_error()
+
+
+def test_lossy_host_api(built_library):
+    lib = cuda_codecs.open_library(built_library)
+    for name, codec in LOSSY_REFERENCE.items():
+        for numel in (0, 1, 31, 33, 257, 10_000):
+            for block_size in (2, 256, 1000):
+                assert lib.cswap_lossy_payload_bytes(CODEC_IDS[name], numel, block_size) == \
+                    codec(block_size).payload_nbytes(numel)
+    assert lib.cswap_lossy_payload_bytes(1, 100, 256) == 0  # zvc is not lossy
+    assert lib.cswap_lossy_payload_bytes(3, 100, 255) == 0
+
+    # Arguments are checked before anything touches the device, so fake pointers are safe.
+    fake, int8 = 1 << 20, CODEC_IDS["int8"]
+    bad_compress = {
+        "codec must be int8 \\(3\\), fp8 \\(4\\) or int4 \\(5\\), got 2":
+            (2, fake, 100, 0, 256, 0, fake, 1 << 16, 4, 256),
+        "dtype must be float32 \\(0\\), float16 \\(1\\) or bfloat16 \\(2\\), got 4":
+            (int8, fake, 100, 4, 256, 0, fake, 1 << 16, 4, 256),
+        "numel must be below 2\\*\\*32": (int8, fake, 2**32, 0, 256, 0, fake, 1 << 40, 4, 256),
+        "grid must be at least 1": (int8, fake, 100, 0, 256, 0, fake, 1 << 16, 0, 256),
+        "block must be a multiple of 32": (int8, fake, 100, 0, 256, 0, fake, 1 << 16, 4, 48),
+        "block_size must be even and at least 2, got 7":
+            (int8, fake, 100, 0, 7, 0, fake, 1 << 16, 4, 256),
+        "payload buffer has 131 bytes, needs 132": (int8, fake, 100, 0, 256, 0, fake, 131, 4, 256),
+        "misaligned pointer: elements need 4-byte": (int8, fake + 2, 100, 0, 256, 0, fake, 1 << 16,
+                                                     4, 256),
+        "misaligned pointer: elements need 2-byte": (int8, fake + 1, 100, 1, 256, 0, fake, 1 << 16,
+                                                     4, 256),
+        "null device pointer": (int8, None, 100, 0, 256, 0, fake, 1 << 16, 4, 256),
+    }
+    for message, args in bad_compress.items():
+        with pytest.raises(RuntimeError, match=f"invalid argument: {message}"):
+            cuda_codecs.check_status(lib, lib.cswap_lossy_compress(*args, None), "compress")
+    assert lib.cswap_lossy_decompress(int8, fake, 8, fake, 100, 0, 4, 256, None) == 1
+    assert b"fewer than the 16 of its preamble" in lib.cswap_last_error()
+    assert lib.cswap_lossy_decompress(int8, fake, 132, fake, 100, 3, 4, 256, None) == 1
+
+
+@pytest.fixture(scope="module")
+def lossy_harness(tmp_path_factory) -> Path:
+    """tests/lossy_host_harness.cu built for the host (no GPU needed to run it)."""
+    if NVCC is None:
+        pytest.skip(f"no nvcc: {cuda_build.NVCC_MISSING}")
+    out = tmp_path_factory.mktemp("harness") / "lossy_host_harness"
+    cmd = [NVCC, "-std=c++17", "-gencode=arch=compute_80,code=sm_80",
+           "-I", str(cuda_build.source_dir()), "-o", str(out), str(HARNESS)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(LOSSY_REFERENCE))
+def test_lossy_element_math_matches_the_reference_on_the_host(lossy_harness, tmp_path, name):
+    """The kernels' hash, scales, rounding and code layout, run on the CPU, give the reference
+    payload byte for byte; their decoding gives the reference values."""
+    for dtype in LOSSY_DTYPES:
+        x = lossy_sample(20_011, dtype, seed=LOSSY_DTYPES.index(dtype))
+        (tmp_path / "in.bin").write_bytes(bytes(x.float().view(torch.uint8).tolist()))
+        for block_size, seed in [(256, 0), (2, 7), (1000, 2**32 - 3)]:
+            args = [str(CODEC_IDS[name]), str(block_size), str(seed)]
+            files = [str(tmp_path / f) for f in ("in.bin", "payload.bin", "decoded.bin")]
+            subprocess.run([str(lossy_harness), *args, *files], check=True, timeout=60)
+            reference = LOSSY_REFERENCE[name](block_size)
+            packed = reference.encode(x, seed=seed)
+            assert (tmp_path / "payload.bin").read_bytes() == bytes(packed.payload.tolist())
+            decoded = torch.frombuffer(bytearray((tmp_path / "decoded.bin").read_bytes()),
+                                       dtype=torch.float32)
+            assert_same_values(decoded.to(dtype), reference.decode(packed))
+
+
+@pytest.mark.parametrize("name", sorted(LOSSY_CUDA))
+def test_cpu_tensors_use_the_lossy_reference(name):
+    codec = LOSSY_CUDA[name](block_size=64, grid=3, block=64)
+    assert codec.name == name and codec.lossless is False
+    for dtype in LOSSY_DTYPES:
+        x = lossy_sample(1000, dtype, seed=1)
+        packed = codec.encode(x, seed=5)
+        expected = LOSSY_REFERENCE[name](64).encode(x, seed=5)
+        assert torch.equal(packed.payload, expected.payload)
+        assert_same_values(codec.decode(packed), LOSSY_REFERENCE[name]().decode(expected))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error path")
@@ -249,6 +366,100 @@ def test_gpu_encode_runs_on_the_current_stream(cuda_lib):
     side.synchronize()
     assert torch.equal(bit_view(out), bit_view(t))
     assert math.prod(out.shape) == t.numel()
+
+
+# --- on a GPU: the lossy kernels give the reference's bytes for the same seed ----------------
+
+LOSSY_SIZES = [0, 1, 31, 33, 257, 2**20 + 7]
+
+
+def assert_lossy_matches_reference(name: str, x: torch.Tensor, seed: int, codec=None) -> None:
+    codec = codec or LOSSY_CUDA[name]()
+    reference = LOSSY_REFERENCE[name](codec.block_size)
+    expected = reference.encode(x.cpu(), seed=seed)
+    packed = codec.encode(x, seed=seed)
+    assert packed.payload.is_cuda and packed.header == expected.header
+    assert packed.payload.numel() == expected.payload.numel()
+    assert torch.equal(packed.payload.cpu(), expected.payload), "payload bytes differ"
+    out = codec.decode(packed)
+    assert out.is_cuda and out.is_contiguous()
+    want = reference.decode(expected)
+    assert_same_values(out.cpu(), want)
+    # Reference payloads decode on the GPU, and kernel payloads with the reference.
+    assert_same_values(codec.decode(Packed(expected.header, expected.payload.cuda())).cpu(), want)
+    assert_same_values(reference.decode(Packed(packed.header, packed.payload.cpu())), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(LOSSY_CUDA))
+@pytest.mark.parametrize("dtype", LOSSY_DTYPES)
+@pytest.mark.parametrize("numel", LOSSY_SIZES)
+def test_gpu_lossy_matches_reference(cuda_lib, name, dtype, numel):
+    x = lossy_sample(numel, dtype, seed=numel).cuda()
+    for block_size, seed in [(256, 0), (2, 7), (1000, 2**32 - 3)]:
+        assert_lossy_matches_reference(name, x, seed, LOSSY_CUDA[name](block_size))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(LOSSY_CUDA))
+@pytest.mark.parametrize("grid,block", LAUNCHES)
+def test_gpu_lossy_launch_configurations(cuda_lib, name, grid, block):
+    """Thread blocks larger and smaller than the quantization blocks, few and many of them."""
+    for block_size in (2, 64, 256, 4096):
+        codec = LOSSY_CUDA[name](block_size, grid=grid, block=block)
+        for numel in (1, block_size * 5 + 3, 300_007):
+            x = lossy_sample(numel, torch.float16, seed=numel).cuda()
+            assert_lossy_matches_reference(name, x, seed=block_size, codec=codec)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(LOSSY_CUDA))
+@pytest.mark.parametrize("dtype", LOSSY_DTYPES)
+def test_gpu_lossy_views_and_special_values(cuda_lib, name, dtype):
+    base = lossy_sample(4099, dtype, seed=5).cuda()
+    for offset in (1, 3, 33):
+        assert_lossy_matches_reference(name, base[offset:], seed=offset)
+    assert_lossy_matches_reference(name, base[: 64 * 64].view(64, 64).t(), seed=1)
+    assert_lossy_matches_reference(name, base[1::3], seed=2)
+    info = torch.finfo(dtype)
+    edges = [info.max, -info.max, info.tiny, info.tiny * info.eps, 0.0, -0.0, float("nan"),
+             float("inf")]
+    assert_lossy_matches_reference(name, torch.tensor(edges * 40, dtype=dtype).cuda(), seed=3)
+    assert_lossy_matches_reference(name, torch.full((777,), float("nan"), dtype=dtype).cuda(), 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(LOSSY_CUDA))
+def test_gpu_lossy_codec_seed_sequence(cuda_lib, name):
+    x = lossy_sample(10_000, torch.bfloat16, seed=6)
+    codec, reference = LOSSY_CUDA[name](seed=41), LOSSY_REFERENCE[name](seed=41)
+    for _ in range(3):
+        assert torch.equal(codec.encode(x.cuda()).payload.cpu(), reference.encode(x).payload)
+
+
+@pytest.mark.gpu
+def test_gpu_lossy_damaged_payload_decodes_to_nan(cuda_lib):
+    codec = CudaInt8Codec()
+    packed = codec.encode(lossy_sample(1000, torch.float32).cuda(), seed=0)
+    short = codec.decode(Packed(packed.header, packed.payload[:-16].clone()))
+    odd = packed.payload.clone()
+    odd[:4] = torch.tensor([3, 0, 0, 0])  # block size 3: odd
+    for out in (short, codec.decode(Packed(packed.header, odd))):
+        assert torch.isnan(out).all()
+
+
+@pytest.mark.gpu
+def test_gpu_lossy_runs_on_the_current_stream(cuda_lib):
+    x = lossy_sample(2**20 + 7, torch.float32).cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        packed = CudaInt4Codec().encode(x, seed=9)
+        out = CudaInt4Codec().decode(packed)
+    side.synchronize()
+    expected = Int4Codec().encode(x.cpu(), seed=9)
+    assert torch.equal(packed.payload.cpu(), expected.payload)
+    assert_same_values(out.cpu(), Int4Codec().decode(expected))
 
 
 def test_ctypes_signatures_cover_the_header():

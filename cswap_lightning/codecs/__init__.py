@@ -1,12 +1,14 @@
 """Codecs for swapped tensors, looked up by name.
 
-The pure-torch reference codecs are registered at import; a faster implementation of the
-same format (e.g. a CUDA kernel) replaces one by registering under the same name.
+The pure-torch reference codecs, lossless and lossy, are registered at import; a faster
+implementation of the same format (e.g. a CUDA kernel) replaces one by registering under the
+same name.
 """
 
 from __future__ import annotations
 
 from .format import CODEC_IDS, DTYPES, FORMAT_VERSION, Header, Packed, bit_view
+from .lossy import FP8Codec, Int4Codec, Int8Codec, LossyCodec, reconstruction_error
 from .reference import Codec, RawCodec, RLECodec, ZVCCodec, nonzero_count
 
 __all__ = [
@@ -14,11 +16,13 @@ __all__ = [
     "FORMAT_VERSION",
     "Codec",
     "Header",
+    "LossyCodec",
     "Packed",
     "bit_view",
     "codec_names",
     "get_codec",
     "nonzero_count",
+    "reconstruction_error",
     "register",
 ]
 
@@ -46,5 +50,6 @@ def codec_names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-for _codec in (RawCodec(), ZVCCodec(), RLECodec()):
+# The lossy codecs are looked up only by name: nothing chooses them unless a plan does.
+for _codec in (RawCodec(), ZVCCodec(), RLECodec(), Int8Codec(), FP8Codec(), Int4Codec()):
     register(_codec)

@@ -9,7 +9,7 @@ Header (``8 + 8 * ndim`` bytes)::
     offset  size      field
     0       4         magic b"CSWP"
     4       1  u8     format version (1)
-    5       1  u8     codec id: raw=0, zvc=1, rle=2; 3..255 reserved for future (lossy) codecs
+    5       1  u8     codec id: raw=0, zvc=1, rle=2, int8=3, fp8=4, int4=5; 6..255 reserved
     6       1  u8     dtype id: the index of the dtype in ``DTYPES``
     7       1  u8     ndim
     8       8*ndim    dims, int64 each, outermost first
@@ -41,6 +41,41 @@ elements; runs are listed in increasing order::
     [16, 16 + 4 * nruns)       run starts: u32 element index of each run's first element
     [L, L + 4 * nruns)         run lengths: u32, L = 16 + align16(4 * nruns)
     [V, V + nnz * elem_size)   the non-zero elements in order, V = L + align16(4 * nruns)
+
+int8, fp8, int4 (lossy; float32, float16 and bfloat16 tensors; numel < 2**32). The elements
+are cut into blocks of B consecutive elements (the last block may be shorter), and each block
+``b`` is quantized with its own scale ``s[b]``; ``nblocks = ceil(numel / B)``::
+
+    [0, 4)          B: u32, the block size, even and >= 2
+    [4, 8)          seed: u32, the seed of the stochastic rounding (int8, int4); 0 for fp8
+    [8, 16)         reserved: u64 = 0
+    [16, 16 + 4 * nblocks)     s: f32 per block
+    [C, C + code bytes)        one code per element in order, C = 16 + align16(4 * nblocks)
+
+Codes. Each codec reserves three codes for +inf, -inf and NaN (whatever its sign and payload
+bits), and quantizes finite values onto the levels ``-L..L``:
+
+    int8   i8 per element; L = 126; +inf 127, -inf -127, NaN -128
+    int4   4-bit two's complement, element 2k in the low nibble of byte k and element 2k+1 in
+           its high nibble (0 past numel): ceil(numel / 2) bytes; L = 6; +inf 7, -inf -7,
+           NaN -8
+    fp8    float8 e4m3fn per element; L = 416 (0x7D); +inf 0x7E, -inf 0xFE, NaN 0x7F
+
+Encoding. ``m`` is the largest ``|x|`` over the block's finite elements (0 if none);
+``s = RU(m / L)``, ``m / L`` computed in float64 and rounded up to float32, so that
+``|x| / s <= L``. Each finite ``x`` (converted to float32) maps to ``y = x / s`` (float32,
+round to nearest even; ``y = x`` where ``s = 0``), then:
+
+    fp8        q = y rounded to the nearest float8 e4m3fn (ties to even)
+    int8/int4  a = |y|, f = floor(a), q = sign(y) * (f + (u(i) < a - f)): stochastic rounding,
+               where i is the element's index and
+               u(i) = (h(i ^ h(seed)) >> 8) * 2**-24,
+               h(x) = lowbias32 on u32 (products wrap mod 2**32):
+                      x ^= x >> 16; x *= 0x7FEB352D; x ^= x >> 15; x *= 0x846CA68B; x ^= x >> 16
+
+Decoding. Reserved codes give +inf, -inf and NaN; any other code q gives
+``x' = q * s[b]`` (float32, round to nearest even, clamped to the float32 range), then rounded
+to nearest even in the tensor's dtype.
 """
 
 from __future__ import annotations
@@ -70,8 +105,8 @@ DTYPES: tuple[torch.dtype, ...] = (
     torch.float8_e5m2,
 )
 
-# Wire ids of the codec formats; ids 3..255 are reserved for future (lossy) codecs.
-CODEC_IDS: dict[str, int] = {"raw": 0, "zvc": 1, "rle": 2}
+# Wire ids of the codec formats; ids 6..255 are reserved for future codecs.
+CODEC_IDS: dict[str, int] = {"raw": 0, "zvc": 1, "rle": 2, "int8": 3, "fp8": 4, "int4": 5}
 
 _FIXED = struct.Struct("<4sBBBB")
 _BITS_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

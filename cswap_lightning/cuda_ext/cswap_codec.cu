@@ -1,4 +1,4 @@
-// CUDA kernels for the zvc and rle payloads; see cswap_codec.h and codecs/format.py.
+// CUDA kernels for the zvc, rle and lossy payloads; see cswap_codec.h and codecs/format.py.
 //
 // Every operation views the elements as 32-element words (one mask bit per element) and the
 // words as tiles of `block` words. Block b of the grid owns a contiguous range of tiles, so a
@@ -10,12 +10,23 @@
 //               place every element.
 // rle decode first turns the runs into a bitmap of toggles (run start, run end); the zero
 // mask is then the prefix XOR of the toggles, and decoding proceeds as for zvc.
+//
+// The lossy codecs need no compaction: a thread block quantizes one quantization block at a
+// time (a block-wide max of |x| gives its scale, then each thread codes its elements), and
+// decoding is one thread per element.
 
 #include "cswap_codec.h"
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cfloat>
+#include <cmath>
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
+#include <type_traits>
 
 namespace {
 
@@ -430,6 +441,202 @@ __global__ void decode_expand(const uint8_t *payload, uint64_t payload_nbytes, c
 }
 
 // ---------------------------------------------------------------------------------------------
+// Lossy codecs. The element math is __host__ __device__ so that a host build can check it
+// against the reference. It matches the reference bit for bit because every float operation is
+// a single IEEE operation rounded to nearest: the build uses neither --use_fast_math nor
+// operations that --fmad could contract (no product feeds an addition).
+
+constexpr uint64_t kLossyPreamble = 16;
+
+__host__ __device__ inline uint32_t lowbias32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// The codes of format.py, as int8 values (int4: the sign-extended nibble).
+template <int C>
+struct LossyCodes;
+template <>
+struct LossyCodes<CSWAP_CODEC_INT8> {
+  static constexpr double kLevels = 126;
+  static constexpr int kNan = -128, kPosInf = 127, kNegInf = -127;
+};
+template <>
+struct LossyCodes<CSWAP_CODEC_INT4> {
+  static constexpr double kLevels = 6;
+  static constexpr int kNan = -8, kPosInf = 7, kNegInf = -7;
+};
+template <>
+struct LossyCodes<CSWAP_CODEC_FP8> {
+  static constexpr double kLevels = 416;
+  static constexpr int kNan = 0x7F, kPosInf = 0x7E, kNegInf = 0xFE - 256;
+};
+
+__host__ __device__ inline uint64_t lossy_codes_offset(uint64_t numel, uint64_t block_size) {
+  return kLossyPreamble + align16(4 * cdiv(numel, block_size));
+}
+
+__host__ __device__ inline uint64_t lossy_payload_bytes(int codec, uint64_t numel,
+                                                        uint64_t block_size) {
+  const uint64_t code_bytes = codec == CSWAP_CODEC_INT4 ? cdiv(numel, 2) : numel;
+  return lossy_codes_offset(numel, block_size) + code_bytes;
+}
+
+// The 16-byte preamble as u32 words: block size, seed (0 for fp8, which has no noise), 0, 0.
+template <int C>
+__host__ __device__ inline void lossy_preamble(uint32_t block_size, uint32_t seed, uint32_t *out) {
+  out[0] = block_size;
+  out[1] = C == CSWAP_CODEC_FP8 ? 0 : seed;
+  out[2] = out[3] = 0;
+}
+
+// s = RU(absmax / L): the smallest float32 not below the float64 quotient.
+template <int C>
+__host__ __device__ inline float lossy_scale(float absmax) {
+  const double quotient = static_cast<double>(absmax) / LossyCodes<C>::kLevels;
+#ifdef __CUDA_ARCH__
+  return __double2float_ru(quotient);
+#else
+  const float nearest = static_cast<float>(quotient);
+  return static_cast<double>(nearest) < quotient ? std::nextafter(nearest, INFINITY) : nearest;
+#endif
+}
+
+// The code of element `index` (int4: in the low nibble), given its block's scale.
+template <int C>
+__host__ __device__ inline int8_t quantize(float x, float scale, uint32_t index, uint32_t key) {
+  using Codes = LossyCodes<C>;
+  if (isnan(x)) return Codes::kNan;
+  if (isinf(x)) return x > 0.f ? Codes::kPosInf : Codes::kNegInf;
+  const float y = x / (scale > 0.f ? scale : 1.f);
+  if constexpr (C == CSWAP_CODEC_FP8) {
+    return static_cast<int8_t>(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3));
+  } else {
+    const float a = fabsf(y), low = floorf(a);
+    const float u = static_cast<float>(lowbias32(index ^ key) >> 8) * 0x1p-24f;  // exact
+    const float magnitude = u < a - low ? low + 1.f : low;
+    const int q = static_cast<int>(magnitude);
+    return static_cast<int8_t>(y < 0.f ? -q : q);
+  }
+}
+
+template <int C>
+__host__ __device__ inline int8_t code_at(const uint8_t *codes, uint64_t i) {
+  if constexpr (C == CSWAP_CODEC_INT4) {
+    const int nibble = (codes[i / 2] >> (4 * (i % 2))) & 0xF;
+    return static_cast<int8_t>((nibble ^ 8) - 8);
+  } else {
+    return static_cast<int8_t>(codes[i]);
+  }
+}
+
+template <int C>
+__host__ __device__ inline float dequantize(int8_t q, float scale) {
+  using Codes = LossyCodes<C>;
+  if (q == Codes::kNan) return nanf("");
+  if (q == Codes::kPosInf) return INFINITY;
+  if (q == Codes::kNegInf) return -INFINITY;
+  float v;
+  if constexpr (C == CSWAP_CODEC_FP8) {
+    const auto bits = static_cast<__nv_fp8_storage_t>(q);
+    v = __half2float(__half(__nv_cvt_fp8_to_halfraw(bits, __NV_E4M3)));
+  } else {
+    v = static_cast<float>(q);
+  }
+  v = v * scale;
+  return isnan(v) ? v : fminf(fmaxf(v, -FLT_MAX), FLT_MAX);
+}
+
+__device__ inline float load_float(float x) { return x; }
+__device__ inline float load_float(__half x) { return __half2float(x); }
+__device__ inline float load_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ inline T store_float(float x);
+template <>
+__device__ inline float store_float<float>(float x) { return x; }
+template <>
+__device__ inline __half store_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ inline __nv_bfloat16 store_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// Max over the thread block, returned to every thread. `warp_max` is 32 floats of shared
+// memory, free again when it returns.
+__device__ float block_max(float v, float *warp_max) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  for (int d = 16; d > 0; d >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, d));
+  if (lane == 0) warp_max[warp] = v;
+  __syncthreads();
+  v = lane < nwarps ? warp_max[lane] : 0.f;
+  for (int d = 16; d > 0; d >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, d));
+  __syncthreads();
+  return v;
+}
+
+template <int C, typename T>
+__global__ void lossy_encode(const T *in, uint64_t numel, uint32_t block_size, uint32_t seed,
+                             uint8_t *payload) {
+  __shared__ float warp_max[32];
+  const uint64_t nblocks = cdiv(numel, block_size);
+  const uint64_t codes_at = lossy_codes_offset(numel, block_size);
+  float *scales = reinterpret_cast<float *>(payload + kLossyPreamble);
+  uint8_t *codes = payload + codes_at;
+  if (blockIdx.x == 0) {
+    if (threadIdx.x == 0)
+      lossy_preamble<C>(block_size, seed, reinterpret_cast<uint32_t *>(payload));
+    for (uint64_t j = kLossyPreamble + 4 * nblocks + threadIdx.x; j < codes_at; j += blockDim.x)
+      payload[j] = 0;
+  }
+  const uint32_t key = lowbias32(seed);
+  for (uint64_t b = blockIdx.x; b < nblocks; b += gridDim.x) {
+    const uint64_t first = b * block_size;
+    const uint32_t len = static_cast<uint32_t>(min(uint64_t{block_size}, numel - first));
+    float absmax = 0.f;
+    for (uint32_t j = threadIdx.x; j < len; j += blockDim.x) {
+      const float x = load_float(in[first + j]);
+      if (isfinite(x)) absmax = fmaxf(absmax, fabsf(x));
+    }
+    const float scale = lossy_scale<C>(block_max(absmax, warp_max));
+    if (threadIdx.x == 0) scales[b] = scale;
+    auto code = [&](uint64_t i) {
+      const int8_t q = quantize<C>(load_float(in[i]), scale, static_cast<uint32_t>(i), key);
+      return static_cast<uint8_t>(q);
+    };
+    if constexpr (C == CSWAP_CODEC_INT4) {
+      // Pairs of elements, one byte each: blocks start at even elements, as block_size is even.
+      for (uint32_t j = 2 * threadIdx.x; j < len; j += 2 * blockDim.x) {
+        const uint64_t i = first + j;
+        const int high = j + 1 < len ? code(i + 1) & 0xF : 0;
+        codes[i / 2] = static_cast<uint8_t>((code(i) & 0xF) | high << 4);
+      }
+    } else {
+      for (uint32_t j = threadIdx.x; j < len; j += blockDim.x) codes[first + j] = code(first + j);
+    }
+  }
+}
+
+template <int C, typename T>
+__global__ void lossy_decode(const uint8_t *payload, uint64_t payload_nbytes, uint64_t numel,
+                             T *out) {
+  const uint32_t block_size = *reinterpret_cast<const uint32_t *>(payload);
+  const bool valid = block_size >= 2 && block_size % 2 == 0 &&
+                     lossy_payload_bytes(C, numel, block_size) == payload_nbytes;
+  const float *scales = reinterpret_cast<const float *>(payload + kLossyPreamble);
+  const uint8_t *codes = payload + (valid ? lossy_codes_offset(numel, block_size) : 0);
+  for (uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; i < numel;
+       i += uint64_t{gridDim.x} * blockDim.x) {
+    const uint32_t b = valid ? static_cast<uint32_t>(i) / block_size : 0;  // numel < 2**32
+    out[i] = store_float<T>(valid ? dequantize<C>(code_at<C>(codes, i), scales[b]) : nanf(""));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Host side.
 
 struct Launch {
@@ -440,11 +647,7 @@ struct Launch {
 
 bool aligned(const void *p, uint64_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; }
 
-int check_common(uint64_t numel, int elem_size, int grid, int block, const void *elems,
-                 const void *payload, const void *workspace, uint64_t workspace_bytes,
-                 Launch *launch) {
-  if (elem_size != 1 && elem_size != 2 && elem_size != 4 && elem_size != 8)
-    return fail(CSWAP_ERR_INVALID_ARGUMENT, "elem_size must be 1, 2, 4 or 8, got %d", elem_size);
+int check_numel_and_launch(uint64_t numel, int grid, int block) {
   if (numel >= (uint64_t{1} << 32))
     return fail(CSWAP_ERR_INVALID_ARGUMENT, "numel must be below 2**32, got %llu",
                 static_cast<unsigned long long>(numel));
@@ -453,6 +656,16 @@ int check_common(uint64_t numel, int elem_size, int grid, int block, const void 
   if (block < 32 || block > 1024 || block % 32 != 0)
     return fail(CSWAP_ERR_INVALID_ARGUMENT, "block must be a multiple of 32 in [32, 1024], got %d",
                 block);
+  return CSWAP_OK;
+}
+
+int check_common(uint64_t numel, int elem_size, int grid, int block, const void *elems,
+                 const void *payload, const void *workspace, uint64_t workspace_bytes,
+                 Launch *launch) {
+  if (elem_size != 1 && elem_size != 2 && elem_size != 4 && elem_size != 8)
+    return fail(CSWAP_ERR_INVALID_ARGUMENT, "elem_size must be 1, 2, 4 or 8, got %d", elem_size);
+  int status = check_numel_and_launch(numel, grid, block);
+  if (status != CSWAP_OK) return status;
   if (!payload || (numel && !elems) || !workspace)
     return fail(CSWAP_ERR_INVALID_ARGUMENT, "null device pointer");
   if (!aligned(elems, elem_size) || !aligned(payload, 16) || !aligned(workspace, 16))
@@ -611,6 +824,63 @@ int decompress_any(int codec, const void *payload, uint64_t payload_nbytes, void
   return check_launches(codec == CSWAP_CODEC_ZVC ? "zvc decompress" : "rle decompress");
 }
 
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// Calls f(std::integral_constant<int, codec>, TypeTag<element type>) for checked arguments.
+template <typename F>
+void dispatch_lossy(int codec, int dtype, F &&f) {
+  auto by_dtype = [&](auto c) {
+    switch (dtype) {
+      case CSWAP_DTYPE_FLOAT32:
+        f(c, TypeTag<float>{});
+        break;
+      case CSWAP_DTYPE_FLOAT16:
+        f(c, TypeTag<__half>{});
+        break;
+      default:
+        f(c, TypeTag<__nv_bfloat16>{});
+        break;
+    }
+  };
+  switch (codec) {
+    case CSWAP_CODEC_INT8:
+      by_dtype(std::integral_constant<int, CSWAP_CODEC_INT8>{});
+      break;
+    case CSWAP_CODEC_FP8:
+      by_dtype(std::integral_constant<int, CSWAP_CODEC_FP8>{});
+      break;
+    default:
+      by_dtype(std::integral_constant<int, CSWAP_CODEC_INT4>{});
+      break;
+  }
+}
+
+int check_lossy(int codec, uint64_t numel, int dtype, int grid, int block, const void *elems,
+                const void *payload) {
+  if (codec != CSWAP_CODEC_INT8 && codec != CSWAP_CODEC_FP8 && codec != CSWAP_CODEC_INT4)
+    return fail(CSWAP_ERR_INVALID_ARGUMENT, "codec must be int8 (3), fp8 (4) or int4 (5), got %d",
+                codec);
+  if (dtype != CSWAP_DTYPE_FLOAT32 && dtype != CSWAP_DTYPE_FLOAT16 && dtype != CSWAP_DTYPE_BFLOAT16)
+    return fail(CSWAP_ERR_INVALID_ARGUMENT,
+                "dtype must be float32 (0), float16 (1) or bfloat16 (2), got %d", dtype);
+  int status = check_numel_and_launch(numel, grid, block);
+  if (status != CSWAP_OK) return status;
+  if (!payload || (numel && !elems)) return fail(CSWAP_ERR_INVALID_ARGUMENT, "null device pointer");
+  const int elem_size = dtype == CSWAP_DTYPE_FLOAT32 ? 4 : 2;
+  if (!aligned(elems, elem_size) || !aligned(payload, 16))
+    return fail(CSWAP_ERR_INVALID_ARGUMENT,
+                "misaligned pointer: elements need %d-byte, the payload 16-byte alignment",
+                elem_size);
+  return CSWAP_OK;
+}
+
+uint32_t clamp_grid(uint64_t work, int grid) {
+  return static_cast<uint32_t>(work == 0 ? 1 : work < static_cast<uint64_t>(grid) ? work : grid);
+}
+
 }  // namespace
 
 extern "C" {
@@ -655,6 +925,57 @@ uint64_t cswap_max_payload_bytes(int codec, uint64_t numel, int elem_size) {
 uint64_t cswap_workspace_bytes(uint64_t numel, int grid) {
   uint64_t blocks = grid > 0 ? static_cast<uint64_t>(grid) : 1;
   return kWorkspaceHeader + align16(12 * blocks) + align16(4 * cdiv(numel, 32));
+}
+
+uint64_t cswap_lossy_payload_bytes(int codec, uint64_t numel, uint32_t block_size) {
+  if (codec != CSWAP_CODEC_INT8 && codec != CSWAP_CODEC_FP8 && codec != CSWAP_CODEC_INT4) return 0;
+  if (block_size < 2 || block_size % 2 != 0) return 0;
+  return lossy_payload_bytes(codec, numel, block_size);
+}
+
+int cswap_lossy_compress(int codec, const void *input, uint64_t numel, int dtype,
+                         uint32_t block_size, uint32_t seed, void *payload,
+                         uint64_t payload_capacity, int grid, int block, cudaStream_t stream) {
+  int status = check_lossy(codec, numel, dtype, grid, block, input, payload);
+  if (status != CSWAP_OK) return status;
+  if (block_size < 2 || block_size % 2 != 0)
+    return fail(CSWAP_ERR_INVALID_ARGUMENT, "block_size must be even and at least 2, got %u",
+                block_size);
+  const uint64_t need = lossy_payload_bytes(codec, numel, block_size);
+  if (payload_capacity < need)
+    return fail(CSWAP_ERR_INVALID_ARGUMENT, "payload buffer has %llu bytes, needs %llu",
+                static_cast<unsigned long long>(payload_capacity),
+                static_cast<unsigned long long>(need));
+  cudaGetLastError();  // report only errors of this call's launches
+  const uint32_t blocks = clamp_grid(cdiv(numel, block_size), grid);
+  auto *bytes = static_cast<uint8_t *>(payload);
+  dispatch_lossy(codec, dtype, [&](auto c, auto tag) {
+    using T = typename decltype(tag)::type;
+    lossy_encode<decltype(c)::value, T><<<blocks, block, 0, stream>>>(
+        static_cast<const T *>(input), numel, block_size, seed, bytes);
+  });
+  return check_launches("lossy compress");
+}
+
+int cswap_lossy_decompress(int codec, const void *payload, uint64_t payload_nbytes, void *output,
+                           uint64_t numel, int dtype, int grid, int block, cudaStream_t stream) {
+  int status = check_lossy(codec, numel, dtype, grid, block, output, payload);
+  if (status != CSWAP_OK) return status;
+  if (payload_nbytes < kLossyPreamble)
+    return fail(CSWAP_ERR_INVALID_ARGUMENT,
+                "payload has %llu bytes, fewer than the %llu of its preamble",
+                static_cast<unsigned long long>(payload_nbytes),
+                static_cast<unsigned long long>(kLossyPreamble));
+  if (numel == 0) return CSWAP_OK;
+  cudaGetLastError();
+  const uint32_t blocks = clamp_grid(cdiv(numel, block), grid);
+  const auto *bytes = static_cast<const uint8_t *>(payload);
+  dispatch_lossy(codec, dtype, [&](auto c, auto tag) {
+    using T = typename decltype(tag)::type;
+    lossy_decode<decltype(c)::value, T><<<blocks, block, 0, stream>>>(
+        bytes, payload_nbytes, numel, static_cast<T *>(output));
+  });
+  return check_launches("lossy decompress");
 }
 
 int cswap_zvc_compress(const void *input, uint64_t numel, int elem_size, void *payload,

@@ -1,8 +1,9 @@
-/* cswap_codec: CUDA kernels for the zvc and rle payloads of cswap_lightning's packed format.
+/* cswap_codec: CUDA kernels for the payloads of cswap_lightning's packed format: the lossless
+ * zvc and rle codecs, and the lossy int8, fp8 and int4 codecs.
  *
  * The payload bytes are exactly those of the pure-torch reference codecs; the format is
- * specified in cswap_lightning/codecs/format.py. Elements are handled as bit patterns of
- * 1, 2, 4 or 8 bytes: an element is zero when all its bits are zero.
+ * specified in cswap_lightning/codecs/format.py. zvc and rle handle elements as bit patterns
+ * of 1, 2, 4 or 8 bytes: an element is zero when all its bits are zero.
  *
  * Conventions for every entry point:
  *   - All pointers are device pointers on the current device. Input/output element buffers are
@@ -24,7 +25,7 @@
 extern "C" {
 #endif
 
-#define CSWAP_CODEC_ABI_VERSION 1 /* bumped on any change to these declarations */
+#define CSWAP_CODEC_ABI_VERSION 2 /* bumped on any change to these declarations */
 #define CSWAP_FORMAT_VERSION 1    /* the packed-format version the kernels produce */
 
 enum {
@@ -34,7 +35,16 @@ enum {
 };
 
 /* Codec ids as in the format's wire ids. */
-enum { CSWAP_CODEC_ZVC = 1, CSWAP_CODEC_RLE = 2 };
+enum {
+  CSWAP_CODEC_ZVC = 1,
+  CSWAP_CODEC_RLE = 2,
+  CSWAP_CODEC_INT8 = 3,
+  CSWAP_CODEC_FP8 = 4,
+  CSWAP_CODEC_INT4 = 5,
+};
+
+/* Element types of the lossy codecs, as in the format's dtype ids. */
+enum { CSWAP_DTYPE_FLOAT32 = 0, CSWAP_DTYPE_FLOAT16 = 1, CSWAP_DTYPE_BFLOAT16 = 2 };
 
 int cswap_abi_version(void);
 int cswap_format_version(void);
@@ -70,6 +80,26 @@ int cswap_zvc_decompress(const void *payload, uint64_t payload_nbytes, void *out
 int cswap_rle_decompress(const void *payload, uint64_t payload_nbytes, void *output,
                          uint64_t numel, int elem_size, void *workspace, uint64_t workspace_bytes,
                          int grid, int block, cudaStream_t stream);
+
+/* Lossy codecs (CSWAP_CODEC_INT8, _FP8, _INT4) on float32, float16 or bfloat16 elements.
+ * Their payload size is a function of the codec, numel and the block size alone, so the host
+ * allocates it up front; they need no workspace. */
+
+/* The payload size; 0 for an unknown codec or a block size that is odd or below 2. */
+uint64_t cswap_lossy_payload_bytes(int codec, uint64_t numel, uint32_t block_size);
+
+/* Quantize `numel` elements of type `dtype` at `input` in blocks of `block_size` elements (even,
+ * >= 2) into `payload` (capacity `payload_capacity` bytes, at least the size above). int8 and
+ * int4 round stochastically with the noise of `seed`; fp8 rounds to nearest and records 0. */
+int cswap_lossy_compress(int codec, const void *input, uint64_t numel, int dtype,
+                         uint32_t block_size, uint32_t seed, void *payload,
+                         uint64_t payload_capacity, int grid, int block, cudaStream_t stream);
+
+/* Dequantize a payload of `payload_nbytes` bytes into `numel` elements of type `dtype` at
+ * `output`. The block size is read on the device; a payload whose size does not match it
+ * decodes to NaNs, with no access outside the payload and output buffers. */
+int cswap_lossy_decompress(int codec, const void *payload, uint64_t payload_nbytes, void *output,
+                           uint64_t numel, int dtype, int grid, int block, cudaStream_t stream);
 
 #ifdef __cplusplus
 }
