@@ -4,10 +4,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-PLANS = ("auto", "keep", "raw", "zvc", "rle")
 COMPRESSORS = ("zvc", "rle")
+LOSSY_CODECS = ("int8", "fp8", "int4")
+PLANS = ("auto", "keep", "raw", *COMPRESSORS, *LOSSY_CODECS)
 
 MiB = 1 << 20
+
+# The types each field accepts (bool is rejected where a number is expected).
+_TYPES: dict[str, tuple[type, ...]] = {
+    "plan": (str,),
+    "compressor": (str,),
+    "budget": (int, float, str, type(None)),
+    "profile_steps": (int,),
+    "lossy": (str,),
+    "lossy_exclude": (tuple,),
+    "guard_every": (int,),
+    "guard_tolerance": (float, int),
+    "min_bytes": (int,),
+    "prefetch_bytes": (int,),
+    "pin_memory": (bool,),
+}
 
 
 @dataclass(frozen=True)
@@ -15,12 +31,26 @@ class CSwapConfig:
     """What to offload, how, and how much to prefetch.
 
     Args:
-        plan: ``"auto"`` decides per saved tensor (swap raw, or compress with ``compressor``
-            when its measured sparsity reaches ``sparsity_threshold``); ``"raw"``, ``"zvc"``
-            or ``"rle"`` force that codec for every offloaded tensor; ``"keep"`` offloads
-            nothing (the engine only measures).
-        compressor: codec ``"auto"`` uses for sparse tensors.
-        sparsity_threshold: fraction of zero elements from which ``"auto"`` compresses.
+        plan: ``"auto"`` lets the advisor decide per saved tensor from measurements (keep it
+            on the device, swap it raw, or compress it with ``compressor`` first, whichever
+            its cost model predicts is cheaper); ``"raw"``, ``"zvc"`` or ``"rle"`` force that
+            codec for every tensor that can be offloaded; ``"int8"``, ``"fp8"`` or ``"int4"``
+            force that lossy codec for floating tensors (others are swapped raw);
+            ``"keep"`` offloads nothing (the engine only measures).
+        compressor: the codec ``"auto"`` weighs against swapping raw.
+        budget: device memory the step may use (``"auto"`` only): ``None`` offloads every
+            tensor that can be; bytes (int), a fraction of the device's memory (float in
+            (0, 1]) or ``"auto"`` (what is free when the plan is made) offloads the earliest
+            saved tensors until the predicted peak fits.
+        profile_steps: steps measured before ``"auto"`` plans (and again at each epoch start).
+        lossy: ``"off"``; a lossy codec name (``"int8"``, ``"fp8"``, ``"int4"``) the advisor may
+            pick for dense floating tensors where it pays; ``"auto"`` lets it weigh ``"int8"``.
+        lossy_exclude: module name patterns (``fnmatch``, e.g. ``"classifier*"``) whose saved
+            tensors are never compressed lossily (needs ``Offloader.watch(model)``).
+        guard_every: with lossy sites, every this many steps the accuracy guard compares one
+            micro-batch's gradients with and without them (0: never).
+        guard_tolerance: largest relative gradient error (``|g_lossy - g| / |g|``, per parameter)
+            the guard accepts before moving the worst lossy sites back to lossless.
         min_bytes: saved tensors smaller than this stay where they are.
         prefetch_bytes: how many bytes backward may bring back ahead of use.
         pin_memory: use page-locked host memory for CUDA tensors (needed for async copies).
@@ -28,27 +58,40 @@ class CSwapConfig:
 
     plan: str = "auto"
     compressor: str = "zvc"
-    sparsity_threshold: float = 0.5
+    budget: int | float | str | None = None
+    profile_steps: int = 2
+    lossy: str = "off"
+    lossy_exclude: tuple[str, ...] = ()
+    guard_every: int = 100
+    guard_tolerance: float = 0.1
     min_bytes: int = 256 * 1024
     prefetch_bytes: int = 512 * MiB
     pin_memory: bool = True
 
     def __post_init__(self) -> None:
+        if isinstance(self.lossy_exclude, list):  # YAML and CLIs give lists; a config is hashed
+            object.__setattr__(self, "lossy_exclude", tuple(self.lossy_exclude))
         for f in fields(self):
-            value = getattr(self, f.name)
-            expected = {"str": str, "float": (int, float), "int": int, "bool": bool}[f.type]
-            if not isinstance(value, expected) or (f.type != "bool" and isinstance(value, bool)):
+            value, allowed = getattr(self, f.name), _TYPES[f.name]
+            if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
                 raise TypeError(
                     f"CSwapConfig.{f.name} must be of type {f.type}, got {value!r} "
                     f"({type(value).__name__})"
                 )
         _check_choice("plan", self.plan, PLANS)
         _check_choice("compressor", self.compressor, COMPRESSORS)
-        if not 0.0 <= self.sparsity_threshold <= 1.0:
+        _check_budget(self.budget)
+        _check_choice("lossy", self.lossy, ("off", "auto", *LOSSY_CODECS))
+        if not all(isinstance(p, str) for p in self.lossy_exclude):
+            raise TypeError(f"CSwapConfig.lossy_exclude must hold strings, got {self.lossy_exclude!r}")
+        if self.guard_every < 0:
+            raise ValueError(f"CSwapConfig.guard_every must be >= 0, got {self.guard_every!r}")
+        if not 0.0 < self.guard_tolerance:
             raise ValueError(
-                "CSwapConfig.sparsity_threshold must be in [0, 1], "
-                f"got {self.sparsity_threshold!r}"
+                f"CSwapConfig.guard_tolerance must be > 0, got {self.guard_tolerance!r}"
             )
+        if self.profile_steps < 1:
+            raise ValueError(f"CSwapConfig.profile_steps must be >= 1, got {self.profile_steps!r}")
         for name in ("min_bytes", "prefetch_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(
@@ -60,4 +103,18 @@ def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(
             f"CSwapConfig.{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}"
+        )
+
+
+def _check_budget(budget: float | str | None) -> None:
+    ok = (
+        budget is None
+        or budget == "auto"
+        or (isinstance(budget, int) and budget > 0)
+        or (isinstance(budget, float) and 0.0 < budget <= 1.0)
+    )
+    if not ok:
+        raise ValueError(
+            "CSwapConfig.budget must be None (offload everything), 'auto' (fit what is free), "
+            f"a number of bytes > 0, or a fraction of device memory in (0, 1]; got {budget!r}"
         )

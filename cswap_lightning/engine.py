@@ -11,13 +11,18 @@ import time
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
+from fnmatch import fnmatch
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from typing_extensions import Self
 
-from .codecs import DTYPES, get_codec
-from .config import CSwapConfig
+from .advisor import Advisor, Plan, resolve_budget
+from .codecs import DTYPES, get_codec, nonzero_count
+from .config import LOSSY_CODECS, CSwapConfig
+from .module_names import ModuleTracker
+from .predictor import CodecTimeModel, calibrate
+from .profiler import Link, Profiler, StepTimer, measure_link, signature
 from .stats import SiteStats, StepStats
 from .transfer import Stored, Transfer
 
@@ -25,6 +30,7 @@ from .transfer import Stored, Transfer
 # move (and free) nothing but the whole storage.
 MAX_STORAGE_TO_VIEW_RATIO = 4
 _SUPPORTED_DTYPES = frozenset(DTYPES)
+LOSSY_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def skip_reason(t: torch.Tensor, min_bytes: int) -> str:
@@ -48,6 +54,13 @@ def skip_reason(t: torch.Tensor, min_bytes: int) -> str:
     if t.untyped_storage().nbytes() > MAX_STORAGE_TO_VIEW_RATIO * nbytes:
         return "view of larger storage"
     return ""
+
+
+def relative_error(original: torch.Tensor, restored: torch.Tensor) -> float:
+    """``|restored - original| / |original|`` in the L2 norm, computed in float64."""
+    a, b = original.double(), restored.reshape(original.shape).double()
+    norm = torch.linalg.vector_norm(a).item()
+    return torch.linalg.vector_norm(b - a).item() / norm if norm else float(torch.any(b != 0))
 
 
 class _Entry:
@@ -118,6 +131,7 @@ class _Kept:
 
     tensor: torch.Tensor
     version: int
+    site: int
 
 
 @dataclass(frozen=True)
@@ -136,10 +150,18 @@ class _Saved:
 class _Step:
     """Packs and unpacks of one forward and its backward."""
 
-    def __init__(self, offloader: Offloader, index: int, order: list[int] | None) -> None:
+    def __init__(self, offloader: Offloader, index: int, order: list[int] | None,
+                 profiling: bool) -> None:
         self.offloader = offloader
         self.stats = StepStats(index)
         self.failed = False
+        self.profiling = profiling  # time the windows and measure kept sites' sparsity
+        self.timer: StepTimer | None = None
+        self.device: torch.device | None = None
+        self.base_bytes = 0  # device memory in use when forward saved its first tensor
+        self._unpacked: set[int] = set()
+        self.probe: str | None = None  # an accuracy-guard probe step (Offloader.probe_next_step)
+        self._originals: dict[int, torch.Tensor] = {}
         self._by_storage: dict[int, tuple[StorageWeakRef, int, _Entry]] = {}
         self._entries: weakref.WeakValueDictionary[int, _Entry] = weakref.WeakValueDictionary()
         self._prev_order = order  # unpack order learned on an earlier step
@@ -149,16 +171,28 @@ class _Step:
         self._inflight = 0
         self.unpack_order: list[int] = []
         self._counts: list[tuple[SiteStats, int, torch.Tensor]] = []
+        self.clock = 0  # ticks once per pack and once per first unpack of a site
+
+    def tick(self) -> int:
+        self.clock += 1
+        return self.clock - 1
 
     # forward ----------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> _Kept | _Saved:
         site = len(self.stats.sites)
         nbytes = t.numel() * t.element_size()
         stats = SiteStats(site, tuple(t.shape), str(t.dtype).removeprefix("torch."), nbytes, "keep")
+        stats.packed_at = self.tick()
         self.stats.sites.append(stats)
+        if self.offloader.modules is not None:
+            stats.module = self.offloader.modules.current()
+        if self.device is None:
+            self._first_pack(t.device)
+        if self.timer is not None:
+            self.timer.packed(site)
         stats.reason = skip_reason(t, self.offloader.config.min_bytes)
         if stats.reason:
-            return _Kept(t, t._version)
+            return _Kept(t, t._version, site)
         storage = t.untyped_storage()
         hit = self._by_storage.get(storage._cdata)
         if hit is not None and hit[1] == t._version and hit[2].stats.dtype == stats.dtype:
@@ -167,12 +201,16 @@ class _Step:
         codec = self.offloader.codec_for(site, stats)
         if codec == "keep":
             stats.reason = "plan"
-            return _Kept(t, t._version)
+            if self.profiling:
+                self._counts.append((stats, t.numel(), nonzero_count(t)))
+            return _Kept(t, t._version, site)
         stats.decision = codec
         elem = t.element_size()
         flat = t.detach().as_strided((storage.nbytes() // elem,), (1,), 0)
         stats.nbytes = flat.numel() * elem
-        future = self.offloader.transfer.offload(flat, get_codec(codec))
+        if self.probe == "measure errors" and codec in LOSSY_CODECS:
+            self._originals[site] = flat  # kept alive for the guard's probe step only
+        future = self.offloader.transfer.offload(flat, get_codec(codec), site)
         future.add_done_callback(lambda f: self._record(stats, f))
         entry = _Entry(stats, future)
         self._entries[entry.id] = entry
@@ -182,6 +220,13 @@ class _Step:
         self._by_storage[storage._cdata] = (StorageWeakRef(storage), t._version, entry)
         return self._saved(entry, t)
 
+    def _first_pack(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            self.base_bytes = torch.cuda.memory_allocated(device)
+        if self.profiling:
+            self.timer = StepTimer(device)
+
     @staticmethod
     def _saved(entry: _Entry, t: torch.Tensor) -> _Saved:
         size, stride, offset = tuple(t.size()), tuple(t.stride()), t.storage_offset()
@@ -189,20 +234,29 @@ class _Step:
 
     def end_forward(self) -> None:
         self._by_storage.clear()
+        if self.timer is not None:
+            self.timer.forward_done()
 
     # backward ---------------------------------------------------------------------------
     def unpack(self, saved: _Kept | _Saved) -> torch.Tensor:
         if isinstance(saved, _Kept):
             t = saved.tensor
             check_version(t._version, saved.version, t.dtype, tuple(t.shape))
+            self._time_unpack(saved.site)
             return saved.tensor
         check_version(saved.probe._version, saved.version, saved.probe.dtype, saved.size)
         entry = saved.entry
+        self._time_unpack(entry.id)
         start = time.perf_counter()
         base = self._take(entry)
         entry.stats.wait_s += time.perf_counter() - start
         self._prefetch_after(entry)
         return base.as_strided(saved.size, saved.stride, saved.offset)
+
+    def _time_unpack(self, site: int) -> None:
+        if self.timer is not None and site not in self._unpacked:
+            self._unpacked.add(site)
+            self.timer.unpacked(site)
 
     def _take(self, entry: _Entry) -> torch.Tensor:
         base = entry.restored() if entry.restored is not None else None
@@ -219,8 +273,12 @@ class _Step:
             base.record_stream(stream)
         entry.restoring = None
         entry.restored = weakref.ref(base)
+        original = self._originals.pop(entry.id, None)
+        if original is not None:
+            entry.stats.error = relative_error(original, base)
         if not entry.consumed:
             entry.consumed = True
+            entry.stats.unpacked_at = self.tick()
             self.unpack_order.append(entry.id)
         return base
 
@@ -265,7 +323,10 @@ class Offloader:
     """Offloads autograd's saved tensors during each ``with`` block (one training step).
 
     Create it once and enter it around every forward pass; what it learns on one step
-    (per-site sparsity, the order backward needs tensors in) plans the next::
+    (per-site sparsity, the order backward needs tensors in) plans the next. With
+    ``plan="auto"`` the first ``profile_steps`` steps swap raw and are measured, then the
+    advisor plans every site; call :meth:`new_epoch` at each epoch start to re-measure
+    (sparsity drifts during training)::
 
         offloader = Offloader(CSwapConfig())
         for batch in loader:
@@ -275,42 +336,103 @@ class Offloader:
         print(offloader.last_step().table())
     """
 
-    def __init__(self, config: CSwapConfig | None = None) -> None:
+    def __init__(self, config: CSwapConfig | None = None, *, link: Link | None = None,
+                 time_model: CodecTimeModel | None = None) -> None:
+        """``link`` and ``time_model`` replace the measured bandwidths and the calibrated codec
+        times the advisor uses (e.g. to plan for a link other than the one measured)."""
         self.config = config if config is not None else CSwapConfig()
+        self.link = link
+        self.time_model = time_model
         self.transfer = Transfer(pin_memory=self.config.pin_memory)
-        self.plan: dict[int, tuple[tuple, str]] = {}  # site -> ((shape, dtype), codec)
+        self.plan: Plan | None = None  # the advisor's, for plan="auto"
+        self.profiler = Profiler()
+        self._profiling_left = self.config.profile_steps
+        self._order: list[int] | None = None  # backward's order of sites, learned
+        self.modules: ModuleTracker | None = None  # names sites by module, after watch()
+        self.reverted: set[int] = set()  # lossy sites the accuracy guard moved back
+        self._next_probe: str | None = None  # "lossless" or "measure errors", for one step
         self._live: weakref.WeakSet[_Entry] = weakref.WeakSet()
         self._step: _Step | None = None
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
-        self._closed: _Step | None = None
         self._steps = 0
 
     def __enter__(self) -> Self:
         if self._hooks is not None:
             raise RuntimeError("this Offloader is already active; enter it once per forward pass")
         self._close_step()
-        order = self._closed.unpack_order if self._closed is not None else None
-        self._step = _Step(self, self._steps, order or None)
+        profiling = self.config.plan == "auto" and self._profiling_left > 0
+        self._step = _Step(self, self._steps, self._order, profiling)
+        self._step.probe, self._next_probe = self._next_probe, None
         self._steps += 1
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._step.pack, self._step.unpack)
         self._hooks.__enter__()
+        if self.modules is not None:
+            self.modules.__enter__()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         assert self._hooks is not None and self._step is not None
         self._hooks.__exit__(exc_type, exc, tb)
         self._hooks = None
+        if self.modules is not None:
+            self.modules.__exit__(exc_type, exc, tb)
         self._step.end_forward()
         self._step.failed = exc_type is not None
+
+    def watch(self, model: torch.nn.Module) -> Self:
+        """Name each site by the module of ``model`` that saved it (for ``lossy_exclude``)."""
+        self.modules = ModuleTracker(model)
+        return self
 
     def codec_for(self, site: int, stats: SiteStats) -> str:
         """The plan's decision for a site: a codec name or ``"keep"``."""
         if self.config.plan != "auto":
-            return self.config.plan
-        planned = self.plan.get(site)
-        if planned is not None and planned[0] == (stats.shape, stats.dtype):
-            return planned[1]
-        return "raw"  # not profiled yet, or the step changed shape: swap uncompressed
+            codec = self.config.plan
+        elif self.plan is None:
+            codec = "raw"  # not profiled yet: swap uncompressed
+        else:
+            codec = self.plan.codec(site, stats.shape, stats.dtype)
+        if codec in LOSSY_CODECS and (self._step.probe == "lossless"
+                                      or not self.lossy_allowed(site, stats.dtype, stats.module)):
+            return "raw"
+        return codec
+
+    def probe_next_step(self, kind: str) -> Self:
+        """Make the next step a guard probe: ``"lossless"`` swaps lossy sites raw instead;
+        ``"measure errors"`` keeps lossy sites' originals to measure their round-trip error."""
+        if kind not in ("lossless", "measure errors"):
+            raise ValueError(f"probe kind must be 'lossless' or 'measure errors', got {kind!r}")
+        self._next_probe = kind
+        return self
+
+    def lossy_allowed(self, site: int, dtype: str, module: str) -> bool:
+        """Floating tensors only, outside excluded modules, unless the guard moved them back."""
+        return (dtype in LOSSY_DTYPES and site not in self.reverted
+                and not any(fnmatch(module, p) for p in self.config.lossy_exclude))
+
+    def new_epoch(self) -> None:
+        """Re-measure the next ``profile_steps`` steps and plan again (``plan="auto"``)."""
+        self.profiler = Profiler()
+        self._profiling_left = self.config.profile_steps
+
+    def state_dict(self) -> dict:
+        """What was learned (plan, backward order), JSON-able, for checkpoints."""
+        return {
+            "version": 1,
+            "plan": self.plan.as_dict() if self.plan is not None else None,
+            "order": self._order,
+            "reverted": sorted(self.reverted),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned; the plan applies from the next step."""
+        if state.get("version") != 1:
+            raise ValueError(f"unknown cswap state version {state.get('version')!r}; expected 1")
+        self.plan = Plan.from_dict(state["plan"]) if state["plan"] is not None else None
+        self._order = state["order"]
+        self.reverted = set(state.get("reverted", ()))
+        if self.plan is not None:
+            self._profiling_left = 0
 
     def last_step(self) -> StepStats:
         """Statistics of the most recent step (waits for its offload work to finish)."""
@@ -340,17 +462,29 @@ class Offloader:
         self.last_step()
         if step.failed:
             return
-        self._closed = step
-        if self.config.plan == "auto":
-            self._replan(step.stats)
+        self._order = step.unpack_order or self._order
+        self.transfer.step_closed(step.stats)  # plans the host arena from it
+        if self.config.plan != "auto" or step.device is None:
+            return
+        if step.profiling:
+            self.profiler.observe(step.stats, step.timer.windows() if step.timer else {})
+            self._profiling_left -= 1
+            if self._profiling_left == 0:
+                self.plan = self._advise(step)
+        elif self.plan is not None and signature(step.stats) != self.plan.signature:
+            self.new_epoch()  # the sites changed (dynamic shapes): measure them and plan again
 
-    def _replan(self, stats: StepStats) -> None:
-        """Compress the sites whose measured sparsity pays, swap the others raw."""
-        cfg = self.config
-        for s in stats.sites:
-            if s.sparsity is not None:
-                codec = cfg.compressor if s.sparsity >= cfg.sparsity_threshold else "raw"
-                self.plan[s.site] = ((s.shape, s.dtype), codec)
+    def _advise(self, step: _Step) -> Plan:
+        """The advisor's plan from what the profiler measured."""
+        cfg, device = self.config, step.device
+        link = self.link or measure_link(device)
+        lossy = {"off": None, "auto": "int8"}.get(cfg.lossy, cfg.lossy)
+        codecs = (cfg.compressor,) if lossy is None else (cfg.compressor, lossy)
+        model = self.time_model or calibrate(device, codecs).model
+        advisor = Advisor(cfg.compressor, link, model, lossy,
+                          lambda p: self.lossy_allowed(p.site, p.dtype, p.module))
+        return advisor.plan(self.profiler.profile(), step.base_bytes,
+                            resolve_budget(cfg.budget, device))
 
 
 _SHARED: dict[CSwapConfig, Offloader] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -13,13 +14,17 @@ class SiteStats:
     shape: tuple[int, ...]
     dtype: str
     nbytes: int
-    decision: str  # keep | raw | zvc | rle | dedup
+    decision: str  # keep | dedup | raw | a lossless or lossy codec name
     reason: str = ""  # why a tensor was kept, or which site it shares storage with
     stored_bytes: int = 0  # bytes held off the device (compressed size when compressed)
     sparsity: float | None = None  # fraction of bitwise-zero elements
     offload_s: float = 0.0  # worker time to compress and copy out
     wait_s: float = 0.0  # time backward waited for this tensor to come back
     prefetched: bool = False  # brought back ahead of use, not on demand
+    packed_at: int = 0  # step clock (one tick per pack and per first unpack) when saved
+    unpacked_at: int | None = None  # step clock when backward first needed it
+    module: str = ""  # qualified name of the module that saved it (Offloader.watch)
+    error: float | None = None  # relative L2 error of a lossy round trip (guard probes only)
 
     @property
     def ratio(self) -> float | None:
@@ -33,20 +38,18 @@ class StepStats:
     step: int
     sites: list[SiteStats] = field(default_factory=list)
 
-    def _sum(self, attr: str, decisions: tuple[str, ...] | None = None) -> int | float:
-        return sum(
-            getattr(s, attr) for s in self.sites if decisions is None or s.decision in decisions
-        )
+    def _sum(self, attr: str, include: Callable[[str], bool] = lambda decision: True) -> float:
+        return sum(getattr(s, attr) for s in self.sites if include(s.decision))
 
     @property
     def saved_bytes(self) -> int:
         """Bytes autograd saved (each storage counted once)."""
-        return int(self._sum("nbytes", ("keep", "raw", "zvc", "rle")))
+        return int(self._sum("nbytes", lambda d: d != "dedup"))
 
     @property
     def offloaded_bytes(self) -> int:
-        """Bytes that left the device."""
-        return int(self._sum("nbytes", ("raw", "zvc", "rle")))
+        """Bytes that left the device (swapped raw, or compressed losslessly or lossily)."""
+        return int(self._sum("nbytes", lambda d: d not in ("keep", "dedup")))
 
     @property
     def stored_bytes(self) -> int:
@@ -55,7 +58,7 @@ class StepStats:
 
     @property
     def kept_bytes(self) -> int:
-        return int(self._sum("nbytes", ("keep",)))
+        return int(self._sum("nbytes", lambda d: d == "keep"))
 
     @property
     def ratio(self) -> float | None:

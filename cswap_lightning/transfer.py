@@ -5,6 +5,9 @@ records an event and hands the tensor over; the offload worker orders its stream
 event, compresses, and copies into (pinned) host memory. Anything that has to wait (a codec
 that must read a size back, a pinned allocation) waits in the worker, never in forward. On
 the CPU the same code runs with no streams: payloads land in separate host storage.
+
+Payloads of a known site go into the planned host arena (``arena.py``) when it can take
+them, and into memory of their own otherwise.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .arena import ArenaReport, HostMemory, Lease
 from .codecs import Codec, Packed, get_codec, nonzero_count
+from .stats import StepStats
 
 
 @dataclass
@@ -29,6 +34,7 @@ class Stored:
     nonzero: torch.Tensor  # 0-dim count of non-zero elements, in host memory once `done`
     done: torch.cuda.Event | None  # recorded after the device-to-host copy
     seconds: float  # worker time spent compressing and copying
+    lease: Lease | None = None  # the arena region holding the payload, if it is in one
 
     @property
     def nbytes(self) -> int:
@@ -36,24 +42,33 @@ class Stored:
 
 
 class Transfer:
-    """Offload and restore jobs, one worker thread and one CUDA stream per direction."""
+    """Offload and restore jobs, one worker thread and one CUDA stream per direction.
 
-    def __init__(self, pin_memory: bool = True) -> None:
+    With ``arena`` (the default), payloads go into a host arena planned from the closed
+    steps handed to :meth:`step_closed`."""
+
+    def __init__(self, pin_memory: bool = True, arena: bool = True) -> None:
         self.pin_memory = pin_memory
+        pin_arena = pin_memory and torch.cuda.is_available()
+        self.host_memory = HostMemory(pin=pin_arena) if arena else None
         self._offload = ThreadPoolExecutor(1, thread_name_prefix="cswap-offload")
         self._restore = ThreadPoolExecutor(1, thread_name_prefix="cswap-restore")
         self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
         self._warned: set[str] = set()
 
-    def offload(self, flat: torch.Tensor, codec: Codec) -> Future[Stored | torch.Tensor]:
-        """Start moving ``flat`` off the device; the future holds the tensor itself on failure."""
+    def offload(
+        self, flat: torch.Tensor, codec: Codec, site: int | None = None
+    ) -> Future[Stored | torch.Tensor]:
+        """Start moving ``flat`` off the device; the future holds the tensor itself on failure.
+
+        ``site`` (the tensor's site in the step) lets its payload use the arena."""
         ready = None
         if flat.is_cuda:
             ready = torch.cuda.current_stream(flat.device).record_event()
             # The caching allocator must not reuse this memory before the offload stream has
             # read it, whichever thread drops the last reference.
             flat.record_stream(self._stream_pair(flat.device)[0])
-        return self._offload.submit(self._offload_job, flat, codec, ready)
+        return self._offload.submit(self._offload_job, flat, codec, ready, site)
 
     def restore(
         self, stored: Future[Stored | torch.Tensor]
@@ -69,9 +84,21 @@ class Transfer:
             offload_stream.synchronize()
             restore_stream.synchronize()
 
+    def step_closed(self, step: StepStats) -> None:
+        """Plan the arena from a finished step (its offload jobs done), in the background."""
+        if self.host_memory is not None:
+            self.host_memory.step_closed(step)
+
+    def arena_report(self) -> ArenaReport | None:
+        """Arena against lower bound and per-tensor bytes for the last closed step (None
+        without an arena or before the first closed step)."""
+        return self.host_memory.report() if self.host_memory is not None else None
+
     def close(self) -> None:
         self._offload.shutdown(wait=True)
         self._restore.shutdown(wait=True)
+        if self.host_memory is not None:
+            self.host_memory.close()
 
     def _stream_pair(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
         if device not in self._streams:
@@ -84,7 +111,7 @@ class Transfer:
         return torch.cuda.stream(self._stream_pair(device)[index])
 
     def _offload_job(
-        self, flat: torch.Tensor, codec: Codec, ready: torch.cuda.Event | None
+        self, flat: torch.Tensor, codec: Codec, ready: torch.cuda.Event | None, site: int | None
     ) -> Stored | torch.Tensor:
         start = time.perf_counter()
         try:
@@ -93,8 +120,10 @@ class Transfer:
                     torch.cuda.current_stream().wait_event(ready)
                 nonzero = self._to_host(nonzero_count(flat), source=flat)
                 packed = codec.encode(flat)
-                host = self._to_host(packed.payload, source=flat)
+                host, lease = self._payload_to_host(packed.payload, flat, site)
                 done = torch.cuda.current_stream().record_event() if flat.is_cuda else None
+                if lease is not None:
+                    lease.last_use = done
         except Exception as err:  # noqa: BLE001 - any failure must keep the tensor intact
             self._warn_once(
                 type(err).__name__,
@@ -103,7 +132,24 @@ class Transfer:
             )
             return flat
         seconds = time.perf_counter() - start
-        return Stored(Packed(packed.header, host), flat.device, nonzero, done, seconds)
+        return Stored(Packed(packed.header, host), flat.device, nonzero, done, seconds, lease)
+
+    def _payload_to_host(
+        self, payload: torch.Tensor, source: torch.Tensor, site: int | None
+    ) -> tuple[torch.Tensor, Lease | None]:
+        """The payload copied into its site's arena region if it can have it, else to host
+        memory of its own."""
+        taken = None
+        if site is not None and self.host_memory is not None:
+            taken = self.host_memory.acquire(site, payload.numel())
+        if taken is None:
+            return self._to_host(payload, source), None
+        region, lease = taken
+        if payload.is_cuda:
+            for event in lease.wait_for:  # earlier holders' copies out of the region
+                torch.cuda.current_stream().wait_event(event)
+        region.copy_(payload, non_blocking=True)
+        return region, lease
 
     def _to_host(self, payload: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         if not payload.is_cuda:
@@ -132,6 +178,8 @@ class Transfer:
             if stored.done is not None:
                 torch.cuda.current_stream().wait_event(stored.done)
             payload = stored.packed.payload.to(device, non_blocking=True)
+            if stored.lease is not None and payload.is_cuda:
+                stored.lease.last_use = torch.cuda.current_stream().record_event()
             out = get_codec(stored.packed.header.codec).decode(Packed(stored.packed.header, payload))
             ready = torch.cuda.current_stream().record_event() if out.is_cuda else None
         return out, ready

@@ -1,6 +1,7 @@
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from cswap_lightning.demo import build_cnn
 
@@ -43,3 +44,16 @@ def model_and_batch(name: str, device: str = "cpu", seed: int = 0):
     x = torch.randn(*shape, device=device)
     y = torch.randint(0, 10, (shape[0],), device=device)
     return model, x, y
+
+
+def grads(model, x, y, offloader=None, steps=1):
+    """Gradients after `steps` forward/backward passes of the same batch (reset each step)."""
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        if offloader is None:
+            loss = F.cross_entropy(model(x), y)
+        else:
+            with offloader:
+                loss = F.cross_entropy(model(x), y)
+        loss.backward()
+    return [p.grad.clone() for p in model.parameters()]

@@ -8,9 +8,18 @@ from cswap_lightning import CSwapConfig
     [
         ({"min_bytes": -1}, ValueError, r"min_bytes must be >= 0 bytes, got -1"),
         ({"prefetch_bytes": -5}, ValueError, r"prefetch_bytes must be >= 0"),
-        ({"plan": "zcv"}, ValueError, r"plan must be one of 'auto', 'keep', 'raw', 'zvc', 'rle'; got 'zcv'"),
+        ({"plan": "zcv"}, ValueError, r"plan must be one of 'auto', 'keep', 'raw', 'zvc', 'rle', 'int8', 'fp8', 'int4'; got 'zcv'"),
         ({"compressor": "raw"}, ValueError, r"compressor must be one of 'zvc', 'rle'; got 'raw'"),
-        ({"sparsity_threshold": 1.5}, ValueError, r"sparsity_threshold must be in \[0, 1\], got 1.5"),
+        ({"budget": 1.5}, ValueError, r"budget must be None .* in \(0, 1\]; got 1.5"),
+        ({"budget": "half"}, ValueError, r"budget must be None .*; got 'half'"),
+        ({"budget": 0}, ValueError, r"budget must be .*; got 0"),
+        ({"budget": True}, TypeError, r"budget must be of type .*, got True"),
+        ({"profile_steps": 0}, ValueError, r"profile_steps must be >= 1, got 0"),
+        ({"lossy": "int3"}, ValueError, r"lossy must be one of 'off', 'auto', 'int8', 'fp8', 'int4'"),
+        ({"lossy_exclude": "head*"}, TypeError, r"lossy_exclude must be of type tuple"),
+        ({"lossy_exclude": (1,)}, TypeError, r"lossy_exclude must hold strings, got \(1,\)"),
+        ({"guard_every": -1}, ValueError, r"guard_every must be >= 0, got -1"),
+        ({"guard_tolerance": 0.0}, ValueError, r"guard_tolerance must be > 0, got 0.0"),
         ({"min_bytes": "1MB"}, TypeError, r"min_bytes must be of type int, got '1MB' \(str\)"),
         ({"min_bytes": 1.5}, TypeError, r"min_bytes must be of type int"),
         ({"pin_memory": "yes"}, TypeError, r"pin_memory must be of type bool"),
@@ -26,4 +35,7 @@ def test_bad_values_fail_at_construction_naming_the_field(kwargs, error, pattern
 def test_defaults_and_valid_values():
     cfg = CSwapConfig()
     assert (cfg.plan, cfg.compressor, cfg.min_bytes) == ("auto", "zvc", 256 * 1024)
-    assert CSwapConfig(sparsity_threshold=1, min_bytes=0, plan="rle").sparsity_threshold == 1
+    assert cfg.budget is None and cfg.lossy == "off"
+    assert CSwapConfig(lossy_exclude=["head*"]).lossy_exclude == ("head*",)
+    for budget in (None, "auto", 1 << 30, 0.5, 1.0):
+        assert CSwapConfig(budget=budget).budget == budget

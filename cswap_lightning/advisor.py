@@ -1,0 +1,222 @@
+"""The CSwap cost model and the memory budget: which sites to offload, and which to compress.
+
+Swapping a site of S bytes raw exposes the part of its transfers its windows cannot hide::
+
+    T_raw = max(S / BW_d2h - W_fwd, 0) + max(S / BW_h2d - W_bwd, 0)
+
+Compressing it first to C bytes costs the codec's time and exposes less transfer::
+
+    T_c = t_encode + t_decode + max(C / BW_d2h - W_fwd, 0) + max(C / BW_h2d - W_bwd, 0)
+
+A site is compressed iff ``T_c < T_raw``. ``C`` is the codec's exact payload size for the
+measured sparsity (format.py). Under a memory budget, sites are offloaded earliest-forward
+first (backward needs them last, so their transfers hide best) until the predicted peak fits.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .codecs import get_codec
+from .predictor import CodecTimeModel
+from .profiler import Link, SiteProfile
+from .stats import fmt_bytes
+
+# Sites left in place for these reasons are held outside autograd anyway (weights, their
+# views, storages another site already moved): keeping them costs no extra memory.
+_HELD_ELSEWHERE = ("parameter", "leaf", "view of a leaf", "shares storage")
+
+
+@dataclass
+class Decision:
+    """The plan for one site, with the numbers behind it."""
+
+    site: int
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    sparsity: float
+    decision: str  # keep | raw | a codec name
+    reason: str  # why: "budget met", "not offloadable", "hidden", "compression pays"...
+    stored_bytes: int  # predicted host bytes
+    raw_s: float  # predicted exposed time if swapped raw
+    chosen_s: float  # predicted exposed time of the decision (0 when kept)
+
+    @property
+    def saving_s(self) -> float:
+        """Exposed time the decision saves over swapping raw."""
+        return self.raw_s - self.chosen_s if self.decision != "keep" else 0.0
+
+
+@dataclass
+class Plan:
+    """Per-site decisions for steps whose sites match ``signature``."""
+
+    decisions: dict[int, Decision]
+    signature: tuple[tuple[tuple[int, ...], str], ...]
+    budget_bytes: int | None
+    base_bytes: int
+    predicted_peak: int  # base + saved bytes left on the device
+    fits: bool
+
+    def codec(self, site: int, shape: tuple[int, ...], dtype: str) -> str:
+        """The decision for a site; ``"raw"`` where this step's site differs from the plan's."""
+        d = self.decisions.get(site)
+        if d is None or (d.shape, d.dtype) != (shape, dtype):
+            return "raw"
+        return d.decision
+
+    def table(self, every_site: bool = False) -> str:
+        """One row per site the plan decided on (``every_site``: also those it could not move)."""
+        head = (f"{'site':>4} {'shape':<20} {'size':>9} {'sparsity':>8} {'decision':<8} "
+                f"{'host':>9} {'raw ms':>8} {'plan ms':>8} {'saves ms':>8}  why")
+        rows = [head, "-" * len(head)]
+        shown = [d for d in self.decisions.values()
+                 if every_site or d.decision != "keep" or d.reason == "fits the budget"]
+        for d in shown:
+            rows.append(
+                f"{d.site:>4} {list(d.shape)!s:<20} {fmt_bytes(d.nbytes):>9} "
+                f"{100 * d.sparsity:>7.1f}% {d.decision:<8} {fmt_bytes(d.stored_bytes):>9} "
+                f"{1e3 * d.raw_s:>8.3f} {1e3 * d.chosen_s:>8.3f} {1e3 * d.saving_s:>8.3f}  "
+                f"{d.reason}"
+            )
+        rows.append("-" * len(head))
+        if len(shown) < len(self.decisions):
+            rows.append(f"({len(self.decisions) - len(shown)} sites that cannot be offloaded "
+                        "are not shown)")
+        budget = "none" if self.budget_bytes is None else fmt_bytes(self.budget_bytes)
+        rows.append(f"budget {budget}: predicted peak {fmt_bytes(self.predicted_peak)} "
+                    f"(base {fmt_bytes(self.base_bytes)}){'' if self.fits else ' DOES NOT FIT'}")
+        return "\n".join(rows)
+
+    def as_dict(self) -> dict:
+        """JSON-able form (checkpoints)."""
+        return {
+            "decisions": [asdict(d) for d in self.decisions.values()],
+            "signature": [[list(shape), dtype] for shape, dtype in self.signature],
+            "budget_bytes": self.budget_bytes,
+            "base_bytes": self.base_bytes,
+            "predicted_peak": self.predicted_peak,
+            "fits": self.fits,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Plan:
+        decisions = {}
+        for d in data["decisions"]:
+            decisions[d["site"]] = Decision(**(d | {"shape": tuple(d["shape"])}))
+        signature = tuple((tuple(shape), dtype) for shape, dtype in data["signature"])
+        return cls(decisions, signature, data["budget_bytes"], data["base_bytes"],
+                   data["predicted_peak"], data["fits"])
+
+
+def exposed_s(nbytes: int, link: Link, forward_s: float, backward_s: float) -> float:
+    """Transfer time a swap of ``nbytes`` cannot hide behind its windows."""
+    return max(nbytes / link.d2h - forward_s, 0.0) + max(nbytes / link.h2d - backward_s, 0.0)
+
+
+def predicted_stored_bytes(codec: str, p: SiteProfile) -> int:
+    """Payload bytes of ``p`` under ``codec``, from the format's exact size formula."""
+    elem = getattr(torch, p.dtype).itemsize
+    numel = p.nbytes // elem
+    nnz = round(numel * (1.0 - p.sparsity))
+    if codec == "rle":
+        if "rle" in p.stored:
+            return p.stored["rle"]  # measured: the run count is not a function of sparsity
+        # Zeros placed independently: a zero run starts wherever a zero follows a non-zero.
+        nruns = round(numel * p.sparsity * (1.0 - p.sparsity)) + 1
+        return get_codec(codec).payload_nbytes(numel, nnz, elem, nruns)
+    return get_codec(codec).payload_nbytes(numel, nnz, elem)
+
+
+# Sparse tensors are left to the lossless codecs, which keep their zeros for free.
+LOSSY_MAX_SPARSITY = 0.5
+
+
+class Advisor:
+    """Turns site profiles into a plan with the cost model above.
+
+    ``lossy`` (a codec name) is weighed too, for dense sites ``lossy_ok`` accepts.
+    """
+
+    def __init__(self, compressor: str, link: Link, model: CodecTimeModel,
+                 lossy: str | None = None,
+                 lossy_ok: Callable[[SiteProfile], bool] = lambda p: True) -> None:
+        self.compressor = compressor
+        self.link = link
+        self.model = model
+        self.lossy = lossy
+        self.lossy_ok = lossy_ok
+
+    def codec_cost(self, codec: str, p: SiteProfile) -> tuple[float, int]:
+        """Predicted exposed time of swapping ``p`` through ``codec``, and its stored bytes."""
+        stored = predicted_stored_bytes(codec, p)
+        codec_s = (self.model.predict(codec, "encode", p.nbytes, p.sparsity)
+                   + self.model.predict(codec, "decode", p.nbytes, p.sparsity))
+        return codec_s + exposed_s(stored, self.link, p.forward_s, p.backward_s), stored
+
+    def costs(self, p: SiteProfile) -> tuple[float, float, int]:
+        """Predicted exposed time raw, and compressed, and the compressed bytes."""
+        return exposed_s(p.nbytes, self.link, p.forward_s, p.backward_s), *self.codec_cost(
+            self.compressor, p)
+
+    def decide(self, p: SiteProfile) -> Decision:
+        """Raw, compressed or (where allowed) lossy, for a site that will be offloaded."""
+        raw_s, best_s, stored = self.costs(p)
+        best, reason = self.compressor, "compression pays"
+        if self.lossy and p.sparsity < LOSSY_MAX_SPARSITY and self.lossy_ok(p):
+            lossy_s, lossy_stored = self.codec_cost(self.lossy, p)
+            if lossy_s < best_s:
+                best, reason, best_s, stored = self.lossy, "lossy pays", lossy_s, lossy_stored
+        if best_s < raw_s:
+            return Decision(p.site, p.shape, p.dtype, p.nbytes, p.sparsity, best, reason,
+                            stored, raw_s, best_s)
+        reason = "transfer hidden" if raw_s == 0.0 else "compression costs more"
+        return Decision(p.site, p.shape, p.dtype, p.nbytes, p.sparsity, "raw", reason,
+                        p.nbytes, raw_s, raw_s)
+
+    def plan(self, profiles: list[SiteProfile], base_bytes: int = 0,
+             budget_bytes: int | None = None) -> Plan:
+        """Decide every site; with a budget, offload earliest sites first until it fits."""
+        decisions: dict[int, Decision] = {}
+        resident = base_bytes
+        for p in profiles:
+            if p.offloadable:
+                decisions[p.site] = self.decide(p)
+                continue
+            decisions[p.site] = Decision(p.site, p.shape, p.dtype, p.nbytes, p.sparsity, "keep",
+                                         p.reason or "not offloadable", 0, 0.0, 0.0)
+            if not p.reason.startswith(_HELD_ELSEWHERE):
+                resident += p.nbytes
+        if budget_bytes is not None:
+            # Offloading from the earliest site on until the peak fits is keeping the longest
+            # run of latest sites that fits: backward needs those first.
+            room = budget_bytes - resident
+            for d in reversed([d for d in decisions.values() if d.decision != "keep"]):
+                if d.nbytes > room:
+                    break
+                room -= d.nbytes
+                resident += d.nbytes
+                d.decision, d.reason, d.stored_bytes, d.chosen_s = "keep", "fits the budget", 0, 0.0
+        fits = budget_bytes is None or resident <= budget_bytes
+        signature = tuple((p.shape, p.dtype) for p in profiles)
+        return Plan(decisions, signature, budget_bytes, base_bytes, resident, fits)
+
+
+def resolve_budget(budget: float | str | None, device: torch.device) -> int | None:
+    """The configured budget in bytes for ``device`` (None: no budget)."""
+    if budget is None or isinstance(budget, int):
+        return budget
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        available = free + torch.cuda.memory_allocated(device)
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    if budget == "auto":
+        return int(available)
+    return int(budget * total)

@@ -1,0 +1,288 @@
+"""The planned host arena at run time: one buffer for a step's payloads, checked as it is used.
+
+The step repeats, so the host payloads of a closed step (their sizes and lifetimes) plan the
+next one: ``memplan`` places them in one buffer, pinned on CUDA. At run time nothing is
+trusted: a payload takes its site's region only if it fits and no live payload holds bytes
+of that region (the next step may differ, two forwards may be alive at once, and
+``retain_graph`` keeps payloads); anything else gets memory of its own, as without the arena.
+
+A region is given back when the payload tensor viewing it is garbage collected. On CUDA its
+next writer's stream first waits, on the device, for the last copy that touched it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+import weakref
+from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from . import memplan
+from .memplan import Block, Layout
+from .stats import StepStats, fmt_bytes
+
+# Room added to each compressed payload's region: its size follows the tensor's sparsity,
+# which drifts from step to step (on the demo CNN learning digits, by at most 9.5% for one
+# site, but mostly down as training sparsifies: no payload outgrew 6% in 3 epochs). Raw
+# payloads have exact sizes. A payload that does not fit gets memory of its own, and the
+# arena is planned again.
+HEADROOM = 0.06
+ALIGNMENT = 512  # bytes; every region starts at a multiple of it
+_PAGE = 4096
+
+
+@dataclass(eq=False)
+class Lease:
+    """A region held by one payload, and the device work the region is ordered after."""
+
+    key: int
+    wait_for: list[torch.cuda.Event]  # for the writer: the last copies of earlier holders
+    last_use: torch.cuda.Event | None = None  # the last device copy that touched it
+
+
+class HostArena:
+    """One host buffer laid out by a :class:`~cswap_lightning.memplan.Layout`.
+
+    ``acquire`` runs in one thread only (the offload worker); payloads are released from
+    any thread, through a queue that ``acquire`` empties."""
+
+    def __init__(self, layout: Layout, signature: tuple, pin: bool) -> None:
+        self.layout = layout
+        self.signature = signature  # the sites it was planned for
+        self.slot_bytes = sum(size for _, size in layout.regions.values())
+        self._sharing = _sharing(layout)
+        self._busy: set[int] = set()
+        self._last_use: dict[int, torch.cuda.Event] = {}
+        self._released: deque[Lease] = deque()
+        self.buffer = self._allocate(max(layout.arena_bytes, 1), pin)
+
+    def acquire(self, key: int, nbytes: int) -> tuple[torch.Tensor, Lease] | str:
+        """A view of ``nbytes`` at the start of block ``key``'s region and its lease, or the
+        reason it cannot be had."""
+        while self._released:
+            lease = self._released.popleft()
+            self._busy.discard(lease.key)
+            if lease.last_use is not None:
+                self._last_use[lease.key] = lease.last_use
+        if key not in self.layout.regions:
+            return "unplanned"
+        at, size = self.layout.regions[key]
+        if nbytes > size:
+            return "too big"
+        sharing = self._sharing[key]
+        if not self._busy.isdisjoint(sharing):
+            return "busy"
+        self._busy.add(key)
+        lease = Lease(key, [self._last_use[k] for k in sharing if k in self._last_use])
+        view = self.buffer[at : at + nbytes]
+        weakref.finalize(view, self._release, lease).atexit = False
+        return view, lease
+
+    def _release(self, lease: Lease) -> None:
+        """Runs when the payload's view is collected, in whichever thread dropped it; holding
+        this bound method keeps the arena (and its memory) alive while any view lives."""
+        self._released.append(lease)
+
+    def in_use(self) -> int:
+        """Regions held by live payloads."""
+        return len(self._busy) - len(self._released)
+
+    def _allocate(self, nbytes: int, pin: bool) -> torch.Tensor:
+        if not pin:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        # Page-locked in place, not taken from PyTorch's pinned allocator, which would round
+        # the arena up to a power of two: the waste the arena exists to avoid. Whole pages of
+        # its own, so that no other registered range shares a page with it.
+        size = memplan.align_up(nbytes, _PAGE)
+        base = torch.empty(size + _PAGE, dtype=torch.uint8)
+        start = -base.data_ptr() % _PAGE
+        status = int(torch.cuda.cudart().cudaHostRegister(base.data_ptr() + start, size, 1))
+        if status != 0:
+            raise RuntimeError(f"cudaHostRegister of {fmt_bytes(size)} failed with error {status}")
+        weakref.finalize(
+            self, _unregister, base, start, self._last_use, self._released
+        ).atexit = False  # never after the CUDA context is gone
+        return base[start : start + nbytes]
+
+
+def _unregister(
+    base: torch.Tensor, start: int, last_use: dict[int, torch.cuda.Event], released: deque[Lease]
+) -> None:
+    """Unpin an arena nobody holds any more, once the copies that touched it are done."""
+    for event in [*last_use.values(), *(lease.last_use for lease in released)]:
+        if event is not None:
+            event.synchronize()
+    torch.cuda.cudart().cudaHostUnregister(base.data_ptr() + start)
+
+
+def _sharing(layout: Layout) -> dict[int, tuple[int, ...]]:
+    """For each block, the blocks whose regions share bytes with its own (itself included)."""
+    regions = sorted((at, at + size, key) for key, (at, size) in layout.regions.items())
+    sharing: dict[int, list[int]] = {key: [key] for key in layout.regions}
+    for i, (_, stop, key) in enumerate(regions):
+        for at, _, other in regions[i + 1 :]:
+            if at >= stop:
+                break
+            sharing[key].append(other)
+            sharing[other].append(key)
+    return {key: tuple(keys) for key, keys in sharing.items()}
+
+
+def payload_blocks(step: StepStats) -> list[Block]:
+    """One block per host payload of ``step``: its stored size, from its pack to its first
+    unpack (or to the step's last tick if backward never needed it, yet)."""
+    last = max((max(s.packed_at, s.unpacked_at or 0) for s in step.sites), default=0)
+    return [
+        Block(s.site, s.stored_bytes, s.packed_at, last if s.unpacked_at is None else s.unpacked_at)
+        for s in step.sites
+        if s.stored_bytes > 0
+    ]
+
+
+@dataclass(frozen=True)
+class ArenaReport:
+    """Host memory for the payloads of one closed step."""
+
+    step: int
+    payloads: int
+    lower_bound: int  # most payload bytes live at once: no placement needs less
+    per_tensor_bytes: int  # at least what PyTorch's pinned allocator holds for them one by one
+    arena_bytes: int  # the arena planned for the following steps (0: none)
+    hits: int  # payloads of this step that went into the arena
+    fallbacks: dict[str, int] = field(default_factory=dict)  # allocated on their own, by reason
+    replanned: bool = False
+
+    def __str__(self) -> str:
+        def vs_bound(n: int) -> str:
+            return f"{fmt_bytes(n)} ({n / self.lower_bound:.2f}x)" if self.lower_bound else "-"
+
+        fallbacks = ", ".join(f"{n} {why}" for why, n in sorted(self.fallbacks.items()))
+        return (
+            f"step {self.step}: {self.payloads} host payloads, lower bound "
+            f"{fmt_bytes(self.lower_bound)}; arena {vs_bound(self.arena_bytes)}"
+            f"{' (re-planned)' if self.replanned else ''}; per-tensor pinned >= "
+            f"{vs_bound(self.per_tensor_bytes)}; {self.hits} in the arena, "
+            f"{sum(self.fallbacks.values())} on their own{f' ({fallbacks})' if fallbacks else ''}"
+        )
+
+
+class HostMemory:
+    """Host slots for payloads: the planned arena when it can serve, per-tensor otherwise.
+
+    Each closed step is accounted for, and re-planned from if its sites changed, a payload
+    did not fit, or the arena is more than ``headroom`` too large, in a thread of its own:
+    allocating and pinning a large arena must not hold up the offload worker, which uses
+    per-tensor memory until the new arena is ready. A site whose payload outgrew its slot
+    gets twice the headroom from then on, so that one growing tensor (sparsity falls fast
+    early in training) does not have the arena planned again at every step."""
+
+    def __init__(self, pin: bool, headroom: float = HEADROOM, alignment: int = ALIGNMENT) -> None:
+        self.pin = pin
+        self.headroom = headroom
+        self.alignment = alignment
+        self.arena: HostArena | None = None
+        self._planner = ThreadPoolExecutor(1, thread_name_prefix="cswap-plan")
+        self._lock = threading.Lock()
+        self._hits = 0
+        self._fallbacks: Counter[str] = Counter()
+        self._outgrown: set[int] = set()  # sites whose payload did not fit, this step
+        self._headroom: dict[int, float] = {}  # sites given more than ``headroom``
+        self._failed: tuple | None = None  # signature whose arena could not be allocated
+        self._warned = False
+        self._report: ArenaReport | None = None
+
+    def acquire(self, site: int, nbytes: int) -> tuple[torch.Tensor, Lease] | None:
+        """The planned region for ``site`` (offload worker only), or None: allocate one."""
+        arena = self.arena
+        taken = arena.acquire(site, nbytes) if arena is not None else "no arena"
+        with self._lock:
+            if isinstance(taken, str):
+                self._fallbacks[taken] += 1
+                if taken == "too big":
+                    self._outgrown.add(site)
+                return None
+            self._hits += 1
+        return taken
+
+    def step_closed(self, step: StepStats) -> None:
+        """Account for ``step`` (its offload work finished) and plan from it, in the background."""
+        with self._lock:
+            hits, fallbacks, outgrown = self._hits, dict(self._fallbacks), self._outgrown
+            self._hits, self._fallbacks, self._outgrown = 0, Counter(), set()
+        self._planner.submit(self._plan_from, step, hits, fallbacks, outgrown)
+
+    def report(self) -> ArenaReport | None:
+        """The last closed step's report (waits for its planning to finish)."""
+        self._planner.submit(lambda: None).result()
+        return self._report
+
+    def close(self) -> None:
+        self._planner.shutdown(wait=True)
+        self.arena = None
+
+    def _plan_from(
+        self, step: StepStats, hits: int, fallbacks: dict[str, int], outgrown: set[int]
+    ) -> None:
+        for site in outgrown:
+            self._headroom[site] = min(1.0, 2 * self._headroom.get(site, self.headroom))
+        payloads = payload_blocks(step)
+        slots = self._slots(step, payloads)
+        signature = tuple((s.site, s.nbytes, s.decision) for s in step.sites if s.stored_bytes)
+        # A step that stored nothing (e.g. a forward under no_grad) says nothing about the next.
+        replan = bool(slots) and self._should_replan(signature, slots, fallbacks)
+        if replan:
+            self.arena = None  # an arena no payload holds is freed before the next is made
+            self.arena = self._allocate(slots, signature)
+        self._report = ArenaReport(
+            step.step,
+            len(payloads),
+            memplan.lower_bound(payloads),
+            memplan.per_tensor_bytes(payloads),
+            self.arena.layout.arena_bytes if self.arena is not None else 0,
+            hits,
+            fallbacks,
+            replan,
+        )
+
+    def _slots(self, step: StepStats, payloads: list[Block]) -> list[Block]:
+        """Payload blocks grown into slots: a compressed one by its site's headroom (raw
+        sizes are exact), every one up to the alignment: padding the arena has anyway."""
+        raw = {s.site for s in step.sites if s.decision == "raw"}
+        return [replace(b, size=self._slot_bytes(b, exact=b.key in raw)) for b in payloads]
+
+    def _slot_bytes(self, block: Block, exact: bool) -> int:
+        headroom = self._headroom.get(block.key, self.headroom)
+        grown = block.size if exact else math.ceil(block.size * (1 + headroom))
+        return memplan.align_up(grown, self.alignment)
+
+    def _should_replan(self, signature: tuple, slots: list[Block], fallbacks: dict) -> bool:
+        arena = self.arena
+        if arena is None:
+            return signature != self._failed
+        return (
+            signature != arena.signature
+            or "too big" in fallbacks
+            or arena.slot_bytes > (1 + self.headroom) * sum(b.size for b in slots)
+        )
+
+    def _allocate(self, slots: list[Block], signature: tuple) -> HostArena | None:
+        layout = memplan.plan(slots, self.alignment)
+        try:
+            return HostArena(layout, signature, self.pin)
+        except RuntimeError as err:
+            self._failed = signature
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"cswap: could not allocate the planned host arena of "
+                    f"{fmt_bytes(layout.arena_bytes)} ({err}); payloads get host memory of "
+                    "their own, one by one. Further failures are not reported.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            return None

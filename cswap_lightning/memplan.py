@@ -1,0 +1,128 @@
+"""Where each host buffer of a repeating step goes in one arena: lifetime-aware best fit.
+
+Pure arithmetic on blocks (a key, a size, a lifetime in ticks of the step clock); no torch.
+Two blocks may share bytes only if their lifetimes are disjoint. Blocks are placed largest
+first, each in the smallest gap left by the already placed blocks whose lifetimes overlap
+its own (lowest offset on ties), or past the last of them.
+
+Two figures to judge a placement by:
+
+- ``lower_bound``: the most bytes live at one tick. No placement needs less.
+- ``per_tensor_bytes``: what allocating each buffer on its own in PyTorch's pinned-memory
+  allocator holds at least. ``CachingHostAllocatorImpl::allocate`` in
+  aten/src/ATen/core/CachingHostAllocator.h rounds every request up to a power of two
+  (``roundSize = c10::llvm::PowerOf2Ceil(size)``) and never splits a cached block, so at
+  the busiest tick it holds at least the live sizes rounded up that way.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Block:
+    """A buffer of ``size`` bytes needed from tick ``start`` to tick ``end``, both included."""
+
+    key: int
+    size: int
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if self.size < 0:
+            raise ValueError(f"block {self.key}: size must be >= 0 bytes, got {self.size}")
+        if self.end < self.start:
+            raise ValueError(
+                f"block {self.key}: lifetime ends (tick {self.end}) before it starts "
+                f"(tick {self.start})"
+            )
+
+    def lives_with(self, other: Block) -> bool:
+        """Whether both blocks are needed at some common tick."""
+        return self.start <= other.end and other.start <= self.end
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each block lies in an arena of ``arena_bytes``: key -> ``(offset, size)``."""
+
+    regions: dict[int, tuple[int, int]]
+    arena_bytes: int
+    alignment: int
+
+
+def plan(blocks: Iterable[Block], alignment: int = 512) -> Layout:
+    """Place ``blocks`` so that no two with overlapping lifetimes overlap in memory.
+
+    Every offset is a multiple of ``alignment`` (a power of two)."""
+    if alignment < 1 or alignment & (alignment - 1):
+        raise ValueError(f"alignment must be a power of two >= 1, got {alignment}")
+    blocks = tuple(blocks)
+    keys = [b.key for b in blocks]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"block keys must be unique, got {sorted(keys)}")
+    # (offset, stop, start tick, end tick, block), kept sorted by offset
+    placed: list[tuple[int, int, int, int, Block]] = []
+    for block in sorted(blocks, key=lambda b: (-b.size, b.start, b.key)):
+        start, end = block.start, block.end
+        taken = [
+            (at, stop) for at, stop, first, last, _ in placed if first <= end and start <= last
+        ]
+        at = _best_fit(taken, block.size, alignment)
+        bisect.insort(placed, (at, at + block.size, start, end, block), key=_offset)
+    regions = {b.key: (at, b.size) for at, _, _, _, b in placed}
+    return Layout(regions, max((stop for _, stop, *_ in placed), default=0), alignment)
+
+
+def lower_bound(blocks: Iterable[Block]) -> int:
+    """The most bytes live at one tick: no placement of ``blocks`` fits in less."""
+    return _peak_live(blocks, lambda b: b.size)
+
+
+def per_tensor_bytes(blocks: Iterable[Block]) -> int:
+    """The most bytes live at one tick once each size is rounded up to a power of two, as
+    PyTorch's pinned-memory allocator does: a lower bound for what it holds."""
+    return _peak_live(blocks, lambda b: power_of_two_ceil(b.size))
+
+
+def power_of_two_ceil(n: int) -> int:
+    """The smallest power of two >= ``n`` (0 for 0), like ``c10::llvm::PowerOf2Ceil``."""
+    return 0 if n == 0 else 1 << (n - 1).bit_length()
+
+
+def _best_fit(taken: list[tuple[int, int]], size: int, alignment: int) -> int:
+    """The aligned offset of the smallest gap between ``taken`` ranges (sorted by start, may
+    overlap one another) that holds ``size`` bytes; past the last range if none does."""
+    best: tuple[int, int] | None = None  # (gap, offset)
+    frontier = 0  # end of the taken bytes seen so far
+    for start, stop in taken:
+        at = align_up(frontier, alignment)
+        gap = start - at
+        if gap >= size and (best is None or gap < best[0]):
+            best = (gap, at)
+        frontier = max(frontier, stop)
+    return best[1] if best is not None else align_up(frontier, alignment)
+
+
+def _offset(placed: tuple) -> int:
+    return placed[0]
+
+
+def align_up(n: int, alignment: int) -> int:
+    """``n`` rounded up to a multiple of ``alignment``."""
+    return -(-n // alignment) * alignment
+
+
+def _peak_live(blocks: Iterable[Block], size_of: Callable[[Block], int]) -> int:
+    """Sweep the ticks: each block adds its size at ``start`` and removes it after ``end``."""
+    events: list[tuple[int, int]] = []
+    for b in blocks:
+        events += [(b.start, size_of(b)), (b.end + 1, -size_of(b))]
+    peak = live = 0
+    for _, delta in sorted(events, key=lambda e: (e[0], e[1] > 0)):  # frees first at a tick
+        live += delta
+        peak = max(peak, live)
+    return peak

@@ -1,0 +1,176 @@
+"""What the advisor needs to know, measured: per-site size, sparsity and hiding windows, and
+the link's bandwidth.
+
+A site's *forward window* is the compute between its pack and the next pack: the time its
+copy out can hide behind. Its *backward window* is the compute between the unpack before it
+(in backward order) and its own unpack: the time a prefetch can hide behind. On CUDA the
+clock is a device event per pack and unpack, read once when the step is closed; on the CPU
+it is the host clock. Only profiled steps are timed.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .stats import StepStats
+
+
+@dataclass(frozen=True)
+class Link:
+    """Bytes per second between device and host memory, and within the device."""
+
+    d2h: float
+    h2d: float
+    d2d: float
+
+
+_LINKS: dict[torch.device, Link] = {}
+
+
+def measure_link(device: torch.device, nbytes: int = 64 << 20, repeats: int = 3) -> Link:
+    """Copy bandwidths for ``device``, measured once per process (pinned host memory on CUDA;
+    on the CPU every direction is a memory copy)."""
+    device = torch.device(device)
+    if device not in _LINKS:
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if device.type == "cuda":
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            d2h = _best_seconds(lambda: host.copy_(src, non_blocking=True), device, repeats)
+            h2d = _best_seconds(lambda: src.copy_(host, non_blocking=True), device, repeats)
+            dst = torch.empty_like(src)
+            d2d = _best_seconds(lambda: dst.copy_(src), device, repeats)
+            _LINKS[device] = Link(nbytes / d2h, nbytes / h2d, nbytes / d2d)
+        else:  # the engine clones into new memory, page faults included: time that
+            copy = nbytes / _best_seconds(src.clone, device, repeats)
+            _LINKS[device] = Link(copy, copy, copy)
+    return _LINKS[device]
+
+
+def _best_seconds(fn, device: torch.device, repeats: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        clock = Clock(device)
+        start = clock.now()
+        fn()
+        end = clock.now()
+        best = min(best, clock.seconds(start, end))
+    return max(best, 1e-9)
+
+
+class Clock:
+    """Time stamps from the host clock, or from events on the device's current stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> float:
+        if not self.cuda:
+            return end - start
+        end.synchronize()  # only when a profiled step is closed, never in forward
+        return start.elapsed_time(end) / 1e3
+
+
+class StepTimer:
+    """Time stamps of one step's packs, end of forward and first unpacks, per site."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.clock = Clock(device)
+        self.packs: list[tuple[int, object]] = []
+        self.unpacks: list[tuple[int, object]] = []
+        self.forward_end: object | None = None
+
+    def packed(self, site: int) -> None:
+        self.packs.append((site, self.clock.now()))
+
+    def forward_done(self) -> None:
+        self.forward_end = self.clock.now()
+
+    def unpacked(self, site: int) -> None:
+        self.unpacks.append((site, self.clock.now()))
+
+    def windows(self) -> dict[int, tuple[float, float]]:
+        """site -> (forward window, backward window) in seconds."""
+        if self.forward_end is None or not self.packs:
+            return {}
+        seconds = self.clock.seconds
+        out = {}
+        ends = [stamp for _, stamp in self.packs[1:]] + [self.forward_end]
+        for (site, start), end in zip(self.packs, ends):
+            out[site] = (seconds(start, end), 0.0)
+        # The first site backward needs has nothing to hide behind: its prefetch starts late.
+        for (_, before), (site, stamp) in zip(self.unpacks, self.unpacks[1:]):
+            if site in out:
+                out[site] = (out[site][0], seconds(before, stamp))
+        return out
+
+
+@dataclass
+class SiteProfile:
+    """Everything the cost model needs to know about one site."""
+
+    site: int
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int  # bytes that would leave the device (its whole storage)
+    offloadable: bool  # False for parameters, small tensors, unsupported kinds, dedup views
+    reason: str = ""  # why it cannot be offloaded
+    module: str = ""  # qualified name of the module that saved it, when known
+    sparsity: float = 0.0
+    forward_s: float = 0.0  # forward window
+    backward_s: float = 0.0  # backward window
+    stored: dict[str, int] = field(default_factory=dict)  # codec -> measured payload bytes
+    sparsity_history: list[float] = field(default_factory=list)  # one value per profiled step
+
+
+class Profiler:
+    """Collects the profiled steps of one plan and summarises them per site."""
+
+    def __init__(self) -> None:
+        self.sites: dict[int, SiteProfile] = {}
+        self._windows: dict[int, list[tuple[float, float]]] = {}
+        self.steps = 0
+
+    def observe(self, step: StepStats, windows: dict[int, tuple[float, float]]) -> None:
+        """Fold one profiled step in (call after the step's statistics are closed)."""
+        self.steps += 1
+        for s in step.sites:
+            offloadable = not s.reason or s.reason == "plan"
+            profile = self.sites.get(s.site)
+            if profile is None or (profile.shape, profile.dtype) != (s.shape, s.dtype):
+                profile = SiteProfile(s.site, s.shape, s.dtype, s.nbytes, offloadable)
+                self.sites[s.site] = profile
+                self._windows[s.site] = []
+            profile.nbytes, profile.offloadable = s.nbytes, offloadable
+            profile.reason = "" if offloadable else s.reason
+            profile.module = s.module
+            if s.sparsity is not None:
+                profile.sparsity = s.sparsity
+                profile.sparsity_history.append(s.sparsity)
+            if s.stored_bytes:
+                profile.stored[s.decision] = s.stored_bytes
+            if s.site in windows:
+                self._windows[s.site].append(windows[s.site])
+        for site, measured in self._windows.items():
+            if measured:
+                self.sites[site].forward_s = statistics.median(w[0] for w in measured)
+                self.sites[site].backward_s = statistics.median(w[1] for w in measured)
+
+    def profile(self) -> list[SiteProfile]:
+        return [self.sites[k] for k in sorted(self.sites)]
+
+
+def signature(step: StepStats) -> tuple[tuple[tuple[int, ...], str], ...]:
+    """What must match for a plan made on one step to apply to another."""
+    return tuple((s.shape, s.dtype) for s in step.sites)

@@ -1,0 +1,235 @@
+"""The cost model, the budget and the predictor, with injected measurements (no clock)."""
+
+import copy
+
+import pytest
+import torch
+from conftest import grads, model_and_batch
+from torch import nn
+from torch.nn import functional as F
+
+from cswap_lightning import CSwapConfig, Offloader
+from cswap_lightning.advisor import Advisor, Plan, exposed_s, predicted_stored_bytes
+from cswap_lightning.bench_advisor import accuracy, report, run_advisor_check
+from cswap_lightning.codecs import get_codec
+from cswap_lightning.predictor import CodecTimeModel, KernelRun, calibrate
+from cswap_lightning.profiler import Link, SiteProfile
+
+MiB = 1 << 20
+GB = 1e9
+
+
+def linear_runs(codec, a, b, c, sizes=(1, 4, 16), sparsities=(0.0, 0.5, 0.9)):
+    """Runs that follow seconds = a + b * MiB + c * non-zero MiB exactly."""
+    return [
+        KernelRun(codec, direction, n * MiB, s, a + b * n + c * n * (1 - s))
+        for direction in ("encode", "decode")
+        for n in sizes
+        for s in sparsities
+    ]
+
+
+def model(a=1e-5, b=1e-5, c=1e-5):
+    return CodecTimeModel().fit(linear_runs("zvc", a, b, c))
+
+
+def site(sparsity, nbytes=16 * MiB, forward_s=0.0, backward_s=0.0, index=0, **kw):
+    return SiteProfile(index, (nbytes // 4,), "float32", nbytes, True, sparsity=sparsity,
+                       forward_s=forward_s, backward_s=backward_s, **kw)
+
+
+def test_predictor_recovers_a_linear_law_and_reports_its_error():
+    m = model(2e-5, 3e-5, 5e-5)
+    assert m.predict("zvc", "encode", 8 * MiB, 0.25) == pytest.approx(2e-5 + 3e-5 * 8 + 5e-5 * 6)
+    assert m.mape(linear_runs("zvc", 2e-5, 3e-5, 5e-5, sizes=(2, 64))) < 1e-6
+    assert m.mape([KernelRun("zvc", "encode", MiB, 0.0, 2 * m.predict("zvc", "encode", MiB, 0.0))]
+                  ) == pytest.approx(0.5)
+    assert m.predict("raw", "decode", MiB, 0.0) == 0.0
+    with pytest.raises(KeyError, match="no measured runs for codec 'rle'"):
+        m.predict("rle", "encode", MiB, 0.5)
+
+
+def test_exposed_time_is_what_the_windows_cannot_hide():
+    link = Link(d2h=1 * GB, h2d=2 * GB, d2d=100 * GB)
+    assert exposed_s(10**9, link, 0.0, 0.0) == pytest.approx(1.5)
+    assert exposed_s(10**9, link, 0.4, 0.1) == pytest.approx(0.6 + 0.4)
+    assert exposed_s(10**9, link, 5.0, 5.0) == 0.0
+
+
+def test_predicted_payload_is_the_formats_exact_size():
+    t = torch.zeros(1000)
+    t[:300] = 1.0  # 70% zeros in one run
+    p = site(0.7, nbytes=4000)
+    assert predicted_stored_bytes("zvc", p) == get_codec("zvc").encode(t).payload.numel()
+    p.stored["rle"] = get_codec("rle").encode(t).payload.numel()
+    assert predicted_stored_bytes("rle", p) == p.stored["rle"]  # measured wins over estimate
+
+
+def test_compression_decision_flips_where_the_equations_say():
+    link = Link(d2h=10 * GB, h2d=10 * GB, d2d=1000 * GB)
+    m = model()
+    advisor = Advisor("zvc", link, m)
+    n = 16 * MiB
+
+    def costs(s):
+        p = site(s, n)
+        c = predicted_stored_bytes("zvc", p)
+        t_c = m.predict("zvc", "encode", n, s) + m.predict("zvc", "decode", n, s)
+        return t_c + 2 * c / link.d2h, 2 * n / link.d2h
+
+    grid = [i / 100 for i in range(101)]
+    flips = [s for s in grid if (costs(s)[0] < costs(s)[1])]
+    assert 0.0 < flips[0] < 1.0  # dense stays raw, sparse is compressed
+    for s in grid:
+        expected = "zvc" if costs(s)[0] < costs(s)[1] else "raw"
+        assert advisor.decide(site(s, n)).decision == expected, s
+    # Windows long enough to hide the raw transfer: compression only costs time.
+    assert advisor.decide(site(0.95, n, forward_s=1.0, backward_s=1.0)).decision == "raw"
+    # A codec slower than the link never pays.
+    slow = Advisor("zvc", link, model(1.0, 1.0, 1.0))
+    assert slow.decide(site(0.95, n)).decision == "raw"
+
+
+def test_budget_offloads_earliest_sites_until_the_peak_fits():
+    link = Link(10 * GB, 10 * GB, 1000 * GB)
+    advisor = Advisor("zvc", link, model())
+    profiles = [site(0.0, MiB * (i + 1), index=i) for i in range(4)]  # 1, 2, 3, 4 MiB
+    profiles.append(SiteProfile(4, (10,), "float32", 40, False, reason="parameter"))
+    profiles.append(SiteProfile(5, (10,), "float32", MiB, False, reason="small"))
+    base = 2 * MiB
+    no_budget = advisor.plan(profiles, base, None)
+    assert [no_budget.decisions[i].decision for i in range(4)] == ["raw"] * 4
+    plan = advisor.plan(profiles, base, 10 * MiB)  # base 2 + small 1 + latest sites 4 + 3
+    assert [plan.decisions[i].decision for i in range(4)] == ["raw", "raw", "keep", "keep"]
+    assert plan.predicted_peak == 10 * MiB and plan.fits
+    assert plan.decisions[4].decision == "keep"  # parameters are not counted twice
+    roomy = advisor.plan(profiles, base, 100 * MiB)
+    assert all(d.decision == "keep" for d in roomy.decisions.values())
+    tight = advisor.plan(profiles, base, 2 * MiB)  # even offloading everything does not fit
+    assert not tight.fits and "DOES NOT FIT" in tight.table()
+    assert [tight.decisions[i].decision for i in range(4)] == ["raw"] * 4
+
+
+def test_plan_round_trips_through_a_dict():
+    advisor = Advisor("zvc", Link(GB, GB, GB), model())
+    plan = advisor.plan([site(0.9, index=0), site(0.0, index=1)], 123, 64 * MiB)
+    again = Plan.from_dict(plan.as_dict())
+    assert again == plan
+    assert again.codec(0, (4 * MiB,), "float32") == plan.decisions[0].decision
+    assert again.codec(0, (7,), "float32") == "raw"  # a site that changed falls back
+
+
+class Gate(nn.Module):
+    """ReLU of a shifted input: the shift sets the fraction of zeros it saves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 256)
+        self.shift = 0.0
+        self.out = nn.Linear(256, 10)
+
+    def forward(self, x):
+        return self.out(F.relu(self.lin(x) + self.shift))
+
+
+def test_plan_changes_when_sparsity_changes_between_epochs():
+    torch.manual_seed(0)
+    net, x = Gate(), torch.randn(512, 64)
+    y = torch.randint(0, 10, (512,))
+    slow_link = Link(1e6, 1e6, 1e9)  # so slow that fewer bytes always pay
+    off = Offloader(CSwapConfig(min_bytes=64 * 1024, profile_steps=1), link=slow_link,
+                    time_model=model(1e-6, 1e-6, 1e-6))
+
+    def step():
+        with off:
+            loss = F.cross_entropy(net(x), y)
+        loss.backward()
+
+    def relu_site():
+        (s,) = [s for s in off.last_step().sites if s.shape == (512, 256) and not s.reason]
+        return s.site
+
+    net.shift = 100.0  # dense: nothing is zero
+    step()
+    step()
+    assert off.plan.decisions[relu_site()].decision == "raw"
+    off.new_epoch()
+    net.shift = -100.0  # all zeros
+    step()
+    step()
+    assert off.plan.decisions[relu_site()].decision == "zvc"
+    assert off.last_step().sites[relu_site()].decision == "zvc"
+    off.close()
+
+
+def test_auto_budget_keeps_gradients_bitwise_equal():
+    model_, x, y = model_and_batch("cnn")
+    ref = grads(copy.deepcopy(model_), x, y, None, steps=3)
+    off = Offloader(CSwapConfig(min_bytes=0, budget="auto", profile_steps=1))
+    got = grads(copy.deepcopy(model_), x, y, off, steps=3)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert off.plan is not None and off.plan.fits
+    off.close()
+
+
+def test_calibration_is_measured_once_and_validated_on_held_out_runs():
+    cal = calibrate(torch.device("cpu"), ("zvc",))
+    assert calibrate(torch.device("cpu"), ("zvc",)) is cal
+    assert {(r.nbytes, r.sparsity) for r in cal.held_out_runs}.isdisjoint(
+        {(r.nbytes, r.sparsity) for r in cal.fit_runs})
+    assert cal.mape == pytest.approx(cal.model.mape(cal.held_out_runs))
+    big, small = (cal.model.predict("zvc", "encode", n, 0.5) for n in (64 * MiB, MiB))
+    assert big > small > 0
+
+
+def test_advisor_picks_the_measured_faster_swap_on_real_activations():
+    cases = run_advisor_check("cpu")
+    assert len(cases) >= 20 and {c.sparsity > 0.4 for c in cases} == {True, False}
+    assert accuracy(cases) >= 0.9, report(cases)
+
+
+def _step(off, net, x, y):
+    with off:
+        loss = F.cross_entropy(net(x), y)
+    loss.backward()
+
+
+def test_a_step_whose_sites_changed_falls_back_to_raw_and_is_planned_again():
+    net, x, y = model_and_batch("mlp")
+    off = Offloader(CSwapConfig(min_bytes=0, profile_steps=1), link=Link(1e6, 1e6, 1e9),
+                    time_model=model(1e-6, 1e-6, 1e-6))
+    _step(off, net, x, y)
+    _step(off, net, x, y)
+    old_plan = off.plan
+    assert "zvc" in {d.decision for d in old_plan.decisions.values()}  # ReLU outputs compress
+    _step(off, net, x[:7], y[:7])  # another batch size: no site matches the plan
+    assert {s.decision for s in off.last_step().sites} - {"keep", "dedup"} == {"raw"}
+    _step(off, net, x[:7], y[:7])  # measured again ...
+    _step(off, net, x[:7], y[:7])  # ... and planned for the new shapes
+    assert off.plan is not old_plan
+    assert all(d.shape[0] == 7 for d in off.plan.decisions.values() if d.decision != "keep"
+               and len(d.shape) == 2)
+    off.close()
+
+
+def test_learned_plan_survives_a_state_dict_round_trip():
+    import json
+
+    net, x, y = model_and_batch("mlp")
+    kw = {"link": Link(1e6, 1e6, 1e9), "time_model": model(1e-6, 1e-6, 1e-6)}
+    off = Offloader(CSwapConfig(min_bytes=0, profile_steps=1), **kw)
+    for _ in range(3):
+        _step(off, net, x, y)
+    state = json.loads(json.dumps(off.state_dict()))
+    restored = Offloader(CSwapConfig(min_bytes=0, profile_steps=1), **kw)
+    restored.load_state_dict(state)
+    assert restored.plan == off.plan
+    _step(restored, net, x, y)  # the restored plan applies at once: no profiling step
+    decisions = {s.site: s.decision for s in restored.last_step().sites}
+    for site, d in off.plan.decisions.items():
+        if d.decision in ("raw", "zvc"):
+            assert decisions[site] == d.decision
+    with pytest.raises(ValueError, match="unknown cswap state version 7"):
+        restored.load_state_dict({"version": 7})
+    off.close()
+    restored.close()

@@ -1,0 +1,245 @@
+"""The planned host arena at run time: used when it can be, never when it must not be."""
+
+import copy
+import gc
+import warnings
+
+import pytest
+import torch
+from conftest import model_and_batch
+from torch.nn import functional as F
+
+from cswap_lightning import CSwapConfig, Offloader
+from cswap_lightning.arena import ALIGNMENT, HEADROOM, HostArena
+from cswap_lightning.codecs import get_codec
+from cswap_lightning.memplan import Block, plan
+from cswap_lightning.stats import SiteStats, StepStats
+from cswap_lightning.transfer import Transfer
+
+
+def forward(model, x, y, off=None):
+    """The loss of one forward, under ``off`` if given.
+
+    Inside the ``with`` block the report of the step just closed is read first: it waits
+    for the arena planned from that step, so that this step can use it."""
+    if off is None:
+        return F.cross_entropy(model(x), y)
+    with off:
+        off.transfer.arena_report()
+        return F.cross_entropy(model(x), y)
+
+
+def grads(model, x, y, off=None):
+    model.zero_grad(set_to_none=True)
+    forward(model, x, y, off).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def assert_bitwise_equal(a, b):
+    assert len(a) == len(b)
+    for ga, gb in zip(a, b):
+        assert torch.equal(ga, gb)
+
+
+def assert_same_grads(a, b):
+    assert_bitwise_equal([p.grad for p in a.parameters()], [p.grad for p in b.parameters()])
+
+
+def close_last(off):
+    """The report of the last step (entering the Offloader closes it)."""
+    with off:
+        return off.transfer.arena_report()
+
+
+def warmed_up(name="cnn", plan_name="zvc"):
+    """A model, a reference copy, a batch, and an Offloader whose arena is planned."""
+    model, x, y = model_and_batch(name)
+    off = Offloader(CSwapConfig(plan=plan_name, min_bytes=0))
+    ref = copy.deepcopy(model)
+    for _ in range(2):
+        assert_bitwise_equal(grads(ref, x, y), grads(model, x, y, off))
+    assert close_last(off).hits > 0
+    return model, ref, x, y, off
+
+
+@pytest.mark.parametrize("plan_name", ["raw", "zvc"])
+@pytest.mark.parametrize("name", ["cnn", "transformer"])
+def test_training_with_the_arena_is_lossless_and_reuses_regions(name, plan_name):
+    model, x, y = model_and_batch(name)
+    ref, swapped = copy.deepcopy(model), copy.deepcopy(model)
+    off = Offloader(CSwapConfig(plan=plan_name, min_bytes=0))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(swapped.parameters(), lr=0.1)
+    for i in range(3):
+        assert_bitwise_equal(grads(ref, x, y), grads(swapped, x, y, off))
+        ref_opt.step()
+        opt.step()
+        report = off.transfer.arena_report()
+        if i == 0:
+            assert report is None  # no step closed yet
+        elif i == 1:  # step 0 ran before any plan, and planned the arena
+            assert report.payloads > 5
+            assert report.hits == 0 and report.fallbacks == {"no arena": report.payloads}
+            assert report.replanned
+            slack = report.payloads * ALIGNMENT
+            assert report.arena_bytes <= (1 + HEADROOM) * report.lower_bound + slack
+            assert report.arena_bytes >= report.lower_bound
+            assert report.per_tensor_bytes >= report.lower_bound
+        else:  # step 1 used the arena planned from step 0
+            assert report.hits > 0, report
+            if plan_name == "raw":  # exact sizes: every payload fits
+                assert report.hits == report.payloads
+            else:  # a payload the weight update made less sparse may not fit
+                assert set(report.fallbacks) <= {"too big"}
+    gc.collect()
+    assert off.transfer.host_memory.arena.in_use() == 0  # backward dropped every payload
+    off.close()
+
+
+def test_payloads_live_in_their_region_and_get_it_back_once_dropped():
+    transfer = Transfer()
+    site = SiteStats(0, (1000,), "float32", 4000, "raw", stored_bytes=4000, unpacked_at=1)
+    transfer.step_closed(StepStats(0, [site]))
+    assert transfer.arena_report().arena_bytes == 4096  # the slot, rounded up to ALIGNMENT
+    buffer = transfer.host_memory.arena.buffer
+    t = torch.randn(1000)
+    first = transfer.offload(t, get_codec("raw"), site=0)
+    assert first.result().packed.payload.data_ptr() == buffer.data_ptr()
+    second = transfer.offload(t * 2, get_codec("raw"), site=0)
+    assert second.result().lease is None  # the region is held: memory of its own
+    assert torch.equal(transfer.restore(first).result()[0], t)  # not overwritten
+    assert torch.equal(transfer.restore(second).result()[0], t * 2)
+    del first
+    gc.collect()
+    third = transfer.offload(t * 3, get_codec("raw"), site=0)
+    assert third.result().packed.payload.data_ptr() == buffer.data_ptr()  # given back
+    assert torch.equal(transfer.restore(third).result()[0], t * 3)
+    transfer.step_closed(StepStats(1, [site]))
+    report = transfer.arena_report()
+    assert (report.hits, report.fallbacks) == (2, {"busy": 1})
+    transfer.close()
+
+
+def zvc_step(index, stored_bytes):
+    site = SiteStats(0, (8192,), "float32", 32768, "zvc", stored_bytes=stored_bytes,
+                     unpacked_at=1)
+    return StepStats(index, [site])
+
+
+def test_a_site_that_outgrew_its_slot_gets_twice_the_headroom():
+    transfer = Transfer()
+    transfer.step_closed(zvc_step(0, 10_000))
+    transfer.arena_report()  # waits for the plan
+    # 10,000 bytes + 6%, rounded up to the alignment
+    assert transfer.host_memory.arena.layout.regions[0][1] == 21 * ALIGNMENT
+    stored = transfer.offload(torch.zeros(2750), get_codec("raw"), site=0)  # 11,000 bytes
+    assert stored.result().lease is None
+    transfer.step_closed(zvc_step(1, 11_000))
+    report = transfer.arena_report()
+    assert report.fallbacks == {"too big": 1} and report.replanned
+    # 11,000 bytes + 12% = 12,320, rounded up; with 6% it would be 11,776.
+    assert transfer.host_memory.arena.layout.regions[0][1] == 25 * ALIGNMENT
+    transfer.close()
+
+
+def test_an_arena_much_larger_than_needed_is_planned_again():
+    transfer = Transfer()
+    for index, stored in enumerate([20_000, 19_500, 10_000]):
+        transfer.step_closed(zvc_step(index, stored))
+        report = transfer.arena_report()
+        assert report.replanned == (stored != 19_500)  # 19,500 still fits, with little waste
+    assert report.arena_bytes == 21 * ALIGNMENT
+    transfer.close()
+
+
+def test_a_region_sharing_bytes_with_a_held_one_waits_for_its_release():
+    # Blocks 0 and 1 never live together, so the planner lets them share bytes.
+    layout = plan([Block(0, 1024, 0, 1), Block(1, 1024, 2, 3)], alignment=512)
+    assert layout.regions[0] == layout.regions[1]
+    arena = HostArena(layout, signature=(), pin=False)
+    view, _ = arena.acquire(0, 1024)
+    assert arena.acquire(1, 1024) == "busy"  # a step that differs from the plan
+    assert arena.acquire(2, 8) == "unplanned"
+    del view
+    gc.collect()
+    view, _ = arena.acquire(1, 1000)
+    assert view.data_ptr() == arena.buffer.data_ptr() and view.numel() == 1000
+    assert arena.acquire(0, 2048) == "too big"
+
+
+def test_a_larger_batch_falls_back_then_is_replanned():
+    model, ref, x, y, off = warmed_up()
+    big_x, big_y = torch.cat([x, x.flip(0)]), torch.cat([y, y.flip(0)])
+    assert_bitwise_equal(grads(ref, big_x, big_y), grads(model, big_x, big_y, off))
+    report = close_last(off)
+    assert report.fallbacks.get("too big", 0) > 0 and report.replanned
+    assert_bitwise_equal(grads(ref, big_x, big_y), grads(model, big_x, big_y, off))
+    report = close_last(off)
+    assert report.hits == report.payloads and not report.replanned
+    off.close()
+
+
+def test_two_forwards_alive_at_once_keep_their_payloads_apart():
+    model, ref, x, y, off = warmed_up()
+    for m in (ref, model):
+        m.zero_grad(set_to_none=True)
+    (F.cross_entropy(ref(x), y) + F.cross_entropy(ref(x), y)).backward()
+    first = forward(model, x, y, off)
+    second = forward(model, x, y, off)  # while the first one's payloads are held
+    report = off.transfer.arena_report()  # of the first forward, closed by the second
+    assert report.hits == report.payloads
+    (first + second).backward()
+    assert_same_grads(ref, model)
+    report = close_last(off)
+    assert report.hits == 0 and report.fallbacks == {"busy": report.payloads}
+    off.close()
+
+
+def test_retain_graph_keeps_payloads_intact_while_another_step_runs():
+    model, ref, x, y, off = warmed_up()
+    for m in (ref, model):
+        m.zero_grad(set_to_none=True)
+    kept = F.cross_entropy(ref(x), y)
+    kept.backward(retain_graph=True)
+    F.cross_entropy(ref(x), y).backward()
+    kept.backward()
+    kept = forward(model, x, y, off)
+    kept.backward(retain_graph=True)
+    forward(model, x, y, off).backward()  # its regions are held by the retained graph
+    kept.backward()  # reads the retained payloads a second time
+    assert_same_grads(ref, model)
+    report = close_last(off)
+    assert report.fallbacks == {"busy": report.payloads}
+    off.close()
+
+
+def test_an_arena_that_cannot_be_allocated_falls_back_with_one_warning():
+    model, x, y = model_and_batch("cnn")
+    off = Offloader(CSwapConfig(plan="raw", min_bytes=0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for size in (2**61, 2**61, 2**62):  # more than any address space
+            site = SiteStats(0, (size,), "uint8", size, "raw", stored_bytes=size, unpacked_at=1)
+            off.transfer.step_closed(StepStats(0, [site]))
+            assert off.transfer.arena_report().arena_bytes == 0
+    messages = [str(w.message) for w in caught if "could not allocate" in str(w.message)]
+    assert len(messages) == 1, messages
+    ref = copy.deepcopy(model)
+    assert_bitwise_equal(grads(ref, x, y), grads(model, x, y, off))
+    report = close_last(off)
+    assert report.fallbacks == {"no arena": report.payloads}
+    assert report.arena_bytes > 0  # planned again from a real step, and allocated
+    off.close()
+
+
+@pytest.mark.gpu
+def test_arena_on_cuda_is_pinned_lossless_and_reused():
+    model, x, y = model_and_batch("mlp", "cuda")  # no cuDNN convolutions: deterministic
+    ref = copy.deepcopy(model)
+    off = Offloader(CSwapConfig(plan="zvc", min_bytes=0))
+    for _ in range(3):
+        assert_bitwise_equal(grads(ref, x, y), grads(model, x, y, off))
+    report = close_last(off)
+    assert report.hits == report.payloads > 0
+    assert off.transfer.host_memory.arena.buffer.is_pinned()
+    off.close()

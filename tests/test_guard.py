@@ -1,0 +1,110 @@
+"""The accuracy guard, with injected lossy codecs: one that destroys information, one that
+keeps it."""
+
+import pytest
+import torch
+from conftest import model_and_batch
+from torch.nn import functional as F
+
+from cswap_lightning import CSwapConfig, Offloader
+from cswap_lightning.codecs import codec_names, get_codec, register
+from cswap_lightning.codecs.reference import RawCodec
+from cswap_lightning.guard import AccuracyGuard
+
+
+class Faithful(RawCodec):
+    """Registered as "int8", but stores the bits exactly."""
+
+    name = "int8"
+    lossless = False
+
+
+class Destructive(Faithful):
+    """Registered as "int8", gives back noise of the right shape and dtype."""
+
+    def decode(self, packed):
+        out = super().decode(packed)
+        return torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+
+
+@pytest.fixture
+def as_int8():
+    previous = get_codec("int8") if "int8" in codec_names() else None
+
+    def install(codec):
+        register(codec)
+
+    yield install
+    if previous is not None:
+        register(previous)
+
+
+def guarded(name="mlp", **config):
+    net, x, y = model_and_batch(name)
+    off = Offloader(CSwapConfig(plan="int8", min_bytes=0, guard_every=2, **config)).watch(net)
+    return net, x, y, off, AccuracyGuard(off)
+
+
+def test_guard_trips_on_a_codec_that_destroys_information_and_reverts_sites(as_int8):
+    as_int8(Destructive())
+    net, x, y, off, guard = guarded(guard_tolerance=0.05)
+    assert guard.due()
+    report = guard.probe(net, lambda: F.cross_entropy(net(x), y))
+    assert report.worst_rel_error > 0.5 and report.worst_cosine < 0.9
+    assert report.reverted and set(report.reverted) <= set(report.site_errors)
+    assert min(report.site_errors[s] for s in report.reverted) >= max(
+        (e for s, e in report.site_errors.items() if s not in report.reverted), default=0.0)
+    assert off.reverted == set(report.reverted)
+    with off:
+        loss = F.cross_entropy(net(x), y)
+    loss.backward()
+    decisions = {s.site: s.decision for s in off.last_step().sites}
+    assert all(decisions[s] == "raw" for s in report.reverted)
+    assert guard.reverted_sites.compute().item() == len(report.reverted)
+    off.close()
+
+
+def test_guard_does_not_trip_on_a_faithful_codec(as_int8):
+    as_int8(Faithful())
+    net, x, y, off, guard = guarded()
+    report = guard.probe(net, lambda: F.cross_entropy(net(x), y))
+    assert report.worst_rel_error == 0.0 and report.worst_cosine == pytest.approx(1.0)
+    assert report.site_errors and all(e == 0.0 for e in report.site_errors.values())
+    assert not report.reverted and not off.reverted
+    assert guard.worst_rel_error.compute().item() == 0.0
+    off.close()
+
+
+def test_probe_leaves_gradients_buffers_and_random_state_as_they_were(as_int8):
+    as_int8(Destructive())
+    net, x, y, off, guard = guarded("cnn")  # BatchNorm: running statistics are buffers
+    buffers = [b.clone() for b in net.buffers()]
+    rng = torch.get_rng_state()
+    guard.probe(net, lambda: F.cross_entropy(net(x), y))
+    assert all(p.grad is None for p in net.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(buffers, net.buffers()))
+    assert torch.equal(rng, torch.get_rng_state())
+    off.close()
+
+
+def test_guard_is_due_every_n_steps_only_with_lossy_sites(as_int8):
+    as_int8(Faithful())
+    *_, guard = guarded()
+    assert [guard.due() for _ in range(5)] == [True, False, True, False, True]
+    lossless = AccuracyGuard(Offloader(CSwapConfig(plan="zvc", guard_every=1)))
+    assert not any(lossless.due() for _ in range(3))
+
+
+def test_excluded_modules_and_non_floating_tensors_are_never_lossy(as_int8):
+    as_int8(Faithful())
+    net, x, y = model_and_batch("cnn")
+    off = Offloader(CSwapConfig(plan="int8", min_bytes=0, lossy_exclude=("8",))).watch(net)
+    with off:
+        loss = F.cross_entropy(net(x), y)
+    loss.backward()
+    sites = [s for s in off.last_step().sites if s.decision not in ("keep", "dedup")]
+    assert {s.module for s in sites if s.decision == "int8"} and all(
+        s.module != "8" for s in sites if s.decision == "int8")
+    assert all(s.decision == "raw" for s in sites if s.module == "8" or s.dtype == "int64")
+    assert any(s.dtype == "int64" for s in sites)  # max-pool indices
+    off.close()
