@@ -15,7 +15,7 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
 fi
 stamp="$VENV/.cswap-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  echo "setup: installing cswap-lightning and its dev/bench extras into $VENV"
-  "$VENV/bin/pip" install -q -e ".[dev,bench]" 2> >(grep -v "is ignored: it is neither" >&2)
+  echo "setup: installing cswap-lightning and its dev, bench, hf and dali extras into $VENV"
+  "$VENV/bin/pip" install -q -e ".[dev,bench,hf,dali]" 2> >(grep -v "is ignored: it is neither" >&2)
   touch "$stamp"
 fi

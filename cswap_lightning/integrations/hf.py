@@ -1,0 +1,167 @@
+"""A ``transformers.Trainer`` callback that runs each training micro-batch's forward under the
+offload engine::
+
+    trainer = Trainer(model, args, train_dataset=data, callbacks=[CSwapCallback(CSwapConfig())])
+
+A callback cannot wrap the Trainer's code, and no callback event falls between a micro-batch's
+forward and its backward. The model's own forward hooks do: the callback registers a pre-hook
+that enters the engine and a hook that leaves it, so every forward of every micro-batch of
+gradient accumulation is covered and its backward runs outside, as the engine requires. They
+act only in training mode with gradients on, so evaluation and prediction are untouched.
+The pre-hook also holds the micro-batch's inputs, so with a lossy plan it runs the accuracy
+guard's probe there, through the model alone (no Trainer code runs twice).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.utils import logging
+
+from ..config import CSwapConfig
+from ..engine import Offloader
+from ..guard import AccuracyGuard
+from ..metrics import offload_metrics, step_values, write_summary
+from ..stats import StepStats
+
+logger = logging.get_logger(__name__)
+
+
+class CSwapCallback(TrainerCallback):
+    """Offload saved activations during ``Trainer.train``; log what it did with the losses.
+
+    Args:
+        config: what to offload and how (``None``: the defaults).
+
+    The engine is left after each forward even if it raises (a hook with ``always_call``),
+    and the hooks are removed when training ends, early stopping included. Each epoch starts
+    with the engine measuring and planning again. With lossy sites in the plan, every
+    ``config.guard_every`` micro-batches :attr:`guard` first compares that micro-batch's
+    gradients with and without them (the model must return its loss, i.e. get ``labels``).
+
+    Each log line gets ``cswap/ratio``, ``cswap/offloaded_bytes`` and ``cswap/wait_s`` over the
+    micro-batches since the previous one; they are in ``trainer.state.log_history``, and
+    reporting integrations (``report_to``) see them only if they run after this callback in
+    ``trainer.callback_handler.callbacks``. At the end of training the last step's per-site
+    table and memory timeline are written to ``args.output_dir``.
+    """
+
+    def __init__(self, config: CSwapConfig | None = None) -> None:
+        self.config = config if config is not None else CSwapConfig()
+        self.metrics = offload_metrics()
+        self.last: StepStats | None = None  # the most recent micro-batch's statistics
+        self._offloader: Offloader | None = None
+        self._guard: AccuracyGuard | None = None
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self.inside = False  # a forward is running under the engine
+        self._probing = False  # the guard is running the model itself
+
+    @property
+    def offloader(self) -> Offloader:
+        """The engine session, built on first use."""
+        if self._offloader is None:
+            self._offloader = Offloader(self.config)
+        return self._offloader
+
+    @property
+    def guard(self) -> AccuracyGuard:
+        """The accuracy guard of the offloader's lossy sites (its reports, its metrics)."""
+        if self._guard is None:
+            self._guard = AccuracyGuard(self.offloader)
+        return self._guard
+
+    # the model's forward --------------------------------------------------------------------
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if self._probing or not (module.training and torch.is_grad_enabled()):
+            return
+        if self.guard.due():
+            self.guard.probe(module, lambda: self._probe_loss(module, args, kwargs))
+        self.offloader.__enter__()
+        self.inside = True
+
+    def _probe_loss(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
+        self._probing = True
+        try:
+            output = module(*args, **kwargs)
+        finally:
+            self._probing = False
+        loss = output.get("loss") if isinstance(output, Mapping) else None
+        if loss is None:
+            raise ValueError(
+                "CSwapCallback's accuracy guard needs the model to return its loss (give it "
+                f"labels), or set CSwapConfig(guard_every=0); got {type(output).__name__} "
+                "without a loss"
+            )
+        return loss
+
+    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.inside:
+            self.inside = False
+            self.offloader.__exit__(None, None, None)
+
+    def _exit_on_error(self, module: nn.Module, args: Any, output: Any) -> None:
+        # Registered with always_call: alone when forward raises (inside its `except`, so
+        # sys.exc_info() is that error), a no-op after `_exit` when forward returns.
+        if self.inside:
+            self.inside = False
+            self.offloader.__exit__(*sys.exc_info())
+
+    def _remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    # Trainer events -------------------------------------------------------------------------
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState,
+                       control: TrainerControl, model: nn.Module | None = None,
+                       **kwargs: Any) -> None:
+        if model is None:
+            raise ValueError("CSwapCallback needs the model: the Trainer passes it to callbacks")
+        self._remove_hooks()  # a second train() on the same callback
+        self._hooks = [
+            model.register_forward_pre_hook(self._enter, with_kwargs=True),
+            model.register_forward_hook(self._exit),
+            model.register_forward_hook(self._exit_on_error, always_call=True),
+        ]
+        self.offloader.watch(model)  # names sites by module (for `lossy_exclude`)
+        self.metrics.to(args.device)
+
+    def on_epoch_begin(self, args: TrainingArguments, state: TrainerState,
+                       control: TrainerControl, **kwargs: Any) -> None:
+        self.offloader.new_epoch()  # sparsity drifts as the model learns: measure again
+
+    def on_substep_end(self, args: TrainingArguments, state: TrainerState,
+                       control: TrainerControl, **kwargs: Any) -> None:
+        self._record()  # a micro-batch that does not end an optimizer step
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState,
+                    control: TrainerControl, **kwargs: Any) -> None:
+        self._record()  # the micro-batch that ends an optimizer step
+
+    def _record(self) -> None:
+        if self._offloader is None:
+            return
+        self.last = self._offloader.last_step()
+        self.metrics.update(**step_values(self.last))
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, float] | None = None, **kwargs: Any) -> None:
+        if logs is None or not self.metrics["ratio"].update_called:
+            return  # nothing trained since the last log line (e.g. an evaluation's)
+        values = {name: value.item() for name, value in self.metrics.compute().items()}
+        self.metrics.reset()
+        logs.update(values)
+        if state.log_history:  # the Trainer recorded its copy of `logs` before calling us
+            state.log_history[-1].update(values)
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState,
+                     control: TrainerControl, **kwargs: Any) -> None:
+        self._remove_hooks()
+        if self.last is not None and state.is_world_process_zero:
+            table, plot = write_summary(self.last, args.output_dir)
+            logger.info(f"cswap: per-site summary in {table}, memory timeline in {plot}")

@@ -1,0 +1,212 @@
+"""Lightning strategies that run each training step's forward under the offload engine.
+
+Each strategy is its Lightning base (one device, DDP, FSDP) plus one change: ``training_step``
+runs inside ``with offloader:``, so the tensors autograd saves during forward are offloaded,
+and the backward Lightning runs afterwards brings them back. Everything else (precision
+plugins, ``no_sync`` under gradient accumulation, distributed samplers, manual optimisation,
+checkpointing) is the base's own code. Importing this module registers the names ``"cswap"``,
+``"cswap_ddp"`` and ``"cswap_fsdp"``, so ``Trainer(strategy="cswap")`` and YAML configs work::
+
+    import cswap_lightning.integrations.lightning  # or: from cswap_lightning import CSwapStrategy
+
+    trainer = Trainer(strategy="cswap")
+    trainer = Trainer(strategy=CSwapDDPStrategy(CSwapConfig(plan="zvc")), devices=2)
+
+The Trainer-side work lives in :class:`CSwapHooks`, a callback each strategy adds to the
+Trainer it is connected to: metrics after every training batch, re-profiling at each epoch
+start, the learned plan in checkpoints, and the summary at the end of training.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator, MPSAccelerator
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    FSDPStrategy,
+    SingleDeviceStrategy,
+    StrategyRegistry,
+)
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from ..config import LOSSY_CODECS, CSwapConfig
+from ..engine import Offloader
+from ..metrics import offload_metrics, step_values, write_summary
+from ..stats import StepStats
+
+# The default as a value, not None, so LightningCLI's --print_config lists every field.
+DEFAULT_CONFIG = CSwapConfig()
+
+
+class _CSwapMixin:
+    """What the CSwap strategies add to their Lightning base (listed first, so it wraps it)."""
+
+    def __init__(self, config: CSwapConfig | None = DEFAULT_CONFIG, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.cswap_config = config if config is not None else CSwapConfig()
+        self._offloader: Offloader | None = None
+
+    @property
+    def offloader(self) -> Offloader:
+        """The engine session of this process, built on first use (after any process launch,
+        since its worker threads cannot be sent to another process)."""
+        if self._offloader is None:
+            self._offloader = Offloader(self.cswap_config)
+        return self._offloader
+
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)
+        # The Trainer sets `model.trainer` before it connects the strategy, and restores
+        # callback states from a checkpoint only after this, so the plan comes back too.
+        # First in the list: the metrics are logged before checkpoint callbacks look.
+        callbacks = model.trainer.callbacks
+        if not any(isinstance(c, CSwapHooks) and c.strategy is self for c in callbacks):
+            callbacks.insert(0, CSwapHooks(self))
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.offloader:
+            return super().training_step(*args, **kwargs)
+
+
+class CSwapStrategy(_CSwapMixin, SingleDeviceStrategy):
+    """Train on one device with saved activations offloaded.
+
+    Args:
+        config: what to offload and how (``None``: the defaults).
+        device: the device to train on; by default the Trainer's accelerator decides (the
+            CPU, or the current CUDA device).
+        **kwargs: passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
+    """
+
+    strategy_name = "cswap"
+
+    def __init__(self, config: CSwapConfig | None = DEFAULT_CONFIG,
+                 device: str | torch.device | None = None, **kwargs: Any) -> None:
+        super().__init__(config, device=device if device is not None else "cpu", **kwargs)
+        self._follow_accelerator = device is None
+
+    @property
+    def root_device(self) -> torch.device:
+        if not self._follow_accelerator:
+            return self._root_device
+        accelerator = self.accelerator
+        if accelerator is None or isinstance(accelerator, CPUAccelerator):
+            return torch.device("cpu")
+        if isinstance(accelerator, CUDAAccelerator):
+            return torch.device("cuda", torch.cuda.current_device())
+        if isinstance(accelerator, MPSAccelerator):
+            return torch.device("mps")
+        raise ValueError(
+            f"CSwapStrategy cannot tell which device {type(accelerator).__name__} trains on; "
+            "pass it explicitly, e.g. CSwapStrategy(device='cuda:1')"
+        )
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="one device, saved activations offloaded (cswap)"
+        )
+
+
+class CSwapDDPStrategy(_CSwapMixin, DDPStrategy):
+    """Distributed data parallel training with saved activations offloaded on every rank.
+
+    Args:
+        config: what to offload and how (``None``: the defaults).
+        **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (e.g.
+            ``start_method``, ``find_unused_parameters``).
+    """
+
+    strategy_name = "cswap_ddp"
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="DDP, saved activations offloaded (cswap)"
+        )
+
+
+class CSwapFSDPStrategy(_CSwapMixin, FSDPStrategy):
+    """Fully sharded data parallel training with saved activations offloaded on every rank
+    (parameters are leaves of the autograd graph, so the engine never moves FSDP's shards).
+
+    Args:
+        config: what to offload and how (``None``: the defaults).
+        **kwargs: passed to :class:`~lightning.pytorch.strategies.FSDPStrategy`.
+    """
+
+    strategy_name = "cswap_fsdp"
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if not torch.distributed.is_available():
+            return
+        strategy_registry.register(
+            cls.strategy_name, cls, description="FSDP, saved activations offloaded (cswap)"
+        )
+        # As Lightning does for "fsdp": the Trainer then rejects the name without a GPU.
+        cls._registered_strategies.append(cls.strategy_name)
+
+
+class CSwapHooks(Callback):
+    """Connects a CSwap strategy's offloader to the Trainer's events.
+
+    A callback rather than strategy code because these are Trainer events a Strategy does not
+    receive (epoch starts, batch ends) and because Lightning already stores callback state in
+    every checkpoint (``checkpoint["callbacks"]["CSwap"]``) and restores it before training
+    resumes: the plan the engine learned survives a restart without a new file format.
+    """
+
+    def __init__(self, strategy: _CSwapMixin) -> None:
+        self.strategy = strategy
+        self.metrics = offload_metrics()
+        self.last: StepStats | None = None  # the most recent training step's statistics
+
+    @property
+    def state_key(self) -> str:
+        return "CSwap"
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.strategy.offloader.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.strategy.offloader.load_state_dict(state_dict)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.strategy.offloader.watch(pl_module)  # names sites by module (for `lossy_exclude`)
+        self.metrics.to(pl_module.device)  # states where distributed reduction expects them
+        config = self.strategy.cswap_config
+        if (config.plan in LOSSY_CODECS or config.lossy != "off") and config.guard_every:
+            rank_zero_warn(
+                f"cswap: the Lightning strategies do not run the accuracy guard (guard_every="
+                f"{config.guard_every}): probing would run training_step again, repeating its "
+                "logging and metric updates. Lossy sites stay lossy; check accuracy yourself, "
+                "or use lossless plans."
+            )
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.strategy.offloader.new_epoch()  # sparsity drifts as the model learns: measure again
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+        batch_idx: int,
+    ) -> None:
+        self.last = self.strategy.offloader.last_step()
+        self.metrics(**step_values(self.last))
+        for name, metric in self.metrics.items():
+            pl_module.log(name, metric, on_step=True, on_epoch=True, metric_attribute=name)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        log_dir = trainer.log_dir or trainer.default_root_dir  # every rank: it broadcasts
+        if self.last is None or not trainer.is_global_zero:
+            return
+        table, plot = write_summary(self.last, log_dir)
+        rank_zero_info(f"cswap: per-site summary in {table}, memory timeline in {plot}")
+
+
+for _strategy in (CSwapStrategy, CSwapDDPStrategy, CSwapFSDPStrategy):
+    _strategy.register_strategies(StrategyRegistry)

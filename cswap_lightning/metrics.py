@@ -1,0 +1,160 @@
+"""What the engine did, as numbers a trainer logs and files a person reads after a run.
+
+The metrics are torchmetrics ``Metric``s, so Lightning's ``self.log`` gives per-step values,
+epoch aggregates and the sum across ranks. Their states are float64 tensors updated with
+plain Python numbers or device tensors, and ``compute`` is tensor arithmetic only: neither
+reads a value back to the host.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from matplotlib.figure import Figure
+from torch import Tensor
+from torchmetrics import Metric, MetricCollection
+
+from .config import MiB
+from .stats import StepStats
+
+
+class _Total(Metric):
+    """A running sum (float64: byte counts stay exact)."""
+
+    full_state_update = False
+    is_differentiable = False
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.add_state("total", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def compute(self) -> Tensor:
+        return self.total
+
+
+class OffloadedBytes(_Total):
+    """Bytes of saved tensors moved off the device."""
+
+    higher_is_better = True
+
+    def update(self, offloaded_bytes: float | Tensor) -> None:
+        self.total = self.total + offloaded_bytes
+
+
+class SwapWait(_Total):
+    """Seconds backward waited for offloaded tensors to come back: the swap time training saw."""
+
+    higher_is_better = False
+
+    def update(self, wait_s: float | Tensor) -> None:
+        self.total = self.total + wait_s
+
+
+class CompressionRatio(Metric):
+    """Bytes offloaded per byte held off the device, over every step seen (a ratio of sums,
+    not a mean of per-step ratios); 0 while nothing has been offloaded."""
+
+    full_state_update = False
+    is_differentiable = False
+    higher_is_better = True
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.add_state("offloaded", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("stored", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, offloaded_bytes: float | Tensor, stored_bytes: float | Tensor) -> None:
+        self.offloaded = self.offloaded + offloaded_bytes
+        self.stored = self.stored + stored_bytes
+
+    def compute(self) -> Tensor:
+        return torch.where(self.stored > 0, self.offloaded / self.stored, 0.0)
+
+
+class ReconstructionError(Metric):
+    """Relative L2 error ``||decoded - original|| / ||original||`` of a lossy codec, pooled
+    over every tensor seen (0 for lossless codecs, and while the originals are all zero)."""
+
+    full_state_update = False
+    is_differentiable = False
+    higher_is_better = False
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.add_state("error_sq", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("norm_sq", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, original: Tensor, decoded: Tensor) -> None:
+        if original.shape != decoded.shape:
+            raise ValueError(
+                f"ReconstructionError needs tensors of one shape, got original "
+                f"{list(original.shape)} and decoded {list(decoded.shape)}"
+            )
+        original = original.detach().to(torch.float64)
+        decoded = decoded.detach().to(torch.float64)
+        self.error_sq = self.error_sq + (decoded - original).square().sum()
+        self.norm_sq = self.norm_sq + original.square().sum()
+
+    def compute(self) -> Tensor:
+        return torch.where(self.norm_sq > 0, (self.error_sq / self.norm_sq).sqrt(), 0.0)
+
+
+def offload_metrics(prefix: str = "cswap/") -> MetricCollection:
+    """The metrics a trainer logs after each step; feed them ``**step_values(stats)``."""
+    return MetricCollection(
+        {"ratio": CompressionRatio(), "offloaded_bytes": OffloadedBytes(), "wait_s": SwapWait()},
+        prefix=prefix,
+        compute_groups=False,
+    )
+
+
+def step_values(stats: StepStats) -> dict[str, float]:
+    """The update arguments of :func:`offload_metrics` for one step."""
+    return {
+        "offloaded_bytes": stats.offloaded_bytes,
+        "stored_bytes": stats.stored_bytes,
+        "wait_s": stats.wait_s,
+    }
+
+
+def memory_timeline(stats: StepStats) -> Figure:
+    """Bytes of saved tensors held over one step, on the step clock (one tick per pack, then
+    one per first unpack in backward): all of them, those left on the device, and the
+    host bytes holding the offloaded ones. A tensor lives from its pack to its first unpack;
+    tensors backward never unpacked through the engine (those kept) count until the end."""
+    sites = [s for s in stats.sites if s.decision != "dedup"]
+    end = 1 + max([s.packed_at for s in sites] + [s.unpacked_at or 0 for s in sites], default=0)
+    ticks = range(end + 1)
+    saved = [0.0] * len(ticks)
+    device = [0.0] * len(ticks)
+    host = [0.0] * len(ticks)
+    for s in sites:
+        last = s.unpacked_at if s.unpacked_at is not None else end
+        for t in range(s.packed_at, last):
+            saved[t] += s.nbytes / MiB
+            if s.decision == "keep":
+                device[t] += s.nbytes / MiB
+            else:
+                host[t] += s.stored_bytes / MiB
+    figure = Figure(figsize=(8, 4), layout="constrained")
+    ax = figure.add_subplot()
+    ax.step(ticks, saved, where="post", label="saved by autograd (no offload)")
+    ax.step(ticks, device, where="post", label="left on the device")
+    ax.step(ticks, host, where="post", label="held in host memory (after compression)")
+    ax.set_xlabel("step clock (packs in forward, then first unpacks in backward)")
+    ax.set_ylabel("MiB")
+    ax.set_title(f"saved tensors during step {stats.step}")
+    ax.legend()
+    return figure
+
+
+def write_summary(stats: StepStats, directory: str | Path) -> tuple[Path, Path]:
+    """Write the per-site table (decision, ratio, times) and the memory timeline of a step."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    table = directory / "cswap_summary.txt"
+    table.write_text(stats.table() + "\n")
+    plot = directory / "cswap_memory.png"
+    memory_timeline(stats).savefig(plot)
+    return table, plot

@@ -1,0 +1,188 @@
+"""The Hugging Face Trainer callback on the CPU: every micro-batch of gradient accumulation is
+offloaded, weights match training without it, evaluation is untouched, and the engine's context
+is always left (early stop, an error in forward)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+
+from cswap_lightning import CSwapConfig
+from cswap_lightning.integrations.hf import CSwapCallback
+
+LOSSLESS = CSwapConfig(plan="zvc", min_bytes=0)
+ACCUMULATION = 3
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    """Sequences of random token ids with a binary label, the same every time."""
+
+    def __init__(self, n: int = 24, length: int = 16) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, 100, (n, length), generator=generator)
+        self.labels = torch.randint(0, 2, (n,), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+class RecordMicroBatches(TrainerCallback):
+    """After each micro-batch's backward: which engine step ran, and what it offloaded."""
+
+    def __init__(self, cswap: CSwapCallback) -> None:
+        self.cswap = cswap
+        self.steps: list[tuple[int, int, int]] = []  # step, bytes offloaded, bytes stored
+
+    def _record(self) -> None:
+        last = self.cswap.offloader.last_step()
+        self.steps.append((last.step, last.offloaded_bytes, last.stored_bytes))
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        self._record()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._record()
+
+
+def bert_trainer(tmp_path, callbacks: list[TrainerCallback], max_steps: int = 2,
+                 epochs: int = 1) -> Trainer:
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=32, num_labels=2)
+    model = BertForSequenceClassification(config)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, seed=0, report_to=[], max_steps=max_steps,
+        num_train_epochs=epochs,
+        per_device_train_batch_size=4, per_device_eval_batch_size=4,
+        gradient_accumulation_steps=ACCUMULATION, learning_rate=1e-3, logging_steps=1,
+        save_strategy="no", dataloader_num_workers=0, disable_tqdm=True,
+    )
+    return Trainer(model, args, train_dataset=RandomTokens(), eval_dataset=RandomTokens(8),
+                   callbacks=callbacks)
+
+
+def test_every_micro_batch_is_offloaded_and_weights_match(tmp_path):
+    cswap = CSwapCallback(LOSSLESS)
+    probe = RecordMicroBatches(cswap)
+    trainer = bert_trainer(tmp_path / "cswap", [cswap, probe])
+    trainer.train()
+    plain = bert_trainer(tmp_path / "plain", [])
+    plain.train()
+
+    assert [step for step, _, _ in probe.steps] == list(range(2 * ACCUMULATION))
+    assert all(offloaded > 0 for _, offloaded, _ in probe.steps)
+    for (name, p), q in zip(trainer.model.state_dict().items(),
+                            plain.model.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name
+
+    train_logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(train_logs) == 2
+    per_step = [probe.steps[i:i + ACCUMULATION] for i in (0, ACCUMULATION)]
+    for entry, micro_batches in zip(train_logs, per_step, strict=True):
+        offloaded = sum(b for _, b, _ in micro_batches)
+        stored = sum(b for _, _, b in micro_batches)
+        assert entry["cswap/offloaded_bytes"] == offloaded
+        assert entry["cswap/ratio"] == pytest.approx(offloaded / stored)
+    assert (tmp_path / "cswap" / "cswap_summary.txt").exists()
+
+    entered = cswap.offloader.last_step().step
+    metrics = trainer.evaluate()
+    assert cswap.offloader.last_step().step == entered  # evaluation never entered the engine
+    assert "cswap/ratio" not in metrics
+
+
+class RecordPlanPerEpoch(TrainerCallback):
+    def __init__(self, cswap: CSwapCallback) -> None:
+        self.cswap = cswap
+        self.plans = []
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self.plans.append(self.cswap.offloader.plan)
+
+
+def test_each_epoch_is_profiled_and_planned_again(tmp_path):
+    cswap = CSwapCallback(CSwapConfig(plan="auto", profile_steps=1, min_bytes=0))
+    probe = RecordPlanPerEpoch(cswap)
+    bert_trainer(tmp_path, [cswap, probe], max_steps=-1, epochs=2).train()
+    first, second = probe.plans
+    assert first is not None and second is not None
+    assert second is not first  # epoch 2's first micro-batch was measured and planned anew
+
+
+class StopAfterFirstStep(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = True
+
+
+def test_early_stop_removes_the_hooks(tmp_path):
+    cswap = CSwapCallback(LOSSLESS)
+    trainer = bert_trainer(tmp_path, [cswap, StopAfterFirstStep()], max_steps=5)
+    trainer.train()
+    assert trainer.state.global_step == 1
+    assert not cswap.inside
+    model = trainer.model.train()
+    model(**RandomTokens()[0:2])  # a forward outside train(): not offloaded any more
+    assert cswap.offloader.last_step().step == ACCUMULATION - 1
+
+
+class FailOnCall:
+    """A forward pre-hook: raises on its n-th call, inside the model's forward."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __call__(self, module, args):
+        self.n -= 1
+        if self.n == 0:
+            raise RuntimeError("boom")
+
+
+def test_an_error_in_forward_leaves_the_engine(tmp_path):
+    cswap = CSwapCallback(LOSSLESS)
+    trainer = bert_trainer(tmp_path, [cswap])
+    trainer.model.bert.encoder.register_forward_pre_hook(FailOnCall(2))
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.train()
+    assert not cswap.inside
+    with cswap.offloader:  # entering again works: the failed forward's context was closed
+        pass
+
+
+def test_the_accuracy_guard_probes_lossy_plans_and_leaves_no_trace(tmp_path):
+    # fp8 rounds to nearest (no stochastic seeds), so two runs can be compared bit for bit.
+    fp8 = CSwapConfig(plan="fp8", min_bytes=0, guard_every=2, guard_tolerance=1e9)
+    guarded = CSwapCallback(fp8)
+    trainer = bert_trainer(tmp_path / "guarded", [guarded])
+    trainer.train()
+    unguarded = bert_trainer(tmp_path / "unguarded", [CSwapCallback(replace(fp8, guard_every=0))])
+    unguarded.train()
+
+    reports = guarded.guard.reports
+    assert len(reports) == 3  # micro-batches 1, 3 and 5 of 6
+    assert all(r.worst_rel_error > 0 and r.site_errors for r in reports)  # fp8 is lossy
+    for (name, p), q in zip(trainer.model.state_dict().items(),
+                            unguarded.model.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_the_guard_moves_sites_that_bend_gradients_back_to_lossless(tmp_path):
+    cswap = CSwapCallback(CSwapConfig(plan="int4", min_bytes=0, guard_every=1,
+                                      guard_tolerance=1e-6))
+    bert_trainer(tmp_path, [cswap], max_steps=1).train()
+    reverted = set().union(*(r.reverted for r in cswap.guard.reports))
+    assert cswap.guard.reports[0].reverted and cswap.offloader.reverted == reverted
+    last = cswap.offloader.last_step()  # the real step after the last probe
+    assert {s.decision for s in last.sites if s.site in reverted} == {"raw"}
+    assert "int4" in {s.decision for s in last.sites}  # the others stay lossy

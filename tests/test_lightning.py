@@ -1,0 +1,260 @@
+"""The Lightning strategies on the CPU: same weights as the plain strategy, the engine really
+packs, and Lightning's own features (precision, accumulation, manual optimisation, checkpoints,
+DDP, FSDP precision) keep working."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import FSDPPrecision
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from cswap_lightning import CSwapConfig
+from cswap_lightning.integrations.lightning import (
+    CSwapDDPStrategy,
+    CSwapFSDPStrategy,
+    CSwapHooks,
+    CSwapStrategy,
+)
+
+LOSSLESS = CSwapConfig(plan="zvc", min_bytes=0)
+
+
+class ReluNet(pl.LightningModule):
+    """A small ReLU MLP: its activations are about half zeros, so ZVC has work to do."""
+
+    def __init__(self, width: int = 32, manual: bool = False) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, width),
+                                 nn.ReLU(), nn.Linear(width, 4))
+        self.automatic_optimization = not manual
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        if self.automatic_optimization:
+            return loss
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        return None
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def loader(batches: int = 6, batch_size: int = 8) -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(batches * batch_size, 16, generator=generator)
+    y = torch.randint(0, 4, (batches * batch_size,), generator=generator)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
+
+
+@pytest.fixture(autouse=True)
+def _run_in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where the Trainer writes (default_root_dir) by default
+
+
+def train(strategy, model: Callable[[], pl.LightningModule] = ReluNet,
+          ckpt_path: str | None = None, batch_size: int = 8,
+          **trainer_kwargs) -> tuple[pl.Trainer, pl.LightningModule]:
+    torch.manual_seed(0)
+    model = model()
+    options = {"accelerator": "cpu", "devices": 1, "max_steps": 3, "logger": False,
+               "enable_checkpointing": False, "enable_progress_bar": False,
+               "enable_model_summary": False, "deterministic": True}
+    trainer = pl.Trainer(strategy=strategy, **(options | trainer_kwargs))
+    trainer.fit(model, loader(batch_size=batch_size), ckpt_path=ckpt_path)
+    return trainer, model
+
+
+def assert_same_weights(a: nn.Module, b: nn.Module) -> None:
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("plan", ["raw", "zvc"])
+def test_weights_match_the_plain_strategy(plan):
+    trainer, model = train(CSwapStrategy(CSwapConfig(plan=plan, min_bytes=0)))
+    _, plain = train(SingleDeviceStrategy("cpu"))
+    assert_same_weights(model, plain)
+    last = trainer.strategy.offloader.last_step()
+    assert last.step == 2  # one engine step per training batch
+    assert last.offloaded_bytes > 0
+    assert {s.decision for s in last.sites} >= {plan}
+
+
+def test_registered_name_builds_the_strategy_on_the_accelerator_device():
+    trainer = pl.Trainer(strategy="cswap", accelerator="cpu", logger=False)
+    assert type(trainer.strategy) is CSwapStrategy
+    assert trainer.strategy.cswap_config == CSwapConfig()
+    assert trainer.strategy.root_device == torch.device("cpu")
+    assert type(pl.Trainer(strategy="cswap_ddp", accelerator="cpu").strategy) is CSwapDDPStrategy
+
+
+def test_the_package_imports_lightning_and_transformers_only_when_asked():
+    code = ("import sys, cswap_lightning\n"
+            "print(any(m in sys.modules for m in ('lightning', 'transformers')))\n"
+            "cswap_lightning.CSwapStrategy\n"
+            "print('lightning' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.split() == ["False", "True"]
+
+
+def test_an_explicit_device_wins():
+    assert CSwapStrategy(device="meta").root_device == torch.device("meta")
+
+
+def test_gradient_accumulation_enters_the_engine_per_micro_batch():
+    trainer, model = train(CSwapStrategy(LOSSLESS), max_steps=2, accumulate_grad_batches=3)
+    _, plain = train(SingleDeviceStrategy("cpu"), max_steps=2, accumulate_grad_batches=3)
+    assert_same_weights(model, plain)
+    assert trainer.strategy.offloader.last_step().step == 5  # 2 optimizer steps x 3 batches
+
+
+def test_bf16_mixed_precision():
+    trainer, model = train(CSwapStrategy(LOSSLESS), precision="bf16-mixed")
+    _, plain = train(SingleDeviceStrategy("cpu"), precision="bf16-mixed")
+    assert_same_weights(model, plain)
+    dtypes = {s.dtype for s in trainer.strategy.offloader.last_step().sites
+              if s.decision == "zvc"}
+    assert "bfloat16" in dtypes  # autocast's activations went through the engine
+
+
+def test_manual_optimization():
+    trainer, model = train(CSwapStrategy(LOSSLESS), model=partial(ReluNet, manual=True))
+    _, plain = train(SingleDeviceStrategy("cpu"), model=partial(ReluNet, manual=True))
+    assert_same_weights(model, plain)
+    assert trainer.strategy.offloader.last_step().offloaded_bytes > 0
+
+
+class RecordPlanAtStart(pl.Callback):
+    def on_train_start(self, trainer, pl_module):
+        self.state = trainer.strategy.offloader.state_dict()
+
+
+def test_lossy_plans_warn_that_the_guard_does_not_run():
+    with pytest.warns(UserWarning, match="do not run the accuracy guard"):
+        train(CSwapStrategy(CSwapConfig(plan="fp8", min_bytes=0)), max_steps=1)
+
+
+class RecordPlanPerEpoch(pl.Callback):
+    def __init__(self) -> None:
+        self.plans = []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.plans.append(trainer.strategy.offloader.plan)
+
+
+def test_each_epoch_is_profiled_and_planned_again():
+    probe = RecordPlanPerEpoch()
+    train(CSwapStrategy(CSwapConfig(plan="auto", profile_steps=1, min_bytes=0)), max_epochs=2,
+          max_steps=-1, limit_train_batches=3, callbacks=[probe])
+    first, second = probe.plans
+    assert first is not None and second is not None
+    assert second is not first  # epoch 2's first batch was measured and planned anew
+
+
+def test_checkpoint_restores_the_learned_plan_and_training_resumes(tmp_path):
+    config = CSwapConfig(plan="auto", profile_steps=1, min_bytes=0)
+    trainer, _ = train(CSwapStrategy(config), max_epochs=1, max_steps=-1)
+    saved = trainer.strategy.offloader.state_dict()
+    assert saved["plan"] is not None  # the advisor planned from the profiled step
+    path = tmp_path / "last.ckpt"
+    trainer.save_checkpoint(path)
+
+    probe = RecordPlanAtStart()
+    _, model = train(CSwapStrategy(config), ckpt_path=str(path), max_epochs=2, max_steps=-1,
+                     callbacks=[probe])
+    assert json.loads(json.dumps(probe.state)) == json.loads(json.dumps(saved))  # JSON-able
+    _, plain = train(SingleDeviceStrategy("cpu"), max_epochs=2, max_steps=-1)
+    assert_same_weights(model, plain)  # resumed exactly, and the learned plan is lossless
+
+
+def test_metrics_are_logged_and_the_summary_written(tmp_path):
+    trainer, _ = train(CSwapStrategy(LOSSLESS), max_epochs=1, max_steps=-1,
+                       limit_train_batches=2)
+    hooks = [c for c in trainer.callbacks if isinstance(c, CSwapHooks)]
+    assert len(hooks) == 1
+    last = hooks[0].last
+    logged = trainer.callback_metrics
+    assert logged["cswap/offloaded_bytes_step"].item() == last.offloaded_bytes
+    # Same shapes each step, so the epoch's sum is twice the last step's.
+    assert logged["cswap/offloaded_bytes_epoch"].item() == 2 * last.offloaded_bytes
+    assert logged["cswap/ratio_step"].item() == pytest.approx(last.ratio)
+    assert logged["cswap/wait_s_step"].item() == pytest.approx(last.wait_s)
+    table = (tmp_path / "cswap_summary.txt").read_text()
+    assert f"step {last.step}:" in table and "zvc" in table
+    assert (tmp_path / "cswap_memory.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_fsdp_strategy_selects_lightnings_fsdp_precision():
+    trainer = pl.Trainer(strategy=CSwapFSDPStrategy(LOSSLESS), accelerator="cpu", devices=1,
+                         precision="bf16-mixed", logger=False)
+    assert isinstance(trainer.precision_plugin, FSDPPrecision)
+    assert trainer.strategy.precision_plugin is trainer.precision_plugin
+    assert trainer.strategy.cswap_config == LOSSLESS
+
+
+@pytest.mark.gpu
+def test_one_gpu_follows_the_accelerator_and_matches_the_plain_strategy():
+    trainer, model = train(CSwapStrategy(LOSSLESS), accelerator="cuda")
+    assert trainer.strategy.root_device == torch.device("cuda", torch.cuda.current_device())
+    _, plain = train(SingleDeviceStrategy("cuda"), accelerator="cuda")
+    assert_same_weights(model, plain)
+    assert trainer.strategy.offloader.last_step().offloaded_bytes > 0
+
+
+@pytest.mark.gpu
+def test_fsdp_on_one_gpu_offloads_activations():
+    trainer, _ = train(CSwapFSDPStrategy(LOSSLESS), accelerator="cuda", precision="bf16-mixed")
+    assert trainer.strategy.offloader.last_step().offloaded_bytes > 0
+
+
+def test_fsdp_by_name_needs_a_gpu_as_lightnings_fsdp_does():
+    # torch's FSDP cannot run on the CPU; Lightning says so before training starts.
+    with pytest.raises(ValueError, match="requires a GPU accelerator"):
+        pl.Trainer(strategy="cswap_fsdp", accelerator="cpu", logger=False)
+
+
+def test_ddp_on_two_cpu_processes_packs_on_both_ranks(tmp_path):
+    """Run as a user would: a script with strategy="cswap_ddp", which Lightning relaunches for
+    rank 1 (this file is that script, see the bottom)."""
+    subprocess.run([sys.executable, __file__, str(tmp_path)], check=True, cwd=tmp_path,
+                   timeout=300)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank in ranks:
+        assert rank["world_size"] == 2
+        assert rank["engine_steps"] == 2  # both micro-batches of the accumulated step
+        assert rank["offloaded_bytes"] > 0
+    assert ranks[0]["weights"] == ranks[1]["weights"]  # DDP kept the replicas equal
+
+
+def _ddp_worker(out: Path) -> None:
+    # The default config (min_bytes 256 KiB): activations of 64 x 2048 floats are 512 KiB.
+    trainer, model = train("cswap_ddp", model=partial(ReluNet, width=2048), batch_size=64,
+                           devices=2, max_steps=1, accumulate_grad_batches=2)
+    last = trainer.strategy.offloader.last_step()
+    result = {
+        "world_size": trainer.world_size,
+        "engine_steps": last.step + 1,
+        "offloaded_bytes": last.offloaded_bytes,
+        "weights": [p.sum().item() for p in model.parameters()],
+    }
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    _ddp_worker(Path(sys.argv[1]))

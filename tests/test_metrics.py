@@ -1,0 +1,121 @@
+"""The metrics give exact values from known step statistics, aggregate as ratios of sums, and
+compute without reading anything back to the host."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cswap_lightning.metrics import (
+    CompressionRatio,
+    ReconstructionError,
+    memory_timeline,
+    offload_metrics,
+    step_values,
+    write_summary,
+)
+from cswap_lightning.stats import SiteStats, StepStats
+
+MiB = 1 << 20
+
+
+def step(index: int, sites: list[tuple[str, int, int, float]]) -> StepStats:
+    """A step whose sites are (decision, nbytes, stored_bytes, wait_s), packed in order and
+    unpacked in reverse, as backward does."""
+    stats = StepStats(index)
+    n = len(sites)
+    for i, (decision, nbytes, stored, wait) in enumerate(sites):
+        site = SiteStats(i, (nbytes // 4,), "float32", nbytes, decision, stored_bytes=stored,
+                         wait_s=wait, packed_at=i)
+        site.unpacked_at = None if decision == "keep" else 2 * n - 1 - i
+        stats.sites.append(site)
+    return stats
+
+
+FIRST = step(0, [("zvc", 4 * MiB, 1 * MiB, 0.25), ("raw", 2 * MiB, 2 * MiB, 0.5),
+                 ("keep", 8 * MiB, 0, 0.0)])
+SECOND = step(1, [("rle", 6 * MiB, 3 * MiB, 0.125), ("keep", 1 * MiB, 0, 0.0)])
+
+
+def test_step_and_running_values_are_exact():
+    metrics = offload_metrics()
+    first = metrics(**step_values(FIRST))
+    assert first["cswap/offloaded_bytes"].item() == 6 * MiB
+    assert first["cswap/ratio"].item() == 2.0  # 6 MiB held as 3 MiB
+    assert first["cswap/wait_s"].item() == 0.75
+    second = metrics(**step_values(SECOND))
+    assert second["cswap/ratio"].item() == 2.0
+    total = metrics.compute()
+    assert total["cswap/offloaded_bytes"].item() == 12 * MiB
+    assert total["cswap/ratio"].item() == 2.0  # (6 + 6) / (3 + 3): a ratio of sums
+    assert total["cswap/wait_s"].item() == 0.875
+    metrics.reset()
+    assert metrics.compute()["cswap/offloaded_bytes"].item() == 0
+
+
+def test_ratio_is_of_sums_not_a_mean_of_ratios():
+    ratio = CompressionRatio()
+    ratio.update(offloaded_bytes=8, stored_bytes=1)  # 8x
+    ratio.update(offloaded_bytes=2, stored_bytes=2)  # 1x
+    assert ratio.compute().item() == 10 / 3
+
+
+def test_ratio_is_zero_until_something_was_offloaded():
+    metrics = offload_metrics()
+    metrics.update(**step_values(step(0, [("keep", 64, 0, 0.0)])))
+    assert metrics.compute()["cswap/ratio"].item() == 0.0
+
+
+def test_reconstruction_error_is_pooled_relative_l2():
+    error = ReconstructionError()
+    original = torch.tensor([3.0, 4.0])  # norm 5
+    error.update(original, original)
+    assert error.compute().item() == 0.0  # lossless
+    error.update(torch.tensor([0.0, 0.0, 12.0]), torch.tensor([0.0, 0.0, 7.0]))  # error 5, norm 12
+    assert error.compute().item() == pytest.approx((25 / (25 + 144)) ** 0.5, rel=1e-15)
+    with pytest.raises(ValueError, match=r"original \[2\] and decoded \[3\]"):
+        error.update(original, torch.zeros(3))
+
+
+def test_compute_stays_on_the_device_without_a_process_group():
+    assert not torch.distributed.is_initialized()
+    metrics = offload_metrics()
+    metrics.update(**step_values(FIRST))
+    for name, value in metrics.compute().items():
+        assert isinstance(value, torch.Tensor) and value.dtype == torch.float64, name
+    error = ReconstructionError()
+    error.update(torch.ones(4, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.bfloat16))
+    assert error.compute().item() == 1.0
+
+
+@pytest.mark.gpu
+def test_update_and_compute_never_synchronize_on_cuda():
+    metrics = offload_metrics().to("cuda")
+    error = ReconstructionError().to("cuda")
+    x = torch.randn(1024, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        metrics.update(**step_values(FIRST))
+        metrics.compute()
+        error.update(x, x.half().float())
+        error.compute()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_memory_timeline_follows_the_step_clock():
+    figure = memory_timeline(FIRST)
+    saved, device, host = (line.get_ydata() for line in figure.axes[0].get_lines())
+    # Packs at ticks 0, 1, 2; site 1 comes back at 4, site 0 at 5; the kept site 2 counts
+    # until the end of the step (tick 6).
+    assert list(saved) == [4, 6, 14, 14, 12, 8, 0]
+    assert list(device) == [0, 0, 8, 8, 8, 8, 0]
+    assert list(host) == [1, 3, 3, 3, 1, 0, 0]
+
+
+def test_summary_files(tmp_path):
+    table, plot = write_summary(SECOND, tmp_path / "run")
+    text = table.read_text()
+    assert "rle" in text and "step 1:" in text
+    assert plot.read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,177 @@
+"""Every YAML recipe in recipes/ parses, prints its CSwap options and trains at a CPU size."""
+
+import csv
+import dataclasses
+import importlib
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+from cswap_lightning import CSwapConfig
+from cswap_lightning.fit import main as fit
+from cswap_lightning.integrations.lightning import CSwapStrategy
+from cswap_lightning.recipes.models import ImageClassifier
+from cswap_lightning.recipes.nets import resnet50, vgg16
+from cswap_lightning.recipes.tokens import TokenSequences
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+CNN = ROOT / "recipes" / "cnn.yaml"
+
+# CI sizes: a recipe's value (or its class's default) is lowered to these, never raised.
+SMALL = {
+    "model.width": 8,
+    "model.hidden_size": 32,
+    "model.num_layers": 2,
+    "model.num_heads": 2,
+    "model.vocab_size": 128,
+    "data.vocab_size": 128,
+    "data.image_size": 32,
+    "data.seq_len": 16,
+    "data.num_samples": 48,
+    "data.batch_size": 8,
+}
+
+
+def init_args(recipe: dict, section: str) -> dict:
+    """What ``recipe`` builds its ``section`` (model or data) with: its values over the
+    class's defaults."""
+    module, _, name = recipe[section]["class_path"].rpartition(".")
+    signature = inspect.signature(getattr(importlib.import_module(module), name))
+    defaults = {key: parameter.default for key, parameter in signature.parameters.items()}
+    return defaults | (recipe[section].get("init_args") or {})
+
+
+def small_args(path: Path, root: Path, accelerator: str = "cpu") -> list[str]:
+    """Arguments that run recipe ``path`` for 2 steps at a CPU size, writing only under ``root``."""
+    recipe = yaml.safe_load(path.read_text())
+    args = {section: init_args(recipe, section) for section in ("model", "data")}
+    overrides = ["--config", str(path)]
+    for key, small in SMALL.items():
+        section, name = key.split(".")
+        if name in args[section]:
+            overrides += [f"--{key}", str(min(args[section][name], small))]
+    if "cache_dir" in args["data"]:
+        overrides += ["--data.cache_dir", str(root / "data")]
+    return [
+        *overrides,
+        "--trainer.accelerator", accelerator,
+        "--trainer.max_steps", "2",
+        "--trainer.limit_train_batches", "2",  # one epoch, so validation runs too
+        "--trainer.limit_val_batches", "1",
+        "--trainer.enable_progress_bar", "false",
+        "--trainer.default_root_dir", str(root),
+        "--trainer.strategy.init_args.config.min_bytes", "4096",  # offload at CI sizes
+    ]
+
+
+@pytest.fixture(autouse=True)
+def no_command_line(monkeypatch):
+    """Run as if called from Python, not with pytest's own arguments on the command line."""
+    monkeypatch.setattr(sys, "argv", sys.argv[:1])
+
+
+def test_recipes_are_found():
+    assert {path.stem for path in RECIPES} >= {"cnn", "vgg16", "resnet50", "bert", "gpt2"}
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda path: path.stem)
+def test_recipe_trains_two_steps_with_the_engine(path, tmp_path):
+    cli = fit(small_args(path, tmp_path))
+    trainer = cli.trainer
+    assert isinstance(trainer.strategy, CSwapStrategy)
+    assert trainer.global_step == 2
+    for name in ("train_loss", "val_loss"):
+        assert torch.isfinite(trainer.callback_metrics[name]), name
+    assert trainer.strategy.offloader.last_step().offloaded_bytes > 0
+    log_dir = Path(trainer.log_dir)
+    assert log_dir.is_relative_to(tmp_path)
+    assert (log_dir / "config.yaml").is_file() and (log_dir / "metrics.csv").is_file()
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda path: path.stem)
+def test_print_config_shows_every_cswap_option(path, capsys):
+    with pytest.raises(SystemExit) as done:
+        fit(["--config", str(path), "--print_config"])
+    assert done.value.code in (0, None)
+    printed = yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]
+    recipe = yaml.safe_load(path.read_text())["trainer"]["strategy"]["init_args"]["config"]
+    defaults = {f.name: f.default for f in dataclasses.fields(CSwapConfig)}
+    expected = {name: recipe.get(name, default) for name, default in defaults.items()}
+    config = printed["init_args"]["config"]
+    assert config == {name: list(v) if isinstance(v, tuple) else v for name, v in expected.items()}
+
+
+@pytest.mark.parametrize(
+    "key, value, named",  # keys inside a class_path are named relative to the class
+    [("model.arch", "bogus", "arch"), ("data.image_size", "big", "image_size"),
+     ("trainer.max_steps", "two", "trainer.max_steps")],
+)
+def test_bad_value_fails_naming_the_key(key, value, named, capsys, tmp_path):
+    with pytest.raises(SystemExit) as failure:
+        fit(["--config", str(CNN), f"--{key}", value, "--trainer.default_root_dir", str(tmp_path)])
+    assert failure.value.code == 2
+    error = capsys.readouterr().err
+    assert f'Parser key "{named}"' in error and f"Got value: {value}" in error
+    assert not any(tmp_path.iterdir())  # failed before anything ran
+
+
+def test_bad_cswap_option_fails_naming_it(tmp_path):
+    key = "--trainer.strategy.init_args.config.plan"
+    with pytest.raises(ValueError, match=r"CSwapConfig\.plan must be one of .*'bogus'"):
+        fit(["--config", str(CNN), key, "bogus", "--trainer.default_root_dir", str(tmp_path)])
+
+
+def test_cnn_recipe_as_shipped_learns_through_the_console_entry(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "cswap_lightning", "fit", "--config", str(CNN),
+         "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
+         "--trainer.default_root_dir", str(tmp_path), "--data.cache_dir", str(tmp_path / "data")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    (log_dir,) = (tmp_path / "lightning_logs").iterdir()
+    with open(log_dir / "metrics.csv") as metrics:
+        accuracy = [float(row["val_acc"]) for row in csv.DictReader(metrics) if row["val_acc"]]
+    assert len(accuracy) == 3 and accuracy[-1] > 0.9  # one validation per epoch
+    assert (log_dir / "cswap_summary.txt").is_file()
+
+
+@pytest.mark.parametrize("build, params", [(vgg16, 138_357_544), (resnet50, 25_557_032)])
+def test_networks_match_torchvisions(build, params):
+    with torch.device("meta"):  # shapes only: no memory, no time
+        net = build()
+    assert sum(p.numel() for p in net.parameters()) == params  # torchvision's published sizes
+    relus = [m for m in net.modules() if isinstance(m, nn.ReLU)]
+    assert relus and all(relu.inplace for relu in relus)
+
+
+def test_cnn_arch_names_the_input_it_needs():
+    with pytest.raises(ValueError, match="in_channels=3.*data.image_size 8"):
+        ImageClassifier(arch="cnn", in_channels=3)
+
+
+def test_token_sequences_carry_a_learnable_pattern():
+    data = TokenSequences("classification", 64, 12, vocab_size=100, num_labels=4, seed=0)
+    steps = (data.input_ids[:, 1:] - data.input_ids[:, :-1]) % 100
+    assert torch.equal(steps, steps[:, :1].expand_as(steps))  # one step per sequence
+    assert torch.equal(data.labels, data.input_ids[:, 0] // 25)  # which quarter it starts in
+    by_step = TokenSequences("step_classification", 64, 12, vocab_size=100, num_labels=7, seed=0)
+    assert torch.equal(by_step.labels, (by_step.input_ids[:, 1] - by_step.input_ids[:, 0]) % 100 - 1)
+    lm = TokenSequences("causal_lm", 64, 12, vocab_size=100, num_labels=4, seed=0)
+    assert lm.labels is lm.input_ids  # the model shifts them
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["cnn", "bert"])
+def test_recipe_on_gpu_moves_activations_off_the_device(name, tmp_path):
+    cli = fit(small_args(ROOT / "recipes" / f"{name}.yaml", tmp_path, accelerator="gpu"))
+    assert cli.trainer.strategy.root_device.type == "cuda"
+    assert cli.trainer.global_step == 2
+    assert cli.trainer.strategy.offloader.last_step().offloaded_bytes > 0
