@@ -204,19 +204,29 @@ def run_step_bench(model_name: str = "cnn", device: str = "auto", batch_size: in
     table = _markdown(rows, dev)
     print(table)
     if out:
-        meta = {"date": datetime.date.today().isoformat(), "device": _device_name(dev),
-                "torch": torch.__version__, "python": platform.python_version(),
-                "command": " ".join(["cswap"] + sys.argv[1:]), "model": model_name,
-                "batch_size": int(x.shape[0]), "steps": steps, "warmup": warmup}
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(f"{out}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-        header = "\n".join(f"- {k}: {v}" for k, v in meta.items())
-        Path(f"{out}.md").write_text(f"# cswap bench step\n\n{header}\n\n{table}\n")
-        print(f"results written to {out}.md and {out}.json")
+        meta = result_meta(dev, model=model_name, batch_size=int(x.shape[0]), steps=steps,
+                           warmup=warmup)
+        write_results(out, "cswap bench step", meta, {"rows": rows}, table)
     return rows
 
 
-def _device_name(dev: torch.device) -> str:
+def result_meta(dev: torch.device, **details) -> dict:
+    """What every result file starts with: date, device, versions, command, then ``details``."""
+    return {"date": datetime.date.today().isoformat(), "device": device_name(dev),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "command": " ".join(["cswap"] + sys.argv[1:]), **details}
+
+
+def write_results(out: str, title: str, meta: dict, data: dict, markdown: str) -> None:
+    """``out``.json (``meta`` and ``data``) and ``out``.md (``meta`` as a list, then ``markdown``)."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{out}.json").write_text(json.dumps({"meta": meta, **data}, indent=2))
+    header = "\n".join(f"- {k}: {v}" for k, v in meta.items())
+    Path(f"{out}.md").write_text(f"# {title}\n\n{header}\n\n{markdown}\n")
+    print(f"results written to {out}.md and {out}.json")
+
+
+def device_name(dev: torch.device) -> str:
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
