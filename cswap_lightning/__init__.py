@@ -4,5 +4,33 @@ from .config import CSwapConfig
 from .engine import Offloader, offload
 from .stats import SiteStats, StepStats
 
-__all__ = ["CSwapConfig", "Offloader", "SiteStats", "StepStats", "offload"]
+# Imported on first use, so that `import cswap_lightning` loads neither Lightning nor
+# transformers; importing the Lightning strategies registers "cswap", "cswap_ddp", "cswap_fsdp".
+_LAZY = {
+    "CSwapStrategy": "integrations.lightning",
+    "CSwapDDPStrategy": "integrations.lightning",
+    "CSwapFSDPStrategy": "integrations.lightning",
+    "CSwapCallback": "integrations.hf",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from importlib import import_module
+
+        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "CSwapCallback",
+    "CSwapConfig",
+    "CSwapDDPStrategy",
+    "CSwapFSDPStrategy",
+    "CSwapStrategy",
+    "Offloader",
+    "SiteStats",
+    "StepStats",
+    "offload",
+]
 __version__ = "0.1.0"

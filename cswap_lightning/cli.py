@@ -1,20 +1,39 @@
-"""The `cswap` console script: `cswap demo`, `cswap bench step`, `cswap build-ext`."""
+"""The `cswap` console script: demo, fit, compare, bench, build-ext and tune."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from .config import PLANS, CSwapConfig
+from .config import LOSSY_CODECS, PLANS, CSwapConfig
+
+
+def _budget(text: str) -> int | float | str | None:
+    """``none``, ``auto``, a fraction like ``0.5`` or a byte count like ``2000000000``."""
+    if text in ("none", "auto"):
+        return None if text == "none" else text
+    number = float(text)
+    return number if "." in text else int(number)
 
 
 def _config(args: argparse.Namespace) -> CSwapConfig:
-    return CSwapConfig(plan=args.plan, min_bytes=args.min_bytes)
+    return CSwapConfig(plan=args.plan, min_bytes=args.min_bytes, budget=args.budget)
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["fit"]:  # LightningCLI parses the rest
+        from .fit import main as fit
+
+        fit(None if argv is None else argv[1:])
+        return 0
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["compare"]:
+        return _compare(sys.argv[2:] if argv is None else argv[1:])
     parser = argparse.ArgumentParser(prog="cswap", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("fit", help="train a recipe with LightningCLI: cswap fit --config "
+                        "recipes/cnn.yaml (cswap fit --help lists its options)")
+    commands.add_parser("compare", help="train a recipe lossless and lossy from one seed and "
+                        "compare: cswap compare --config recipes/cnn.yaml [--lossy int8]")
 
     demo = commands.add_parser("demo", help="train a small ReLU CNN on scikit-learn digits")
     demo.add_argument("--epochs", type=int, default=3)
@@ -23,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     demo.add_argument("--plan", default="auto", choices=PLANS)
     demo.add_argument("--min-bytes", type=int, default=64 * 1024)
+    demo.add_argument("--budget", type=_budget, default=None,
+                      help="device memory budget for plan auto: none, auto, bytes or a fraction")
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench", required=True)
@@ -34,11 +55,48 @@ def main(argv: list[str] | None = None) -> int:
     step.add_argument("--steps", type=int, default=10, help="timed steps per method")
     step.add_argument("--warmup", type=int, default=3)
     step.add_argument("--out", default=None, help="write markdown and JSON results here (stem)")
+    codec = bench_kinds.add_parser("codec", help="zvc/rle throughput and ratio by dtype, size "
+                                   "and sparsity, against copy bandwidth and nvCOMP")
+    codec.add_argument("--device", default="auto")
+    codec.add_argument("--sizes", nargs="+", type=_size, default=None, metavar="SIZE",
+                       help="e.g. 256KiB 16MiB (default: 256KiB..256MiB by powers of 4 on a "
+                       "GPU, 256KiB..16MiB on the CPU)")
+    codec.add_argument("--dtypes", nargs="+", choices=("float32", "float16", "bfloat16"),
+                       default=None)
+    codec.add_argument("--codecs", nargs="+", choices=("zvc", "rle"), default=None)
+    codec.add_argument("--sparsities", nargs="+", type=_percent, default=None, metavar="PCT",
+                       help="percentages of zeros (default: 0 25 50 75 90 95)")
+    codec.add_argument("--quick", action="store_true",
+                       help="sparsities 0,50,90, fewer repeats and a smaller CNN")
+    codec.add_argument("--warmup", type=int, default=None)
+    codec.add_argument("--repeats", type=int, default=None, help="timed runs per operation")
+    codec.add_argument("--relu", action=argparse.BooleanOptionalAction, default=True,
+                       help="also measure real ReLU activations of the demo CNN")
+    codec.add_argument("--nvcomp", action=argparse.BooleanOptionalAction, default=True,
+                       help="also run nvCOMP where nvidia.nvcomp imports (CUDA only)")
+    codec.add_argument("--out", default=None, help="write markdown and JSON results here (stem)")
+    advisor = bench_kinds.add_parser(
+        "advisor", help="does the advisor pick the faster of raw and compressed swaps?")
+    advisor.add_argument("--device", default="auto")
+    advisor.add_argument("--codec", default="zvc", choices=("zvc", "rle"))
 
     build_ext = commands.add_parser(
         "build-ext", help="compile the CUDA codec library with nvcc and print its path"
     )
     build_ext.add_argument("--force", action="store_true", help="rebuild even if cached")
+
+    tune = commands.add_parser(
+        "tune", help="tune the CUDA kernels' grid and block sizes with hyperopt TPE, against an "
+        "exhaustive grid search, and cache them for this GPU (needs CUDA and nvcc)")
+    tune.add_argument("--max-evals", type=int, default=30, help="TPE runs per kernel")
+    tune.add_argument("--startup", type=int, default=6, help="random runs before TPE models")
+    tune.add_argument("--seed", type=int, default=0)
+    tune.add_argument("--mib", type=int, default=64, help="size of the timed tensor in MiB")
+    tune.add_argument("--sparsity", type=float, default=0.5, help="fraction of zeros in it")
+    tune.add_argument("--dtypes", nargs="+", default=["float32", "float16"],
+                      help="float32, float16, bfloat16, float64 or bool, one per element size")
+    tune.add_argument("--no-grid-search", action="store_true", help="skip the comparison")
+    tune.add_argument("--out", default=None, help="write markdown and JSON results here (stem)")
 
     args = parser.parse_args(argv)
     if args.command == "build-ext":
@@ -50,15 +108,71 @@ def main(argv: list[str] | None = None) -> int:
             print(f"cswap build-ext: {err}", file=sys.stderr)
             return 1
         return 0
+    if args.command == "tune":
+        from .tuner import Settings, TunerUnavailable, run_tune
+
+        try:
+            settings = Settings(args.mib << 20, args.sparsity, args.max_evals, args.startup,
+                                args.seed, not args.no_grid_search)
+            run_tune(settings, args.dtypes, args.out)
+        except (TunerUnavailable, ValueError) as err:
+            print(f"cswap tune: {err}", file=sys.stderr)
+            return 1
+        return 0
     if args.command == "demo":
         from .demo import run_demo
 
         result = run_demo(args.epochs, args.batch_size, args.width, args.device, _config(args))
         return 0 if result["gradients_equal"] else 1
+    if args.bench == "advisor":
+        from .bench_advisor import run_advisor_check
+
+        run_advisor_check(args.device, args.codec)
+        return 0
+    if args.bench == "codec":
+        from .bench_codec import run_codec_bench
+
+        run_codec_bench(args.device, args.sizes, args.dtypes, args.codecs, args.sparsities,
+                        args.quick, args.warmup, args.repeats, args.relu, args.nvcomp, args.out)
+        return 0
     from .bench import run_step_bench
 
     run_step_bench(args.model, args.device, args.batch_size, args.steps, args.warmup, args.out)
     return 0
+
+
+def _compare(argv: list[str]) -> int:
+    """``cswap compare [--lossy C] [--metric M] [--out STEM] LIGHTNINGCLI_ARGS...``."""
+    parser = argparse.ArgumentParser(
+        prog="cswap compare", description="Train a recipe twice from the same seed, lossless "
+        "and lossy, and compare the validation metric after each epoch and the bytes saved. "
+        "Other arguments (--config recipes/NAME.yaml, --trainer.max_epochs 3, ...) go to "
+        "LightningCLI.")
+    parser.add_argument("--lossy", default="int8", choices=LOSSY_CODECS)
+    parser.add_argument("--metric", default="val_acc", help="what validation logs to compare")
+    parser.add_argument("--out", default=None, help="write markdown and JSON results here (stem)")
+    args, recipe_args = parser.parse_known_args(argv)
+    if not recipe_args:
+        parser.error("no recipe: pass --config recipes/NAME.yaml")
+    from .compare import compare
+
+    compare(recipe_args, args.lossy, args.metric, args.out)
+    return 0
+
+
+def _size(text: str) -> int:
+    from .bench_codec import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _percent(text: str) -> int:
+    if not text.isdigit() or int(text) > 100:
+        raise argparse.ArgumentTypeError(f"bad percentage {text!r}: a whole number 0..100")
+    return int(text)
 
 
 if __name__ == "__main__":

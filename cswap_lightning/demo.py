@@ -13,9 +13,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .config import CSwapConfig
+from .config import COMPRESSORS, LOSSY_CODECS, CSwapConfig
 from .engine import Offloader
+from .profiler import measure_link
 from .stats import fmt_bytes
+
+CODECS_THAT_COMPRESS = (*COMPRESSORS, *LOSSY_CODECS)
 
 
 def build_cnn(width: int = 32, num_classes: int = 10) -> nn.Sequential:
@@ -83,6 +86,7 @@ def run_demo(
 
     for epoch in range(epochs):
         model.train()
+        offloader.new_epoch()  # sparsity drifts as the model learns: measure and plan again
         start, losses = time.perf_counter(), []
         for i in range(0, len(x_train) - batch_size + 1, batch_size):  # full batches only
             xb, yb = x_train[i:i + batch_size], y_train[i:i + batch_size]
@@ -107,12 +111,25 @@ def run_demo(
     step = offloader.last_step()
     print("\nWhat the engine did on the last step (one row per tensor autograd saved):")
     print(step.table())
+    if offloader.plan is not None:
+        print(f"\nThe advisor's plan, made from {config.profile_steps} measured step(s) at the "
+              "start of each epoch (times are predicted transfer time exposed beyond the "
+              "compute that can hide it):")
+        print(offloader.plan.table())
+        if not any(d.decision in CODECS_THAT_COMPRESS for d in offloader.plan.decisions.values()):
+            link = offloader.link or measure_link(dev)
+            print(f"No site is compressed: here a swap costs a copy at "
+                  f"{link.d2h / 1e9:.1f} GB/s, faster than the {dev.type} codec, so compressing "
+                  "would expose more time than it saves. `--plan zvc` forces it.")
     freed = step.offloaded_bytes
     print(f"\nMemory: of {fmt_bytes(step.saved_bytes)} saved for backward, "
           f"{fmt_bytes(freed)} left the {dev.type} memory "
           f"({100 * freed / max(step.saved_bytes, 1):.0f}%) and were held as "
           f"{fmt_bytes(step.stored_bytes)} on the host "
           f"({fmt_bytes(freed - step.stored_bytes)} less thanks to compression).")
+    arena = offloader.transfer.arena_report()
+    if arena is not None:
+        print(f"Host arena (one planned buffer for a step's payloads): {arena}.")
     print(f"Gradient check: gradients with the engine are "
           f"{'bitwise equal to' if equal else 'DIFFERENT from'} those without it "
           f"({sum(1 for _ in model.parameters())} parameter tensors).")

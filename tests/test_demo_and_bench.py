@@ -8,18 +8,28 @@ import pytest
 
 from cswap_lightning.bench import run_step_bench
 from cswap_lightning.cli import main
+from cswap_lightning.config import CSwapConfig
 from cswap_lightning.demo import run_demo
 
 
-def test_demo_trains_saves_memory_and_keeps_gradients(capsys):
+def test_demo_trains_with_the_advisor_and_keeps_gradients(capsys):
     result = run_demo(epochs=2)
     out = capsys.readouterr().out
     assert result["gradients_equal"]
     assert result["accuracy"] > 0.8  # digits are learnable in two epochs
     step = result["last_step"]
+    assert step["offloaded_bytes"] > 0
+    moved = [s for s in step["sites"] if s["decision"] not in ("keep", "dedup")]
+    assert moved and all(s["decision"] in ("raw", "zvc") for s in moved)
+    assert "The advisor's plan" in out and "bitwise equal" in out and "Memory:" in out
+
+
+def test_demo_with_zvc_compresses_relu_outputs():
+    result = run_demo(epochs=1, config=CSwapConfig(plan="zvc", min_bytes=64 * 1024))
+    assert result["gradients_equal"]
+    step = result["last_step"]
     assert step["offloaded_bytes"] > step["stored_bytes"] > 0  # ReLU outputs compressed
     assert any(s["decision"] == "zvc" for s in step["sites"])
-    assert "bitwise equal" in out and "site" in out and "Memory:" in out
 
 
 def test_cli_demo_exit_code_and_module_entry_point():

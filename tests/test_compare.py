@@ -1,0 +1,66 @@
+"""`cswap compare`: the CNN recipe trained lossless and lossy from one seed, at a CPU size."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from cswap_lightning.cli import main
+from cswap_lightning.compare import compare
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cnn_args(root: Path, *extra: str) -> list[str]:
+    """The CNN recipe for two epochs of three batches, logging under ``root``."""
+    return [
+        "--config", str(ROOT / "recipes" / "cnn.yaml"),
+        "--trainer.max_epochs", "2",
+        "--trainer.limit_train_batches", "3",
+        "--trainer.limit_val_batches", "2",
+        "--trainer.enable_progress_bar", "false",
+        "--trainer.default_root_dir", str(root),
+        "--data.cache_dir", str(root / "data"),
+        *extra,
+    ]
+
+
+@pytest.fixture(autouse=True)
+def no_command_line(monkeypatch):
+    monkeypatch.setattr(sys, "argv", sys.argv[:1])
+
+
+def test_compare_trains_both_plans_and_reports_the_lossy_savings(tmp_path, capsys):
+    lossless, lossy = compare(cnn_args(tmp_path), lossy="int8", out=str(tmp_path / "result"))
+    assert (lossless.plan, lossy.plan) == ("auto", "int8")
+    assert len(lossless.metric) == len(lossy.metric) == 2  # one value per epoch
+    assert all(0.0 <= v <= 1.0 for v in lossless.metric + lossy.metric)
+    assert len(lossless.step_s) == len(lossy.step_s) == 6
+    # int8 keeps a byte per float32 element plus a scale per block: about 4x smaller.
+    assert lossless.lossy_bytes == 0 and lossy.lossy_bytes > 0
+    assert lossy.lossy_bytes / lossy.lossy_stored_bytes > 3.5
+    assert lossy.offloaded_bytes == lossless.offloaded_bytes  # the same sites left the device
+    assert lossy.stored_bytes < lossless.stored_bytes
+    assert lossy.link_bytes < lossless.link_bytes
+    out = capsys.readouterr().out
+    assert "val_acc after epoch" in out and "x smaller" in out
+    assert (tmp_path / "result.md").exists() and (tmp_path / "result.json").exists()
+
+
+def test_compare_names_a_metric_the_model_does_not_log(tmp_path):
+    with pytest.raises(ValueError, match="no 'val_f1'.*val_acc"):
+        compare(cnn_args(tmp_path, "--trainer.max_epochs", "1"), metric="val_f1")
+
+
+def test_compare_needs_a_cswap_strategy(tmp_path):
+    with pytest.raises(TypeError, match="SingleDeviceStrategy, not a CSwap strategy"):
+        compare(cnn_args(tmp_path, "--trainer.strategy", "auto", "--trainer.max_epochs", "1"))
+
+
+def test_cli_compare_needs_a_recipe_and_a_known_codec(capsys):
+    with pytest.raises(SystemExit):
+        main(["compare"])
+    assert "--config recipes/NAME.yaml" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["compare", "--lossy", "int3", "--config", "recipes/cnn.yaml"])
+    assert "invalid choice: 'int3'" in capsys.readouterr().err
