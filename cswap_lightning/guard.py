@@ -2,8 +2,8 @@
 
 Every ``guard_every`` steps a probe computes one micro-batch's gradients twice, with the
 lossy sites swapped raw instead (bitwise what training without the library gives, and with
-the same memory savings) and with the current lossy plan, and compares them per parameter. If the worst relative error exceeds ``guard_tolerance``, the lossy sites
-whose round trip lost the most (measured on the probe itself) are moved back to lossless.
+the same memory savings) and with the current lossy plan, and compares them per parameter. If the worst relative error exceeds ``guard_tolerance``,
+the lossy sites whose round trip lost the most (measured on the probe itself) are moved back to lossless.
 The probe leaves no trace: parameter gradients, buffers (BatchNorm statistics) and random
 number generators are as they were before it.
 """
@@ -40,6 +40,13 @@ class GuardReport:
     @property
     def worst_rel_error(self) -> float:
         return max(self.rel_error.values(), default=0.0)
+
+    def log_values(self, prefix: str = "cswap/guard_") -> dict[str, float]:
+        """The figures the integrations log after a probe."""
+        return {f"{prefix}worst_cosine": self.worst_cosine,
+                f"{prefix}worst_rel_error": self.worst_rel_error,
+                f"{prefix}reverted_sites": float(len(self.reverted)),
+                f"{prefix}seconds": self.seconds}
 
 
 class AccuracyGuard:

@@ -3,6 +3,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from cswap_lightning.codecs import codec_names, get_codec, register
+from cswap_lightning.codecs.reference import RawCodec
 from cswap_lightning.demo import build_cnn
 
 
@@ -57,3 +59,30 @@ def grads(model, x, y, offloader=None, steps=1):
                 loss = F.cross_entropy(model(x), y)
         loss.backward()
     return [p.grad.clone() for p in model.parameters()]
+
+
+class Faithful(RawCodec):
+    """Registered as "int8", but stores the bits exactly."""
+
+    name = "int8"
+    lossless = False
+
+
+class Destructive(Faithful):
+    """Registered as "int8", gives back noise of the right shape and dtype."""
+
+    def decode(self, packed):
+        out = super().decode(packed)
+        return torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+
+
+@pytest.fixture
+def as_int8():
+    previous = get_codec("int8") if "int8" in codec_names() else None
+
+    def install(codec):
+        register(codec)
+
+    yield install
+    if previous is not None:
+        register(previous)

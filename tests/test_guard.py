@@ -3,40 +3,11 @@ keeps it."""
 
 import pytest
 import torch
-from conftest import model_and_batch
+from conftest import Destructive, Faithful, model_and_batch
 from torch.nn import functional as F
 
 from cswap_lightning import CSwapConfig, Offloader
-from cswap_lightning.codecs import codec_names, get_codec, register
-from cswap_lightning.codecs.reference import RawCodec
 from cswap_lightning.guard import AccuracyGuard
-
-
-class Faithful(RawCodec):
-    """Registered as "int8", but stores the bits exactly."""
-
-    name = "int8"
-    lossless = False
-
-
-class Destructive(Faithful):
-    """Registered as "int8", gives back noise of the right shape and dtype."""
-
-    def decode(self, packed):
-        out = super().decode(packed)
-        return torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
-
-
-@pytest.fixture
-def as_int8():
-    previous = get_codec("int8") if "int8" in codec_names() else None
-
-    def install(codec):
-        register(codec)
-
-    yield install
-    if previous is not None:
-        register(previous)
 
 
 def guarded(name="mlp", **config):

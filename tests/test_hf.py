@@ -172,6 +172,9 @@ def test_the_accuracy_guard_probes_lossy_plans_and_leaves_no_trace(tmp_path):
     reports = guarded.guard.reports
     assert len(reports) == 3  # micro-batches 1, 3 and 5 of 6
     assert all(r.worst_rel_error > 0 and r.site_errors for r in reports)  # fp8 is lossy
+    logged = [h["cswap/guard_worst_rel_error"] for h in trainer.state.log_history
+              if "cswap/guard_worst_rel_error" in h]
+    assert logged and logged[-1] == pytest.approx(reports[-1].worst_rel_error)
     for (name, p), q in zip(trainer.model.state_dict().items(),
                             unguarded.model.state_dict().values(), strict=True):
         assert torch.equal(p, q), name

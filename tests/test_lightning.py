@@ -8,16 +8,19 @@ import json
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from conftest import Destructive, Faithful
 from lightning.pytorch.plugins.precision import FSDPPrecision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import MeanMetric
 
 from cswap_lightning import CSwapConfig
 from cswap_lightning.integrations.lightning import (
@@ -145,9 +148,59 @@ class RecordPlanAtStart(pl.Callback):
         self.state = trainer.strategy.offloader.state_dict()
 
 
-def test_lossy_plans_warn_that_the_guard_does_not_run():
-    with pytest.warns(UserWarning, match="do not run the accuracy guard"):
-        train(CSwapStrategy(CSwapConfig(plan="fp8", min_bytes=0)), max_steps=1)
+class MeteredReluNet(ReluNet):
+    """Logs and updates a metric in training_step, as real modules do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mean_loss = MeanMetric()
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.mean_loss.update(loss.detach())
+        self.log("train_loss", loss)
+        return {"loss": loss}
+
+
+def test_the_guard_probes_lossy_plans_logs_and_leaves_no_trace():
+    # fp8 rounds to nearest (no stochastic seeds), so two runs can be compared bit for bit.
+    fp8 = CSwapConfig(plan="fp8", min_bytes=0, guard_every=2, guard_tolerance=1e9)
+    guarded, model = train(CSwapStrategy(fp8), model=MeteredReluNet)
+    unguarded, plain = train(CSwapStrategy(replace(fp8, guard_every=0)), model=MeteredReluNet)
+    reports = guarded.strategy.guard.reports
+    assert len(reports) == 2  # before steps 1 and 3 of 3
+    assert all(r.worst_rel_error > 0 and r.site_errors and not r.reverted for r in reports)
+    assert_same_weights(model, plain)
+    assert model.mean_loss.compute() == plain.mean_loss.compute()  # probes left no update
+    assert model.mean_loss._update_count == 3
+    logged = guarded.callback_metrics
+    assert logged["cswap/guard_worst_rel_error"] == pytest.approx(reports[-1].worst_rel_error)
+    assert "cswap/guard_worst_rel_error" not in unguarded.callback_metrics
+
+
+def test_the_guard_moves_sites_that_destroy_gradients_back_to_lossless(as_int8):
+    as_int8(Destructive())
+    trainer, _ = train(CSwapStrategy(CSwapConfig(plan="int8", min_bytes=0, guard_every=1,
+                                                 guard_tolerance=0.05)), max_steps=1)
+    report = trainer.strategy.guard.reports[0]
+    assert report.worst_rel_error > 0.5 and report.reverted
+    assert trainer.strategy.offloader.reverted == set(report.reverted)
+    last = trainer.strategy.offloader.last_step()  # the real step, after the probe
+    assert {s.decision for s in last.sites if s.site in report.reverted} == {"raw"}
+
+
+def test_the_guard_does_not_trip_on_a_faithful_codec(as_int8):
+    as_int8(Faithful())
+    trainer, _ = train(CSwapStrategy(CSwapConfig(plan="int8", min_bytes=0, guard_every=1,
+                                                 guard_tolerance=1e-6)), max_steps=2)
+    reports = trainer.strategy.guard.reports
+    assert len(reports) == 2 and all(r.worst_rel_error == 0 and not r.reverted for r in reports)
+
+
+def test_lossy_plans_with_manual_optimisation_warn_that_the_guard_cannot_run():
+    with pytest.warns(UserWarning, match="cannot run under CSwapStrategy with manual"):
+        train(CSwapStrategy(CSwapConfig(plan="fp8", min_bytes=0)),
+              model=partial(ReluNet, manual=True), max_steps=1)
 
 
 class RecordPlanPerEpoch(pl.Callback):
@@ -229,27 +282,31 @@ def test_fsdp_by_name_needs_a_gpu_as_lightnings_fsdp_does():
         pl.Trainer(strategy="cswap_fsdp", accelerator="cpu", logger=False)
 
 
-def test_ddp_on_two_cpu_processes_packs_on_both_ranks(tmp_path):
-    """Run as a user would: a script with strategy="cswap_ddp", which Lightning relaunches for
+def test_ddp_on_two_cpu_processes_packs_and_probes_on_both_ranks(tmp_path):
+    """Run as a user would: a script with a CSwap DDP strategy, which Lightning relaunches for
     rank 1 (this file is that script, see the bottom)."""
     subprocess.run([sys.executable, __file__, str(tmp_path)], check=True, cwd=tmp_path,
                    timeout=300)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for rank in ranks:
         assert rank["world_size"] == 2
-        assert rank["engine_steps"] == 2  # both micro-batches of the accumulated step
+        assert rank["probes"] == 2  # one before each micro-batch of the accumulated step
+        assert rank["engine_steps"] == 2 + 2 * 2  # both micro-batches, each probed twice
         assert rank["offloaded_bytes"] > 0
     assert ranks[0]["weights"] == ranks[1]["weights"]  # DDP kept the replicas equal
 
 
 def _ddp_worker(out: Path) -> None:
-    # The default config (min_bytes 256 KiB): activations of 64 x 2048 floats are 512 KiB.
-    trainer, model = train("cswap_ddp", model=partial(ReluNet, width=2048), batch_size=64,
-                           devices=2, max_steps=1, accumulate_grad_batches=2)
+    # Default sizes (min_bytes 256 KiB): activations of 64 x 2048 floats are 512 KiB. A lossy
+    # plan, so the accuracy guard probes each micro-batch on each rank, outside DDP's sync.
+    int8 = CSwapConfig(plan="int8", guard_every=1, guard_tolerance=1e9)
+    trainer, model = train(CSwapDDPStrategy(int8), model=partial(ReluNet, width=2048),
+                           batch_size=64, devices=2, max_steps=1, accumulate_grad_batches=2)
     last = trainer.strategy.offloader.last_step()
     result = {
         "world_size": trainer.world_size,
         "engine_steps": last.step + 1,
+        "probes": len(trainer.strategy.guard.reports),
         "offloaded_bytes": last.offloaded_bytes,
         "weights": [p.sum().item() for p in model.parameters()],
     }

@@ -45,7 +45,9 @@ class CSwapCallback(TrainerCallback):
     gradients with and without them (the model must return its loss, i.e. get ``labels``).
 
     Each log line gets ``cswap/ratio``, ``cswap/offloaded_bytes`` and ``cswap/wait_s`` over the
-    micro-batches since the previous one; they are in ``trainer.state.log_history``, and
+    micro-batches since the previous one, and the latest guard probe's figures
+    (``cswap/guard_worst_cosine``, ``..._worst_rel_error``, ``..._reverted_sites``,
+    ``..._seconds``) when one ran since; they are in ``trainer.state.log_history``, and
     reporting integrations (``report_to``) see them only if they run after this callback in
     ``trainer.callback_handler.callbacks``. At the end of training the last step's per-site
     table and memory timeline are written to ``args.output_dir``.
@@ -60,6 +62,7 @@ class CSwapCallback(TrainerCallback):
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self.inside = False  # a forward is running under the engine
         self._probing = False  # the guard is running the model itself
+        self._reports_logged = 0  # guard reports already logged
 
     @property
     def offloader(self) -> Offloader:
@@ -155,6 +158,10 @@ class CSwapCallback(TrainerCallback):
             return  # nothing trained since the last log line (e.g. an evaluation's)
         values = {name: value.item() for name, value in self.metrics.compute().items()}
         self.metrics.reset()
+        reports = self._guard.reports if self._guard is not None else []
+        if len(reports) > self._reports_logged:  # the latest probe since the last log line
+            self._reports_logged = len(reports)
+            values |= reports[-1].log_values()
         logs.update(values)
         if state.log_history:  # the Trainer recorded its copy of `logs` before calling us
             state.log_history[-1].update(values)

@@ -4,7 +4,9 @@ Each strategy is its Lightning base (one device, DDP, FSDP) plus one change: ``t
 runs inside ``with offloader:``, so the tensors autograd saves during forward are offloaded,
 and the backward Lightning runs afterwards brings them back. Everything else (precision
 plugins, ``no_sync`` under gradient accumulation, distributed samplers, manual optimisation,
-checkpointing) is the base's own code. Importing this module registers the names ``"cswap"``,
+checkpointing) is the base's own code. With lossy sites, every ``guard_every`` steps the
+accuracy guard first probes the step's batch through the module's own ``training_step``
+(logging muted, metric states restored). Importing this module registers the names ``"cswap"``,
 ``"cswap_ddp"`` and ``"cswap_fsdp"``, so ``Trainer(strategy="cswap")`` and YAML configs work::
 
     import cswap_lightning.integrations.lightning  # or: from cswap_lightning import CSwapStrategy
@@ -19,6 +21,9 @@ start, the learned plan in checkpoints, and the summary at the end of training.
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -32,9 +37,11 @@ from lightning.pytorch.strategies import (
     StrategyRegistry,
 )
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torchmetrics import Metric
 
 from ..config import LOSSY_CODECS, CSwapConfig
 from ..engine import Offloader
+from ..guard import AccuracyGuard
 from ..metrics import offload_metrics, step_values, write_summary
 from ..stats import StepStats
 
@@ -49,6 +56,7 @@ class _CSwapMixin:
         super().__init__(**kwargs)
         self.cswap_config = config if config is not None else CSwapConfig()
         self._offloader: Offloader | None = None
+        self._guard: AccuracyGuard | None = None
 
     @property
     def offloader(self) -> Offloader:
@@ -67,9 +75,56 @@ class _CSwapMixin:
         if not any(isinstance(c, CSwapHooks) and c.strategy is self for c in callbacks):
             callbacks.insert(0, CSwapHooks(self))
 
+    @property
+    def guard(self) -> AccuracyGuard:
+        """The accuracy guard of the offloader's lossy sites (its reports, its metrics)."""
+        if self._guard is None:
+            self._guard = AccuracyGuard(self.offloader)
+        return self._guard
+
+    def can_probe(self) -> bool:
+        """Whether the guard can run ``training_step`` on its own: not under FSDP (sharded
+        parameters) nor with manual optimisation (the step would update the weights)."""
+        return (not isinstance(self, FSDPStrategy)
+                and self.lightning_module.automatic_optimization)
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.can_probe() and self.guard.due():
+            module = self.lightning_module
+            # The module's own training_step, past any DDP wrapper: a probe must not sync.
+            with self.precision_plugin.train_step_context(), _traceless(module):
+                self.guard.probe(module, lambda: _loss(module.training_step(*args, **kwargs)))
         with self.offloader:
             return super().training_step(*args, **kwargs)
+
+
+def _loss(output: Any) -> torch.Tensor:
+    """The loss in what ``training_step`` returned (a tensor, or a mapping with ``"loss"``)."""
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            "the cswap accuracy guard needs training_step to return its loss (a tensor or a "
+            f"dict with 'loss'), got {type(output).__name__}; or set CSwapConfig(guard_every=0)"
+        )
+    return loss
+
+
+@contextmanager
+def _traceless(module: pl.LightningModule) -> Iterator[None]:
+    """Run the module's code for a probe: ``self.log`` does nothing, and the states of its
+    torchmetrics are put back afterwards."""
+    metrics = [m for m in module.modules() if isinstance(m, Metric)]
+    saved = [(m, copy.deepcopy({k: getattr(m, k) for k in (*m._defaults, "_update_count",
+                                                            "_computed")}))
+             for m in metrics]
+    module.log = module.log_dict = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        del module.log, module.log_dict
+        for metric, state in saved:
+            for name, value in state.items():
+                setattr(metric, name, value)
 
 
 class CSwapStrategy(_CSwapMixin, SingleDeviceStrategy):
@@ -165,6 +220,7 @@ class CSwapHooks(Callback):
         self.strategy = strategy
         self.metrics = offload_metrics()
         self.last: StepStats | None = None  # the most recent training step's statistics
+        self._reports_logged = 0  # guard reports already logged
 
     @property
     def state_key(self) -> str:
@@ -180,12 +236,14 @@ class CSwapHooks(Callback):
         self.strategy.offloader.watch(pl_module)  # names sites by module (for `lossy_exclude`)
         self.metrics.to(pl_module.device)  # states where distributed reduction expects them
         config = self.strategy.cswap_config
-        if (config.plan in LOSSY_CODECS or config.lossy != "off") and config.guard_every:
+        lossy = config.plan in LOSSY_CODECS or config.lossy != "off"
+        if lossy and config.guard_every and not self.strategy.can_probe():
             rank_zero_warn(
-                f"cswap: the Lightning strategies do not run the accuracy guard (guard_every="
-                f"{config.guard_every}): probing would run training_step again, repeating its "
-                "logging and metric updates. Lossy sites stay lossy; check accuracy yourself, "
-                "or use lossless plans."
+                f"cswap: the accuracy guard (guard_every={config.guard_every}) cannot run under "
+                f"{type(self.strategy).__name__} with "
+                f"{'automatic' if pl_module.automatic_optimization else 'manual'} optimisation: "
+                "lossy sites stay lossy. Check accuracy with `cswap compare`, or use lossless "
+                "plans."
             )
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -199,6 +257,10 @@ class CSwapHooks(Callback):
         self.metrics(**step_values(self.last))
         for name, metric in self.metrics.items():
             pl_module.log(name, metric, on_step=True, on_epoch=True, metric_attribute=name)
+        reports = self.strategy.guard.reports if self.strategy._guard is not None else []
+        if len(reports) > self._reports_logged:  # a probe ran before this step
+            self._reports_logged = len(reports)
+            pl_module.log_dict(reports[-1].log_values(), on_step=True, on_epoch=False)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         log_dir = trainer.log_dir or trainer.default_root_dir  # every rank: it broadcasts
