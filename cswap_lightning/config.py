@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Literal, get_args
 
-COMPRESSORS = ("zvc", "rle")
-LOSSY_CODECS = ("int8", "fp8", "int4")
-PLANS = ("auto", "keep", "raw", *COMPRESSORS, *LOSSY_CODECS)
+# Literal types, so that LightningCLI rejects a bad value at parse time, naming the key.
+Compressor = Literal["zvc", "rle"]
+LossyCodec = Literal["int8", "fp8", "int4"]
+PlanName = Literal["auto", "keep", "raw", Compressor, LossyCodec]
+Lossy = Literal["off", "auto", LossyCodec]
+
+COMPRESSORS: tuple[str, ...] = get_args(Compressor)
+LOSSY_CODECS: tuple[str, ...] = get_args(LossyCodec)
+PLANS: tuple[str, ...] = ("auto", "keep", "raw", *COMPRESSORS, *LOSSY_CODECS)
 
 MiB = 1 << 20
 
@@ -56,11 +63,11 @@ class CSwapConfig:
         pin_memory: use page-locked host memory for CUDA tensors (needed for async copies).
     """
 
-    plan: str = "auto"
-    compressor: str = "zvc"
+    plan: PlanName = "auto"
+    compressor: Compressor = "zvc"
     budget: int | float | str | None = None
     profile_steps: int = 2
-    lossy: str = "off"
+    lossy: Lossy = "off"
     lossy_exclude: tuple[str, ...] = ()
     guard_every: int = 100
     guard_tolerance: float = 0.1
@@ -75,13 +82,14 @@ class CSwapConfig:
             value, allowed = getattr(self, f.name), _TYPES[f.name]
             if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
                 raise TypeError(
-                    f"CSwapConfig.{f.name} must be of type {f.type}, got {value!r} "
+                    f"CSwapConfig.{f.name} must be of type {' or '.join(t.__name__ for t in allowed)}, "
+                    f"got {value!r} "
                     f"({type(value).__name__})"
                 )
         _check_choice("plan", self.plan, PLANS)
         _check_choice("compressor", self.compressor, COMPRESSORS)
         _check_budget(self.budget)
-        _check_choice("lossy", self.lossy, ("off", "auto", *LOSSY_CODECS))
+        _check_choice("lossy", self.lossy, get_args(Lossy))
         if not all(isinstance(p, str) for p in self.lossy_exclude):
             raise TypeError(f"CSwapConfig.lossy_exclude must hold strings, got {self.lossy_exclude!r}")
         if self.guard_every < 0:

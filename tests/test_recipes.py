@@ -122,10 +122,14 @@ def test_bad_value_fails_naming_the_key(key, value, named, capsys, tmp_path):
     assert not any(tmp_path.iterdir())  # failed before anything ran
 
 
-def test_bad_cswap_option_fails_naming_it(tmp_path):
+def test_bad_cswap_option_fails_at_parse_time_naming_it(tmp_path, capsys):
     key = "--trainer.strategy.init_args.config.plan"
-    with pytest.raises(ValueError, match=r"CSwapConfig\.plan must be one of .*'bogus'"):
+    with pytest.raises(SystemExit) as failure:
         fit(["--config", str(CNN), key, "bogus", "--trainer.default_root_dir", str(tmp_path)])
+    assert failure.value.code == 2
+    error = capsys.readouterr().err
+    assert 'Parser key "plan"' in error and "'zvc'" in error and "Got value: bogus" in error
+    assert not any(tmp_path.iterdir())  # failed before anything ran
 
 
 def test_cnn_recipe_as_shipped_learns_through_the_console_entry(tmp_path):
