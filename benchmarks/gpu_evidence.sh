@@ -2,7 +2,8 @@
 # Collect every piece of GPU evidence in ONE call of the device machine (10-minute limit):
 # the CUDA codec build, `pytest -m gpu`, compute-sanitizer memcheck on a short codec run,
 # `cswap bench codec` (full sizes, with nvCOMP when its wheels were carried),
-# `cswap bench step` for the CNN and the transformer, and `cswap tune` when it exists.
+# `cswap bench step` for the CNN and the transformer, `cswap bench advisor`, `cswap compare` on
+# BERT-base (lossless against int8), and `cswap tune`.
 # Each step has its own time limit, capped by what is left of the whole budget; a failing or
 # timed-out step is recorded and the script goes on.
 #
@@ -85,6 +86,13 @@ step bench-codec 180 "${CSWAP[@]}" bench codec --out "$WORK/codec-$TAG"
 step bench-step-cnn 60 "${CSWAP[@]}" bench step --model cnn --out "$WORK/step-$TAG-cnn"
 step bench-step-transformer 60 "${CSWAP[@]}" bench step --model transformer \
     --out "$WORK/step-$TAG-transformer"
+
+step bench-advisor 60 "${CSWAP[@]}" bench advisor
+# Issue 6 on a GPU: BERT-base, one short epoch lossless then int8; memory, link bytes, step time.
+step compare-bert-base 150 "${CSWAP[@]}" compare --lossy int8 --out "$WORK/compare-bert-base-int8-$TAG" \
+    --config recipes/bert.yaml --data.num_samples 640 --trainer.max_epochs 1 \
+    --trainer.limit_val_batches 4 --trainer.enable_progress_bar false \
+    --trainer.default_root_dir "$WORK/logs"
 
 SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 if [[ -x $SANITIZER ]]; then
