@@ -127,14 +127,21 @@ class Calibration:
 
 
 _CALIBRATIONS: dict[tuple[torch.device, tuple[str, ...]], Calibration] = {}
+_RECORDED: dict[torch.device, list[KernelRun]] = {}
 
 
-def calibrate(device: torch.device, codecs: Sequence[str], extra_runs: Sequence[KernelRun] = ()
-              ) -> Calibration:
+def record_runs(device: torch.device, runs: Iterable[KernelRun]) -> None:
+    """Add runs measured elsewhere on ``device`` (the tuner's, at its chosen launch) to what
+    calibrations fit on; calibrations made before are dropped, so the next plan uses them."""
+    _RECORDED.setdefault(torch.device(device), []).extend(runs)
+    _CALIBRATIONS.clear()
+
+
+def calibrate(device: torch.device, codecs: Sequence[str]) -> Calibration:
     """Measure, fit and validate the codecs' time model on ``device`` (once per process).
 
     Sizes are a few MiB on the CPU and tens of MiB on CUDA, where small calls are all launch.
-    ``extra_runs`` (e.g. the tuner's) join the fitting set.
+    Runs given to :func:`record_runs` for this device join the fitting set.
     """
     device = torch.device(device)
     key = (device, tuple(codecs))
@@ -142,7 +149,8 @@ def calibrate(device: torch.device, codecs: Sequence[str], extra_runs: Sequence[
         scale = 16 if device.type == "cuda" else 1
         fit_sizes = [scale * s << 10 for s in (256, 1024, 4096)]
         held_sizes = [scale * s << 10 for s in (512, 2048)]
-        fit_runs, held_runs = list(extra_runs), []
+        fit_runs = [r for r in _RECORDED.get(device, []) if r.codec in codecs]
+        held_runs = []
         for codec in codecs:
             fit_runs += measure_runs(codec, device, fit_sizes, (0.0, 0.5, 0.9))
             held_runs += measure_runs(codec, device, held_sizes, (0.25, 0.75))

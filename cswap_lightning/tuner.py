@@ -35,6 +35,7 @@ from hyperopt import fmin, hp, tpe
 from .bench import write_results
 from .codecs import cuda_build
 from .codecs.cuda import CudaRLECodec, CudaZVCCodec, enable_cuda_codecs, load_extension
+from .predictor import KernelRun, record_runs
 
 CODECS = {"zvc": CudaZVCCodec, "rle": CudaRLECodec}
 DIRECTIONS = ("encode", "decode")
@@ -222,6 +223,12 @@ class TuningResult:
                 for t in self.kernels for search in (t.tpe, t.grid) if search is not None
                 for grid, block, seconds in search.trials]
 
+    def best_runs(self) -> list[KernelRun]:
+        """Each kernel's run at its chosen launch, for the codec time predictor."""
+        s = self.settings
+        return [KernelRun(t.kernel.codec, t.kernel.direction, s.nbytes, s.sparsity, t.best[2])
+                for t in self.kernels]
+
     def to_json(self) -> dict:
         return {"schema": CACHE_SCHEMA, "version": CACHE_VERSION, **asdict(self)}
 
@@ -394,12 +401,14 @@ def tune_cuda(settings: Settings = Settings(), dtypes: Sequence[str] = ("float32
 
 def enable_tuned_cuda_codecs(settings: Settings = Settings(),
                              dtypes: Sequence[str] = ("float32", "float16")) -> bool:
-    """Register the CUDA codecs with tuned launch parameters (tuning once per GPU and build).
+    """Register the CUDA codecs with tuned launch parameters (tuning once per GPU and build),
+    and give the codec time predictor the tuned runs.
 
     False, with the loader's warning, where the CUDA codecs are unavailable."""
     if load_extension() is None:
         return False
     result = tune_cuda(settings, dtypes)
+    record_runs(torch.device("cuda", torch.cuda.current_device()), result.best_runs())
     return enable_cuda_codecs(tuned={codec: result.launches(codec) for codec in CODECS})
 
 

@@ -8,11 +8,11 @@ from conftest import grads, model_and_batch
 from torch import nn
 from torch.nn import functional as F
 
-from cswap_lightning import CSwapConfig, Offloader
+from cswap_lightning import CSwapConfig, Offloader, predictor
 from cswap_lightning.advisor import Advisor, Plan, exposed_s, predicted_stored_bytes
 from cswap_lightning.bench_advisor import accuracy, report, run_advisor_check
 from cswap_lightning.codecs import get_codec
-from cswap_lightning.predictor import CodecTimeModel, KernelRun, calibrate
+from cswap_lightning.predictor import CodecTimeModel, KernelRun, calibrate, record_runs
 from cswap_lightning.profiler import Link, SiteProfile
 
 MiB = 1 << 20
@@ -170,6 +170,18 @@ def test_auto_budget_keeps_gradients_bitwise_equal():
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
     assert off.plan is not None and off.plan.fits
     off.close()
+
+
+def test_recorded_runs_join_the_next_calibration_of_their_device():
+    cpu = torch.device("cpu")
+    before = calibrate(cpu, ("zvc",))
+    tuned = KernelRun("zvc", "encode", 3 * MiB, 0.3, 1e-3)
+    record_runs(cpu, [tuned, KernelRun("rle", "encode", MiB, 0.3, 1e-3)])
+    after = calibrate(cpu, ("zvc",))
+    assert after is not before  # planned again with the new runs
+    assert tuned in after.fit_runs and not any(r.codec == "rle" for r in after.fit_runs)
+    assert tuned not in after.held_out_runs
+    predictor._RECORDED.clear()
 
 
 def test_calibration_is_measured_once_and_validated_on_held_out_runs():

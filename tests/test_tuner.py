@@ -172,6 +172,10 @@ def test_tune_results_feed_the_codecs_and_the_predictor():
     fastest = min((r for r in runs if r.codec == "zvc" and r.direction == "decode"
                    and r.dtype == "float32"), key=lambda r: r.seconds)
     assert result.launch("zvc", "decode", "float32") == (fastest.grid, fastest.block)
+    best = result.best_runs()  # what the codec time predictor is given
+    assert len(best) == len(result.kernels)
+    assert min(r.seconds for r in best if (r.codec, r.direction) == ("zvc", "decode")) == (
+        min(r.seconds for r in runs if (r.codec, r.direction) == ("zvc", "decode")))
 
 
 def test_cuda_codecs_reject_bad_tuned_launches():
