@@ -90,6 +90,24 @@ def test_compression_decision_flips_where_the_equations_say():
     assert slow.decide(site(0.95, n)).decision == "raw"
 
 
+def test_lossy_is_weighed_only_for_dense_allowed_sites_and_only_where_it_pays():
+    link = Link(d2h=1 * GB, h2d=1 * GB, d2d=1000 * GB)  # a slow link: shrinking pays
+    runs = linear_runs("zvc", 1e-5, 1e-5, 1e-5) + linear_runs("int8", 1e-5, 1e-5, 0.0)
+    m = CodecTimeModel().fit(runs)
+    dense, sparse = site(0.1), site(0.8)
+    lossy = Advisor("zvc", link, m, lossy="int8")
+    d = lossy.decide(dense)
+    assert (d.decision, d.reason) == ("int8", "lossy pays")
+    assert d.stored_bytes == predicted_stored_bytes("int8", dense) < dense.nbytes / 3.9
+    assert lossy.decide(sparse).decision == "zvc"  # sparse sites stay lossless
+    assert Advisor("zvc", link, m).decide(dense).decision != "int8"  # lossy="off"
+    excluded = Advisor("zvc", link, m, lossy="int8", lossy_ok=lambda p: False)
+    assert excluded.decide(dense).decision != "int8"
+    slow = CodecTimeModel().fit(linear_runs("zvc", 1e-5, 1e-5, 1e-5)
+                                + linear_runs("int8", 1.0, 1.0, 1.0))
+    assert Advisor("zvc", link, slow, lossy="int8").decide(dense).decision != "int8"
+
+
 def test_budget_offloads_earliest_sites_until_the_peak_fits():
     link = Link(10 * GB, 10 * GB, 1000 * GB)
     advisor = Advisor("zvc", link, model())
