@@ -1,6 +1,8 @@
 """The cost model, the budget and the predictor, with injected measurements (no clock)."""
 
 import copy
+from collections import OrderedDict
+from dataclasses import replace
 
 import pytest
 import torch
@@ -178,6 +180,28 @@ def test_plan_changes_when_sparsity_changes_between_epochs():
     assert off.plan.decisions[relu_site()].decision == "zvc"
     assert off.last_step().sites[relu_site()].decision == "zvc"
     off.close()
+
+
+def test_lossy_auto_compresses_dense_sites_lossily_except_excluded_modules():
+    torch.manual_seed(0)
+    net = nn.Sequential(OrderedDict(lin=nn.Linear(64, 256), act=nn.ReLU(), out=nn.Linear(256, 10)))
+    with torch.no_grad():
+        net.lin.bias += 100.0  # the ReLU output is dense
+    x, y = torch.randn(512, 64), torch.randint(0, 10, (512,))
+    runs = linear_runs("zvc", 1e-6, 1e-6, 1e-6) + linear_runs("int8", 1e-6, 1e-6, 0.0)
+    config = CSwapConfig(min_bytes=64 * 1024, profile_steps=1, lossy="auto")
+    for exclude, expected in (((), "int8"), (("ac*",), "raw")):
+        off = Offloader(replace(config, lossy_exclude=exclude), link=Link(1e6, 1e6, 1e9),
+                        time_model=CodecTimeModel().fit(runs)).watch(net)
+        for _ in range(2):
+            with off:
+                loss = F.cross_entropy(net(x), y)
+            loss.backward()
+        (relu,) = [s for s in off.last_step().sites if s.shape == (512, 256) and not s.reason]
+        assert (relu.module, relu.decision) == ("act", expected)
+        assert relu.stored_bytes == (relu.nbytes if expected == "raw"
+                                     else predicted_stored_bytes("int8", site(0.0, relu.nbytes)))
+        off.close()
 
 
 def test_auto_budget_keeps_gradients_bitwise_equal():
