@@ -459,7 +459,11 @@ class Offloader:
         step = self._step
         if step is None:
             return
-        self.last_step()
+        # Only a profiled step's figures (sparsity, windows) need its device work done; waiting
+        # for that otherwise would hold up the forward about to start.
+        self.transfer.drain(device=step.profiling)
+        if step.profiling:
+            step.close()
         if step.failed:
             return
         self._order = step.unpack_order or self._order

@@ -76,10 +76,13 @@ class Transfer:
         """Start bringing a payload back; the future holds the tensor and its ready event."""
         return self._restore.submit(self._restore_job, stored)
 
-    def drain(self) -> None:
-        """Wait until every job submitted so far has finished, on the host and the device."""
+    def drain(self, device: bool = True) -> None:
+        """Wait until every job submitted so far has finished on the host and, with ``device``,
+        on the device."""
         self._offload.submit(lambda: None).result()
         self._restore.submit(lambda: None).result()
+        if not device:
+            return
         for offload_stream, restore_stream in self._streams.values():
             offload_stream.synchronize()
             restore_stream.synchronize()

@@ -323,6 +323,22 @@ def test_statistics_table_and_dict():
     assert all(s["sparsity"] is not None for s in d["sites"] if s["decision"] == "zvc")
 
 
+def test_entering_a_step_waits_for_the_device_only_after_a_profiled_one(monkeypatch):
+    model, x, y = model_and_batch("mlp")
+    off = Offloader(CSwapConfig(plan="auto", min_bytes=0, profile_steps=1))
+    waits, drain = [], off.transfer.drain
+
+    def recorded(device=True):
+        waits.append(device)
+        drain(device)
+
+    monkeypatch.setattr(off.transfer, "drain", recorded)
+    grads(model, x, y, off, steps=3)
+    assert waits == [True, False]  # closing the profiled step, then the planned one
+    assert off.plan is not None
+    off.close()
+
+
 @pytest.mark.gpu
 def test_cuda_forward_never_synchronises_and_memory_stays_flat():
     model, x, y = model_and_batch("cnn", "cuda")
