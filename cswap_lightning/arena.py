@@ -51,7 +51,10 @@ class HostArena:
     ``acquire`` runs in one thread only (the offload worker); payloads are released from
     any thread, through a queue that ``acquire`` empties."""
 
-    def __init__(self, layout: Layout, signature: tuple, pin: bool) -> None:
+    def __init__(
+        self, layout: Layout, signature: tuple, pin: bool, device: torch.device | None = None
+    ) -> None:
+        """``pin``: page-locked, registered with the CUDA context of ``device``."""
         self.layout = layout
         self.signature = signature  # the sites it was planned for
         self.slot_bytes = sum(size for _, size in layout.regions.values())
@@ -59,7 +62,7 @@ class HostArena:
         self._busy: set[int] = set()
         self._last_use: dict[int, torch.cuda.Event] = {}
         self._released: deque[Lease] = deque()
-        self.buffer = self._allocate(max(layout.arena_bytes, 1), pin)
+        self.buffer = self._allocate(max(layout.arena_bytes, 1), pin, device)
 
     def acquire(self, key: int, nbytes: int) -> tuple[torch.Tensor, Lease] | str:
         """A view of ``nbytes`` at the start of block ``key``'s region and its lease, or the
@@ -92,32 +95,40 @@ class HostArena:
         """Regions held by live payloads."""
         return len(self._busy) - len(self._released)
 
-    def _allocate(self, nbytes: int, pin: bool) -> torch.Tensor:
+    def _allocate(self, nbytes: int, pin: bool, device: torch.device | None) -> torch.Tensor:
         if not pin:
             return torch.empty(nbytes, dtype=torch.uint8)
         # Page-locked in place, not taken from PyTorch's pinned allocator, which would round
         # the arena up to a power of two: the waste the arena exists to avoid. Whole pages of
-        # its own, so that no other registered range shares a page with it.
+        # its own, so that no other registered range shares a page with it. Registered under
+        # ``device``: this thread's own current device (0) would get a CUDA context of its own.
         size = memplan.align_up(nbytes, _PAGE)
         base = torch.empty(size + _PAGE, dtype=torch.uint8)
         start = -base.data_ptr() % _PAGE
-        status = int(torch.cuda.cudart().cudaHostRegister(base.data_ptr() + start, size, 1))
+        with torch.cuda.device(device):
+            status = int(torch.cuda.cudart().cudaHostRegister(base.data_ptr() + start, size, 1))
         if status != 0:
             raise RuntimeError(f"cudaHostRegister of {fmt_bytes(size)} failed with error {status}")
         weakref.finalize(
-            self, _unregister, base, start, self._last_use, self._released
+            self, _unregister, base, start, device, self._last_use, self._released
         ).atexit = False  # never after the CUDA context is gone
         return base[start : start + nbytes]
 
 
 def _unregister(
-    base: torch.Tensor, start: int, last_use: dict[int, torch.cuda.Event], released: deque[Lease]
+    base: torch.Tensor,
+    start: int,
+    device: torch.device | None,
+    last_use: dict[int, torch.cuda.Event],
+    released: deque[Lease],
 ) -> None:
-    """Unpin an arena nobody holds any more, once the copies that touched it are done."""
-    for event in [*last_use.values(), *(lease.last_use for lease in released)]:
-        if event is not None:
-            event.synchronize()
-    torch.cuda.cudart().cudaHostUnregister(base.data_ptr() + start)
+    """Unpin an arena nobody holds any more, once the copies that touched it are done (in
+    whichever thread drops it, so under the device it was registered with)."""
+    with torch.cuda.device(device):
+        for event in [*last_use.values(), *(lease.last_use for lease in released)]:
+            if event is not None:
+                event.synchronize()
+        torch.cuda.cudart().cudaHostUnregister(base.data_ptr() + start)
 
 
 def _sharing(layout: Layout) -> dict[int, tuple[int, ...]]:
@@ -209,12 +220,13 @@ class HostMemory:
             self._hits += 1
         return taken
 
-    def step_closed(self, step: StepStats) -> None:
-        """Account for ``step`` (its offload work finished) and plan from it, in the background."""
+    def step_closed(self, step: StepStats, device: torch.device | None = None) -> None:
+        """Account for ``step`` (its offload work finished) and plan from it, in the background;
+        ``device``: where its tensors were (the arena is pinned for a CUDA device only)."""
         with self._lock:
             hits, fallbacks, outgrown = self._hits, dict(self._fallbacks), self._outgrown
             self._hits, self._fallbacks, self._outgrown = 0, Counter(), set()
-        self._planner.submit(self._plan_from, step, hits, fallbacks, outgrown)
+        self._planner.submit(self._plan_from, step, device, hits, fallbacks, outgrown)
 
     def report(self) -> ArenaReport | None:
         """The last closed step's report (waits for its planning to finish)."""
@@ -226,7 +238,12 @@ class HostMemory:
         self.arena = None
 
     def _plan_from(
-        self, step: StepStats, hits: int, fallbacks: dict[str, int], outgrown: set[int]
+        self,
+        step: StepStats,
+        device: torch.device | None,
+        hits: int,
+        fallbacks: dict[str, int],
+        outgrown: set[int],
     ) -> None:
         for site in outgrown:
             self._headroom[site] = min(1.0, 2 * self._headroom.get(site, self.headroom))
@@ -237,7 +254,7 @@ class HostMemory:
         replan = bool(slots) and self._should_replan(signature, slots, fallbacks)
         if replan:
             self.arena = None  # an arena no payload holds is freed before the next is made
-            self.arena = self._allocate(slots, signature)
+            self.arena = self._allocate(slots, signature, device)
         self._report = ArenaReport(
             step.step,
             len(payloads),
@@ -270,10 +287,13 @@ class HostMemory:
             or arena.slot_bytes > (1 + self.headroom) * sum(b.size for b in slots)
         )
 
-    def _allocate(self, slots: list[Block], signature: tuple) -> HostArena | None:
+    def _allocate(
+        self, slots: list[Block], signature: tuple, device: torch.device | None
+    ) -> HostArena | None:
         layout = memplan.plan(slots, self.alignment)
+        pin = self.pin and device is not None and device.type == "cuda"
         try:
-            return HostArena(layout, signature, self.pin)
+            return HostArena(layout, signature, pin, device)
         except RuntimeError as err:
             self._failed = signature
             if not self._warned:

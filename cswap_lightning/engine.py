@@ -467,7 +467,7 @@ class Offloader:
         if step.failed:
             return
         self._order = step.unpack_order or self._order
-        self.transfer.step_closed(step.stats)  # plans the host arena from it
+        self.transfer.step_closed(step.stats, step.device)  # plans the host arena from it
         if self.config.plan != "auto" or step.device is None:
             return
         if step.profiling:

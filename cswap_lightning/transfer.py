@@ -87,10 +87,11 @@ class Transfer:
             offload_stream.synchronize()
             restore_stream.synchronize()
 
-    def step_closed(self, step: StepStats) -> None:
-        """Plan the arena from a finished step (its offload jobs done), in the background."""
+    def step_closed(self, step: StepStats, device: torch.device | None = None) -> None:
+        """Plan the arena from a finished step (its offload jobs done) on ``device``, in the
+        background."""
         if self.host_memory is not None:
-            self.host_memory.step_closed(step)
+            self.host_memory.step_closed(step, device)
 
     def arena_report(self) -> ArenaReport | None:
         """Arena against lower bound and per-tensor bytes for the last closed step (None
@@ -108,10 +109,16 @@ class Transfer:
             self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         return self._streams[device]
 
+    @contextlib.contextmanager
     def _on_stream(self, device: torch.device, index: int):
         if device.type != "cuda":
-            return contextlib.nullcontext()
-        return torch.cuda.stream(self._stream_pair(device)[index])
+            yield
+            return
+        # The device first, so that leaving the stream does not set the worker thread's own
+        # device (0) back with cudaSetDevice, which creates a context there (CUDA 12) in a
+        # process that never used that GPU; torch.cuda.device's exit does not.
+        with torch.cuda.device(device), torch.cuda.stream(self._stream_pair(device)[index]):
+            yield
 
     def _offload_job(
         self, flat: torch.Tensor, codec: Codec, ready: torch.cuda.Event | None, site: int | None

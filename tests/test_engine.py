@@ -3,7 +3,11 @@
 import contextlib
 import copy
 import gc
+import subprocess
+import sys
+import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -337,6 +341,26 @@ def test_entering_a_step_waits_for_the_device_only_after_a_profiled_one(monkeypa
     assert waits == [True, False]  # closing the profiled step, then the planned one
     assert off.plan is not None
     off.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_training_on_the_second_gpu_creates_no_context_on_the_first():
+    code = textwrap.dedent("""
+        import torch
+        from conftest import grads, model_and_batch
+        from cswap_lightning import CSwapConfig, Offloader
+
+        torch.cuda.set_device(1)
+        model, x, y = model_and_batch("mlp", "cuda:1")
+        off = Offloader(CSwapConfig(plan="raw", min_bytes=0))
+        grads(model, x, y, off, steps=3)
+        assert off.transfer.arena_report() is not None
+        assert off.transfer.host_memory.arena.buffer.is_pinned()
+        off.close()
+        assert not torch._C._cuda_hasPrimaryContext(0)
+    """)
+    subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, check=True)
 
 
 @pytest.mark.gpu
