@@ -66,13 +66,14 @@ class Clock:
     """Time stamps from the host clock, or from events on the device's current stream."""
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
 
     def now(self):
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))  # not the current device's
         return event
 
     def seconds(self, start, end) -> float:
