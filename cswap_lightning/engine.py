@@ -434,12 +434,18 @@ class Offloader:
         if self.plan is not None:
             self._profiling_left = 0
 
-    def last_step(self) -> StepStats:
-        """Statistics of the most recent step (waits for its offload work to finish)."""
+    def last_step(self, device: bool = True) -> StepStats:
+        """Statistics of the most recent step, once its offload work has finished.
+
+        ``device=False`` waits for the host side only, never synchronising with the device
+        (for trainers that log every step): sizes, decisions and waits are final, but the
+        sparsity of a step that was not profiled may still be ``None``.
+        """
         if self._step is None:
             raise RuntimeError("no step has run yet: enter the Offloader around a forward pass")
-        self.transfer.drain()
-        self._step.close()
+        self.transfer.drain(device=device)
+        if device:
+            self._step.close()
         return self._step.stats
 
     def live_host_bytes(self) -> int:

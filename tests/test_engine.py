@@ -343,6 +343,21 @@ def test_entering_a_step_waits_for_the_device_only_after_a_profiled_one(monkeypa
     off.close()
 
 
+def test_last_step_without_the_device_waits_for_host_work_only(monkeypatch):
+    model, x, y = model_and_batch("mlp")
+    off = Offloader(CSwapConfig(plan="zvc", min_bytes=0))
+    grads(model, x, y, off, steps=2)
+    waits, drain = [], off.transfer.drain
+    monkeypatch.setattr(off.transfer, "drain", lambda device=True: (waits.append(device),
+                                                                      drain(device)))
+    quick = off.last_step(device=False)
+    zvc = [s for s in quick.sites if s.decision == "zvc"]
+    assert zvc and all(s.stored_bytes > 0 and s.sparsity is None for s in zvc)
+    assert off.last_step() is quick and all(s.sparsity is not None for s in zvc)
+    assert waits == [False, True]
+    off.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_training_on_the_second_gpu_creates_no_context_on_the_first():

@@ -149,7 +149,7 @@ class CSwapCallback(TrainerCallback):
     def _record(self) -> None:
         if self._offloader is None:
             return
-        self.last = self._offloader.last_step()
+        self.last = self._offloader.last_step(device=False)  # no device sync per micro-batch
         self.metrics.update(**step_values(self.last))
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -170,5 +170,6 @@ class CSwapCallback(TrainerCallback):
                      control: TrainerControl, **kwargs: Any) -> None:
         self._remove_hooks()
         if self.last is not None and state.is_world_process_zero:
+            self.last = self.offloader.last_step()  # with the sparsities it measured
             table, plot = write_summary(self.last, args.output_dir)
             logger.info(f"cswap: per-site summary in {table}, memory timeline in {plot}")

@@ -253,7 +253,7 @@ class CSwapHooks(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
         batch_idx: int,
     ) -> None:
-        self.last = self.strategy.offloader.last_step()
+        self.last = self.strategy.offloader.last_step(device=False)  # no device sync per step
         self.metrics(**step_values(self.last))
         for name, metric in self.metrics.items():
             pl_module.log(name, metric, on_step=True, on_epoch=True, metric_attribute=name)
@@ -266,6 +266,7 @@ class CSwapHooks(Callback):
         log_dir = trainer.log_dir or trainer.default_root_dir  # every rank: it broadcasts
         if self.last is None or not trainer.is_global_zero:
             return
+        self.last = self.strategy.offloader.last_step()  # with the sparsities it measured
         table, plot = write_summary(self.last, log_dir)
         rank_zero_info(f"cswap: per-site summary in {table}, memory timeline in {plot}")
 
