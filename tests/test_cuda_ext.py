@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import re
 import stat
 import subprocess
 import warnings
@@ -34,6 +35,8 @@ LOSSY_CUDA = {"int8": CudaInt8Codec, "fp8": CudaFP8Codec, "int4": CudaInt4Codec}
 LOSSY_REFERENCE = {"int8": Int8Codec, "fp8": FP8Codec, "int4": Int4Codec}
 LOSSY_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HARNESS = Path(__file__).parent / "lossy_host_harness.cu"
+EMULATOR = Path(__file__).parent / "kernel_emulator.h"
+EMULATED_HARNESS = Path(__file__).parent / "emulated_codec_harness.cpp"
 
 
 @pytest.fixture(scope="module")
@@ -218,6 +221,139 @@ def test_lossy_element_math_matches_the_reference_on_the_host(lossy_harness, tmp
             decoded = torch.frombuffer(bytearray((tmp_path / "decoded.bin").read_bytes()),
                                        dtype=torch.float32)
             assert_same_values(decoded.to(dtype), reference.decode(packed))
+
+
+# --- the kernels themselves, run on the CPU by tests/kernel_emulator.h -------------------------
+
+_LAUNCH = re.compile(r"(?m)^([ \t]*)([^\n;{}]*?)<<<(.*?)>>>\((.*?)\);", re.DOTALL)
+_DYNAMIC_SHARED = re.compile(r"extern __shared__ (\w+) (\w+)\[\];")
+# (grid, block): one block of one warp, several blocks, and a block of an odd number of warps.
+EMULATED_LAUNCHES = [(1, 32), (3, 64), (5, 96)]
+
+
+def emulated_source(cu: str) -> str:
+    """cswap_codec.cu with its launches and dynamic shared memory rewritten for the emulator."""
+    out, launches = _LAUNCH.subn(
+        lambda m: f"{m[1]}emu::launch(emu::Config({m[3]}), [&] {{ {m[2]}({m[4]}); }});", cu)
+    out, arrays = _DYNAMIC_SHARED.subn(r"\1 *\2 = emu::dynamic_smem<\1>();", out)
+    assert launches == cu.count("<<<") and arrays == cu.count("extern __shared__")
+    return out
+
+
+@pytest.fixture(scope="module")
+def emulated_harness(tmp_path_factory) -> Path:
+    """tests/emulated_codec_harness.cpp: the library's kernels on CPU threads, built with the
+    address sanitizer where the host compiler has it."""
+    if NVCC is None:
+        pytest.skip(f"no nvcc: {cuda_build.NVCC_MISSING}")
+    folder = tmp_path_factory.mktemp("emulated")
+    cu = (cuda_build.source_dir() / "cswap_codec.cu").read_text()
+    (folder / "cswap_codec_emulated.cpp").write_text(emulated_source(cu))
+    out = folder / "emulated_codec_harness"
+    for sanitize in (["-Xcompiler", "-fsanitize=address"], []):
+        obj = folder / "harness.o"
+        compile_ = [NVCC, "-std=c++20", "-O1", "-c", *sanitize, "-Xcompiler", "-pthread",
+                    "-I", str(folder), "-I", str(cuda_build.source_dir()),
+                    "-Xcompiler", f"-include,{EMULATOR}", "-o", str(obj), str(EMULATED_HARNESS)]
+        link = [NVCC, "--cudart", "none", *sanitize, "-Xcompiler", "-pthread", "-o", str(out),
+                str(obj)]
+        done = subprocess.run(compile_, capture_output=True, text=True, timeout=900, check=False)
+        if done.returncode == 0:
+            done = subprocess.run(link, capture_output=True, text=True, timeout=900, check=False)
+        if done.returncode == 0:
+            return out
+    pytest.fail(f"the emulated harness did not build: {done.stderr}")
+
+
+def run_emulated(harness: Path, commands: list[list]) -> None:
+    """Runs the harness commands in one process (starting the threads is its main cost)."""
+    script = "".join(" ".join(map(str, c)) + "\n" for c in commands)
+    env = {**os.environ, "ASAN_OPTIONS": "detect_leaks=0"}
+    done = subprocess.run([str(harness)], input=script, capture_output=True, text=True,
+                          timeout=600, env=env, check=False)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stderr[-3000:]}"
+
+
+@pytest.mark.parametrize("name", sorted(CUDA_CODECS))
+def test_emulated_kernels_match_the_reference(emulated_harness, tmp_path, name):
+    """zvc and rle encode give the reference payload byte for byte, and decode the reference
+    payload, at odd sizes and with blocks that walk several tiles."""
+    many = 32 * 64 * 5 + 3  # 321 words: 11 tiles of 32, 6 of 64 (2 per block of 3), 4 of 96
+    cases = [(torch.bool, 0, 0.5, 1, 32), (torch.bool, 33, 1.0, 3, 64),
+             (torch.bool, many, 0.5, 1, 32), (torch.float16, 1, 0.0, 5, 96),
+             (torch.float16, 1000, 0.97, 1, 32), (torch.float16, many, 0.9, 3, 64),
+             (torch.float32, 31, 0.5, 3, 64), (torch.float32, 32, 0.0, 5, 96),
+             (torch.float32, many, 0.5, 5, 96), (torch.float64, 33, 0.5, 1, 32),
+             (torch.float64, 1000, 0.5, 3, 64), (torch.float64, many, 0.97, 3, 64)]
+    commands, checks = [], []
+    for i, (dtype, numel, sparsity, grid, block) in enumerate(cases):
+        t = sample(numel, dtype, sparsity, seed=numel)
+        payload = get_codec(name).encode(t).payload.numpy().tobytes()
+        f = {k: tmp_path / f"{i}-{k}" for k in ("in", "payload", "ref", "out")}
+        f["in"].write_bytes(bit_view(t).numpy().tobytes())
+        f["ref"].write_bytes(payload)
+        args = [CODEC_IDS[name], dtype.itemsize, numel, grid, block]
+        commands += [["encode", *args, 0, 0, f["in"], f["payload"]],
+                     ["decode", *args, f["ref"], f["out"]]]
+        checks.append((f, (dtype, numel, grid, block)))
+    run_emulated(emulated_harness, commands)
+    for f, case in checks:
+        assert f["payload"].read_bytes() == f["ref"].read_bytes(), case
+        assert f["out"].read_bytes() == f["in"].read_bytes(), case
+
+
+@pytest.mark.parametrize("name", sorted(LOSSY_REFERENCE))
+def test_emulated_lossy_kernels_match_the_reference(emulated_harness, tmp_path, name):
+    """The lossy kernels give the reference payload for the same seed and decode it to the
+    reference values, with quantization blocks smaller and larger than the thread blocks."""
+    cases = [(0, 256, 3), (1, 2, 7), (33, 256, 0), (1001, 64, 2**32 - 3), (5003, 1000, 5)]
+    commands, checks = [], []
+    for d, dtype in enumerate(LOSSY_DTYPES):
+        for i, (numel, block_size, seed) in enumerate(cases):
+            grid, block = EMULATED_LAUNCHES[(i + d) % len(EMULATED_LAUNCHES)]
+            x = lossy_sample(numel, dtype, seed=numel)
+            reference = LOSSY_REFERENCE[name](block_size)
+            expected = reference.encode(x, seed=seed)
+            f = {k: tmp_path / f"{d}-{i}-{k}" for k in ("in", "payload", "ref", "out")}
+            f["in"].write_bytes(bit_view(x).numpy().tobytes())
+            f["ref"].write_bytes(expected.payload.numpy().tobytes())
+            args = [CODEC_IDS[name], LOSSY_DTYPES.index(dtype), numel, grid, block]
+            commands += [["encode", *args, block_size, seed, f["in"], f["payload"]],
+                         ["decode", *args, f["ref"], f["out"]]]
+            checks.append((f, reference.decode(expected), (dtype, numel, block_size, grid)))
+    run_emulated(emulated_harness, commands)
+    for f, want, case in checks:
+        assert f["payload"].read_bytes() == f["ref"].read_bytes(), case
+        decoded = bytearray(f["out"].read_bytes())
+        assert_same_values(torch.frombuffer(decoded, dtype=want.dtype) if decoded else
+                           torch.empty(0, dtype=want.dtype), want)
+
+
+def test_emulated_decoders_stay_inside_damaged_payloads(emulated_harness, tmp_path):
+    """Truncated payloads, absurd counts and random bytes decode to something, never reading
+    or writing outside the buffers (the harness is built with the address sanitizer)."""
+    g = torch.Generator().manual_seed(0)
+    commands = []
+    for name in ("zvc", "rle", "int8", "fp8", "int4"):
+        numel, dtype = 1000, torch.float16
+        t = lossy_sample(numel, dtype) if name in LOSSY_REFERENCE else sample(numel, dtype, 0.9)
+        payload = bytearray(get_codec(name).encode(t).payload.numpy().tobytes())
+        counts = bytearray(payload)
+        counts[0:8] = (2**63 + 5).to_bytes(8, "little")  # nnz, nruns or block size and seed
+        small = bytearray(payload)
+        small[0:8] = (2).to_bytes(8, "little")
+        noise = bytes(torch.randint(0, 256, (len(payload),), dtype=torch.uint8, generator=g))
+        damaged = [payload[:16], payload[:-1], payload[: len(payload) // 2], counts, small,
+                   noise, payload + bytes(16)]
+        type_ = LOSSY_DTYPES.index(dtype) if name in LOSSY_REFERENCE else dtype.itemsize
+        for i, data in enumerate(damaged):
+            if name == "zvc" and len(data) < 16 + 128:
+                continue  # shorter than the mask: refused before any launch
+            path = tmp_path / f"{name}-{i}"
+            path.write_bytes(bytes(data))
+            commands.append(["decode", CODEC_IDS[name], type_, numel, 3, 64, path,
+                             tmp_path / "out"])
+    run_emulated(emulated_harness, commands)
 
 
 @pytest.mark.parametrize("name", sorted(LOSSY_CUDA))

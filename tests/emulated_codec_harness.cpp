@@ -1,0 +1,165 @@
+// Runs the kernels of cswap_codec.cu on the CPU through kernel_emulator.h, behind a command
+// line, so that tests/test_cuda_ext.py can compare their payloads with the reference codecs
+// without a GPU (and, built with -fsanitize=address, catch accesses outside the buffers).
+//
+// The test writes `cswap_codec_emulated.cpp`, the .cu with its launches rewritten, into a
+// folder on the include path, and builds this file with kernel_emulator.h force-included.
+//
+// Usage:
+//   harness encode CODEC TYPE NUMEL GRID BLOCK BLOCK_SIZE SEED IN OUT
+//   harness decode CODEC TYPE NUMEL GRID BLOCK IN OUT
+//   harness < COMMANDS      (one of the above per line, without the program name)
+// CODEC is the wire id; TYPE is the element size for zvc and rle, the dtype id for the lossy
+// codecs. IN and OUT are raw bytes: elements or payload. Buffers are exactly as large as the
+// API needs and start out as garbage, as device memory does.
+
+#include "cswap_codec_emulated.cpp"
+
+#include <cstdlib>
+#include <vector>
+
+#ifdef __SANITIZE_ADDRESS__
+#include <sanitizer/asan_interface.h>
+#else
+#define ASAN_POISON_MEMORY_REGION(p, n) ((void)(p), (void)(n))
+#define ASAN_UNPOISON_MEMORY_REGION(p, n) ((void)(p), (void)(n))
+#endif
+
+namespace {
+
+std::vector<uint8_t> read_all(const char *path) {
+  std::vector<uint8_t> data;
+  FILE *f = fopen(path, "rb");
+  if (!f) return data;
+  for (int c; (c = fgetc(f)) != EOF;) data.push_back(static_cast<uint8_t>(c));
+  fclose(f);
+  return data;
+}
+
+bool write_all(const char *path, const void *data, size_t n) {
+  FILE *f = fopen(path, "wb");
+  if (!f) return false;
+  bool ok = fwrite(data, 1, n, f) == n;
+  return fclose(f) == 0 && ok;
+}
+
+// `n` bytes of garbage, 16-byte aligned; the address sanitizer sees any access past them.
+struct Buffer {
+  uint8_t *p;
+  uint64_t size, slack;
+  explicit Buffer(uint64_t n) : size(n), slack((n + 16) / 16 * 16 - n) {
+    p = static_cast<uint8_t *>(aligned_alloc(16, n + slack));
+    memset(p, 0xA5, n);
+    ASAN_POISON_MEMORY_REGION(p + n, slack);
+  }
+  ~Buffer() {
+    ASAN_UNPOISON_MEMORY_REGION(p + size, slack);
+    free(p);
+  }
+};
+
+bool lossy(int codec) {
+  return codec == CSWAP_CODEC_INT8 || codec == CSWAP_CODEC_FP8 || codec == CSWAP_CODEC_INT4;
+}
+
+int elem_size(int codec, int type) {
+  return lossy(codec) ? (type == CSWAP_DTYPE_FLOAT32 ? 4 : 2) : type;
+}
+
+int check(int status) {
+  if (status != CSWAP_OK)
+    fprintf(stderr, "%s: %s\n", cswap_status_string(status), cswap_last_error());
+  return status;
+}
+
+int encode(int codec, int type, uint64_t numel, int grid, int block, uint32_t block_size,
+           uint32_t seed, const char *in_path, const char *out_path) {
+  const std::vector<uint8_t> data = read_all(in_path);
+  if (data.size() != numel * elem_size(codec, type)) return 2;
+  Buffer in(data.size());
+  if (!data.empty()) memcpy(in.p, data.data(), data.size());
+  const void *input = numel ? in.p : nullptr;
+  if (lossy(codec)) {
+    const uint64_t nbytes = cswap_lossy_payload_bytes(codec, numel, block_size);
+    Buffer payload(nbytes);
+    if (check(cswap_lossy_compress(codec, input, numel, type, block_size, seed, payload.p, nbytes,
+                                   grid, block, nullptr)))
+      return 1;
+    return write_all(out_path, payload.p, nbytes) ? 0 : 1;
+  }
+  const uint64_t capacity = cswap_max_payload_bytes(codec, numel, type);
+  const uint64_t ws_bytes = cswap_workspace_bytes(numel, grid);
+  Buffer payload(capacity), workspace(ws_bytes), nbytes(8);
+  auto compress = codec == CSWAP_CODEC_ZVC ? cswap_zvc_compress : cswap_rle_compress;
+  if (check(compress(input, numel, type, payload.p, capacity, reinterpret_cast<int64_t *>(nbytes.p),
+                     workspace.p, ws_bytes, grid, block, nullptr)))
+    return 1;
+  int64_t n;
+  memcpy(&n, nbytes.p, 8);
+  if (n < 0 || static_cast<uint64_t>(n) > capacity) return 3;
+  return write_all(out_path, payload.p, n) ? 0 : 1;
+}
+
+int decode(int codec, int type, uint64_t numel, int grid, int block, const char *in_path,
+           const char *out_path) {
+  const std::vector<uint8_t> data = read_all(in_path);
+  Buffer payload(data.size()), out(numel * elem_size(codec, type));
+  if (!data.empty()) memcpy(payload.p, data.data(), data.size());
+  void *output = numel ? out.p : nullptr;
+  if (lossy(codec)) {
+    if (check(cswap_lossy_decompress(codec, payload.p, data.size(), output, numel, type, grid,
+                                     block, nullptr)))
+      return 1;
+  } else {
+    const uint64_t ws_bytes = cswap_workspace_bytes(numel, grid);
+    Buffer workspace(ws_bytes);
+    auto decompress = codec == CSWAP_CODEC_ZVC ? cswap_zvc_decompress : cswap_rle_decompress;
+    if (check(decompress(payload.p, data.size(), output, numel, type, workspace.p, ws_bytes, grid,
+                         block, nullptr)))
+      return 1;
+  }
+  return write_all(out_path, out.p, numel * elem_size(codec, type)) ? 0 : 1;
+}
+
+// One command: its words after the program name in the usage above.
+int command(int argc, char **argv) {
+  const bool enc = argc == 10 && strcmp(argv[0], "encode") == 0;
+  const bool dec = argc == 8 && strcmp(argv[0], "decode") == 0;
+  if (!enc && !dec) return 2;
+  const int codec = atoi(argv[1]), type = atoi(argv[2]);
+  const uint64_t numel = strtoull(argv[3], nullptr, 10);
+  const int grid = atoi(argv[4]), block = atoi(argv[5]);
+  if (dec) return decode(codec, type, numel, grid, block, argv[6], argv[7]);
+  const auto block_size = static_cast<uint32_t>(strtoul(argv[6], nullptr, 10));
+  const auto seed = static_cast<uint32_t>(strtoul(argv[7], nullptr, 10));
+  return encode(codec, type, numel, grid, block, block_size, seed, argv[8], argv[9]);
+}
+
+}  // namespace
+
+// With arguments: runs that command. Without: runs the commands of stdin's lines, one by one,
+// and stops at the first that fails (one process saves starting a thread per CUDA thread anew).
+int main(int argc, char **argv) {
+  if (argc > 1) {
+    const int status = command(argc - 1, argv + 1);
+    if (status == 2)
+      fprintf(stderr,
+              "usage: %s encode CODEC TYPE NUMEL GRID BLOCK BLOCK_SIZE SEED IN OUT\n"
+              "       %s decode CODEC TYPE NUMEL GRID BLOCK IN OUT\n"
+              "       %s < COMMANDS\n",
+              argv[0], argv[0], argv[0]);
+    return status;
+  }
+  char line[8192];
+  while (fgets(line, sizeof(line), stdin)) {
+    std::vector<char *> words;
+    for (char *w = strtok(line, " \t\n"); w; w = strtok(nullptr, " \t\n")) words.push_back(w);
+    if (words.empty()) continue;
+    const int status = command(static_cast<int>(words.size()), words.data());
+    if (status != 0) {
+      fprintf(stderr, "command %s failed with status %d\n", words[0], status);
+      return status;
+    }
+  }
+  return 0;
+}
