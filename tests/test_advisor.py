@@ -51,6 +51,13 @@ def test_predictor_recovers_a_linear_law_and_reports_its_error():
         m.predict("rle", "encode", MiB, 0.5)
 
 
+def test_predictor_ignores_a_run_slowed_by_something_else():
+    runs = linear_runs("zvc", 2e-5, 3e-5, 5e-5)
+    runs[4] = replace(runs[4], seconds=20 * runs[4].seconds)  # e.g. another process ran
+    m = CodecTimeModel().fit(runs)
+    assert m.predict("zvc", "encode", 8 * MiB, 0.25) == pytest.approx(2e-5 + 3e-5 * 8 + 5e-5 * 6)
+
+
 def test_exposed_time_is_what_the_windows_cannot_hide():
     link = Link(d2h=1 * GB, h2d=2 * GB, d2d=100 * GB)
     assert exposed_s(10**9, link, 0.0, 0.0) == pytest.approx(1.5)
