@@ -87,6 +87,8 @@ step bench-step-cnn 60 "${CSWAP[@]}" bench step --model cnn --out "$WORK/step-$T
 step bench-step-transformer 60 "${CSWAP[@]}" bench step --model transformer \
     --out "$WORK/step-$TAG-transformer"
 
+# The engine-level runs below use the CUDA codecs (opt-in until this evidence is in).
+export CSWAP_CUDA_CODECS=1
 step bench-advisor 60 "${CSWAP[@]}" bench advisor
 # Issue 6 on a GPU: BERT-base, one short epoch lossless then int8; memory, link bytes, step time.
 step compare-bert-base 150 "${CSWAP[@]}" compare --lossy int8 --out "$WORK/compare-bert-base-int8-$TAG" \

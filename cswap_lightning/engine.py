@@ -19,6 +19,7 @@ from typing_extensions import Self
 
 from .advisor import Advisor, Plan, resolve_budget
 from .codecs import DTYPES, get_codec, nonzero_count
+from .codecs.cuda import enable_cuda_codecs_if_requested
 from .config import LOSSY_CODECS, CSwapConfig
 from .module_names import ModuleTracker
 from .predictor import CodecTimeModel, calibrate
@@ -340,6 +341,7 @@ class Offloader:
                  time_model: CodecTimeModel | None = None) -> None:
         """``link`` and ``time_model`` replace the measured bandwidths and the calibrated codec
         times the advisor uses (e.g. to plan for a link other than the one measured)."""
+        enable_cuda_codecs_if_requested()
         self.config = config if config is not None else CSwapConfig()
         self.link = link
         self.time_model = time_model

@@ -605,3 +605,21 @@ def test_ctypes_signatures_cover_the_header():
     assert declared == set(cuda_codecs._SIGNATURES)
     assert all(isinstance(v[0], type) and issubclass(v[0], ctypes._SimpleCData)
                for v in cuda_codecs._SIGNATURES.values())
+
+
+def test_environment_variable_opts_every_offloader_in_once(monkeypatch):
+    from cswap_lightning import CSwapConfig, Offloader
+    from cswap_lightning.codecs import cuda
+
+    calls = []
+    monkeypatch.setattr(cuda, "enable_cuda_codecs", lambda: calls.append(1) or True)
+    for value, expected in ((None, []), ("1", [1])):
+        if value is None:
+            monkeypatch.delenv("CSWAP_CUDA_CODECS", raising=False)
+        else:
+            monkeypatch.setenv("CSWAP_CUDA_CODECS", value)
+        cuda.enable_cuda_codecs_if_requested.cache_clear()
+        for _ in range(2):
+            Offloader(CSwapConfig()).close()
+        assert calls == expected
+    cuda.enable_cuda_codecs_if_requested.cache_clear()

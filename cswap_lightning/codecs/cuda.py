@@ -4,7 +4,8 @@
 ``CudaInt4Codec`` produce the reference codecs' payloads byte for byte (the lossy ones given the
 same seed). Tensors not on a CUDA device, and every tensor when the library is unavailable, go
 through the reference codecs. They are not registered by default: ``enable_cuda_codecs()``
-opts in.
+opts in, and so does the environment variable ``CSWAP_CUDA_CODECS=1`` for every ``Offloader``
+a process builds (for command-line tools: ``CSWAP_CUDA_CODECS=1 cswap fit ...``).
 
 zvc and rle encoding enqueues its kernels on ``torch.cuda.current_stream()`` and then reads
 the payload size back, which waits for that stream (the offload worker's side stream in
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -296,3 +298,9 @@ def enable_cuda_codecs(
     for codec in (CudaInt8Codec, CudaFP8Codec, CudaInt4Codec):
         register(codec(tuned=tuned.get(codec.name)))
     return True
+
+
+@functools.cache
+def enable_cuda_codecs_if_requested() -> bool:
+    """``enable_cuda_codecs()`` once per process if ``CSWAP_CUDA_CODECS=1``; True if enabled."""
+    return os.environ.get("CSWAP_CUDA_CODECS") == "1" and enable_cuda_codecs()
