@@ -83,12 +83,12 @@ step build-ext 120 "${CSWAP[@]}" build-ext
 step pytest-gpu 150 python3 -m pytest -m gpu -q -p no:cacheprovider \
     --continue-on-collection-errors --junitxml="$WORK/pytest-gpu.xml"
 step bench-codec 180 "${CSWAP[@]}" bench codec --out "$WORK/codec-$TAG"
+# The engine-level runs below use the CUDA codecs (opt-in until this evidence is in).
+export CSWAP_CUDA_CODECS=1
 step bench-step-cnn 60 "${CSWAP[@]}" bench step --model cnn --out "$WORK/step-$TAG-cnn"
 step bench-step-transformer 60 "${CSWAP[@]}" bench step --model transformer \
     --out "$WORK/step-$TAG-transformer"
 
-# The engine-level runs below use the CUDA codecs (opt-in until this evidence is in).
-export CSWAP_CUDA_CODECS=1
 step bench-advisor 60 "${CSWAP[@]}" bench advisor
 # Issue 6 on a GPU: BERT-base, one short epoch lossless then int8; memory, link bytes, step time.
 step compare-bert-base 150 "${CSWAP[@]}" compare --lossy int8 --out "$WORK/compare-bert-base-int8-$TAG" \
