@@ -30,7 +30,8 @@
 #      Commit the result files from the tarball under benchmarks/results/.
 #
 # Environment: OUT (where results go; the device machine sets it), BUDGET_S (total seconds,
-# default 560, under the 600 s per-call limit).
+# default 560, under the 600 s per-call limit), ONLY (space-separated step names to run, e.g.
+# ONLY="bench-advisor compare-bert-base tune" for a second call when the first ran out of time).
 set -u
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/gpu-evidence-out}
@@ -46,6 +47,9 @@ mkdir -p "$OUT"
 step() {
     local name=$1 limit=$2 began=$SECONDS rc
     shift 2
+    if [[ -n ${ONLY:-} && " $ONLY " != *" $name "* ]]; then
+        return
+    fi
     local left=$((DEADLINE - SECONDS - RESERVE))
     if ((left < 10)); then
         echo "$name: skipped, out of time" | tee -a "$SUMMARY"
