@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from scipy.optimize import nnls
 
 from .codecs import get_codec
 from .codecs.format import Packed
@@ -52,6 +51,8 @@ class CodecTimeModel:
         self.coefficients: dict[tuple[str, str], np.ndarray] = {}
 
     def fit(self, runs: Iterable[KernelRun]) -> CodecTimeModel:
+        from scipy.optimize import nnls  # 0.3 s to import: only when a plan is made
+
         groups: dict[tuple[str, str], list[KernelRun]] = {}
         for run in runs:
             groups.setdefault((run.codec, run.direction), []).append(run)
