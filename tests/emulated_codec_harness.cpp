@@ -18,6 +18,8 @@
 #include <cstdlib>
 #include <vector>
 
+#include "harness_io.h"
+
 #ifdef __SANITIZE_ADDRESS__
 #include <sanitizer/asan_interface.h>
 #else
@@ -27,21 +29,8 @@
 
 namespace {
 
-std::vector<uint8_t> read_all(const char *path) {
-  std::vector<uint8_t> data;
-  FILE *f = fopen(path, "rb");
-  if (!f) return data;
-  for (int c; (c = fgetc(f)) != EOF;) data.push_back(static_cast<uint8_t>(c));
-  fclose(f);
-  return data;
-}
-
-bool write_all(const char *path, const void *data, size_t n) {
-  FILE *f = fopen(path, "wb");
-  if (!f) return false;
-  bool ok = fwrite(data, 1, n, f) == n;
-  return fclose(f) == 0 && ok;
-}
+using harness_io::read_all;
+using harness_io::write_all;
 
 // `n` bytes of garbage, 16-byte aligned; the address sanitizer sees any access past them.
 struct Buffer {

@@ -11,23 +11,12 @@
 #include <cstdlib>
 #include <vector>
 
+#include "harness_io.h"
+
 namespace {
 
-std::vector<uint8_t> read_file(const char *path) {
-  std::vector<uint8_t> data;
-  FILE *f = fopen(path, "rb");
-  if (!f) return data;
-  for (int c; (c = fgetc(f)) != EOF;) data.push_back(static_cast<uint8_t>(c));
-  fclose(f);
-  return data;
-}
-
-bool write_file(const char *path, const void *data, size_t n) {
-  FILE *f = fopen(path, "wb");
-  if (!f) return false;
-  bool ok = fwrite(data, 1, n, f) == n;
-  return fclose(f) == 0 && ok;
-}
+using harness_io::read_all;
+using harness_io::write_all;
 
 template <int C>
 std::vector<uint8_t> encode(const std::vector<float> &x, uint32_t block_size, uint32_t seed) {
@@ -75,8 +64,8 @@ int run(const std::vector<float> &x, uint32_t block_size, uint32_t seed, const c
         const char *decoded_path) {
   const std::vector<uint8_t> payload = encode<C>(x, block_size, seed);
   const std::vector<float> decoded = decode<C>(payload, x.size());
-  bool ok = write_file(payload_path, payload.data(), payload.size()) &&
-            write_file(decoded_path, decoded.data(), 4 * decoded.size());
+  bool ok = write_all(payload_path, payload.data(), payload.size()) &&
+            write_all(decoded_path, decoded.data(), 4 * decoded.size());
   return ok ? 0 : 1;
 }
 
@@ -90,7 +79,7 @@ int main(int argc, char **argv) {
   const int codec = atoi(argv[1]);
   const auto block_size = static_cast<uint32_t>(strtoul(argv[2], nullptr, 10));
   const auto seed = static_cast<uint32_t>(strtoul(argv[3], nullptr, 10));
-  const std::vector<uint8_t> raw = read_file(argv[4]);
+  const std::vector<uint8_t> raw = read_all(argv[4]);
   std::vector<float> x(raw.size() / 4);
   memcpy(x.data(), raw.data(), 4 * x.size());
   switch (codec) {

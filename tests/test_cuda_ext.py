@@ -352,8 +352,10 @@ def test_emulated_decoders_stay_inside_damaged_payloads(emulated_harness, tmp_pa
             path = tmp_path / f"{name}-{i}"
             path.write_bytes(bytes(data))
             commands.append(["decode", CODEC_IDS[name], type_, numel, 3, 64, path,
-                             tmp_path / "out"])
+                             tmp_path / f"{name}-{i}.out"])
     run_emulated(emulated_harness, commands)
+    for command in commands:  # each one ran to the end and wrote a whole tensor
+        assert command[-1].stat().st_size == numel * dtype.itemsize, command
 
 
 @pytest.mark.parametrize("name", sorted(LOSSY_CUDA))
