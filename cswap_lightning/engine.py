@@ -20,6 +20,7 @@ from typing_extensions import Self
 from .advisor import Advisor, Plan, resolve_budget
 from .codecs import DTYPES, get_codec, nonzero_count
 from .codecs.cuda import enable_cuda_codecs_if_requested
+from .codecs.lossy import relative_error
 from .config import LOSSY_CODECS, CSwapConfig
 from .module_names import ModuleTracker
 from .predictor import CodecTimeModel, calibrate
@@ -55,13 +56,6 @@ def skip_reason(t: torch.Tensor, min_bytes: int) -> str:
     if t.untyped_storage().nbytes() > MAX_STORAGE_TO_VIEW_RATIO * nbytes:
         return "view of larger storage"
     return ""
-
-
-def relative_error(original: torch.Tensor, restored: torch.Tensor) -> float:
-    """``|restored - original| / |original|`` in the L2 norm, computed in float64."""
-    a, b = original.double(), restored.reshape(original.shape).double()
-    norm = torch.linalg.vector_norm(a).item()
-    return torch.linalg.vector_norm(b - a).item() / norm if norm else float(torch.any(b != 0))
 
 
 class _Entry:
@@ -276,7 +270,7 @@ class _Step:
         entry.restored = weakref.ref(base)
         original = self._originals.pop(entry.id, None)
         if original is not None:
-            entry.stats.error = relative_error(original, base)
+            entry.stats.error = relative_error(original, base).item()
         if not entry.consumed:
             entry.consumed = True
             entry.stats.unpacked_at = self.tick()

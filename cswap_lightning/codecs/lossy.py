@@ -257,8 +257,14 @@ def reconstruction_error(codec: Codec, t: torch.Tensor, seed: int = 0) -> torch.
     ``t``'s device, so a metric can log it without waiting for the device. ``seed`` fixes a
     lossy codec's rounding, so that measuring leaves the codec's own seed sequence alone."""
     packed = codec.encode(t, seed=seed) if isinstance(codec, LossyCodec) else codec.encode(t)
-    x = t.detach().reshape(-1).to(torch.float64)
-    restored = codec.decode(packed).reshape(-1).to(torch.float64)
+    return relative_error(t, codec.decode(packed))
+
+
+def relative_error(original: torch.Tensor, restored: torch.Tensor) -> torch.Tensor:
+    """``||restored - original|| / ||original||`` over the finite elements of ``original``, as
+    :func:`reconstruction_error` defines it, for a round trip made elsewhere."""
+    x = original.detach().reshape(-1).to(torch.float64)
+    restored = restored.detach().reshape(-1).to(torch.float64)
     finite = torch.isfinite(x)
     x = torch.where(finite, x, 0.0)
     error = torch.linalg.vector_norm(torch.where(finite, restored, 0.0) - x)
