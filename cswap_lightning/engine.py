@@ -20,6 +20,7 @@ from typing_extensions import Self
 from .advisor import Advisor, Plan, resolve_budget
 from .codecs import DTYPES, get_codec, nonzero_count
 from .codecs.cuda import enable_cuda_codecs_if_requested
+from .codecs.lossy import LOSSY_DTYPES as _LOSSY_TORCH_DTYPES
 from .codecs.lossy import relative_error
 from .config import LOSSY_CODECS, CSwapConfig
 from .module_names import ModuleTracker
@@ -32,7 +33,7 @@ from .transfer import Stored, Transfer
 # move (and free) nothing but the whole storage.
 MAX_STORAGE_TO_VIEW_RATIO = 4
 _SUPPORTED_DTYPES = frozenset(DTYPES)
-LOSSY_DTYPES = ("float32", "float16", "bfloat16")
+LOSSY_DTYPES = tuple(str(d).removeprefix("torch.") for d in _LOSSY_TORCH_DTYPES)
 
 
 def skip_reason(t: torch.Tensor, min_bytes: int) -> str:

@@ -132,7 +132,6 @@ class SiteProfile:
     forward_s: float = 0.0  # forward window
     backward_s: float = 0.0  # backward window
     stored: dict[str, int] = field(default_factory=dict)  # codec -> measured payload bytes
-    sparsity_history: list[float] = field(default_factory=list)  # one value per profiled step
 
 
 class Profiler:
@@ -141,11 +140,9 @@ class Profiler:
     def __init__(self) -> None:
         self.sites: dict[int, SiteProfile] = {}
         self._windows: dict[int, list[tuple[float, float]]] = {}
-        self.steps = 0
 
     def observe(self, step: StepStats, windows: dict[int, tuple[float, float]]) -> None:
         """Fold one profiled step in (call after the step's statistics are closed)."""
-        self.steps += 1
         for s in step.sites:
             offloadable = not s.reason or s.reason == "plan"
             profile = self.sites.get(s.site)
@@ -158,7 +155,6 @@ class Profiler:
             profile.module = s.module
             if s.sparsity is not None:
                 profile.sparsity = s.sparsity
-                profile.sparsity_history.append(s.sparsity)
             if s.stored_bytes:
                 profile.stored[s.decision] = s.stored_bytes
             if s.site in windows:
