@@ -23,13 +23,14 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from . import memplan
+from .config import COMPRESSORS
 from .memplan import Block, Layout
 from .stats import StepStats, fmt_bytes
 
-# Room added to each compressed payload's region: its size follows the tensor's sparsity,
+# Room added to each zvc or rle payload's region: its size follows the tensor's sparsity,
 # which drifts from step to step (on the demo CNN learning digits, by at most 9.5% for one
-# site, but mostly down as training sparsifies: no payload outgrew 6% in 3 epochs). Raw
-# payloads have exact sizes. A payload that does not fit gets memory of its own, and the
+# site, but mostly down as training sparsifies: no payload outgrew 6% in 3 epochs). Raw and
+# lossy payloads have exact sizes. A payload that does not fit gets memory of its own, and the
 # arena is planned again.
 HEADROOM = 0.06
 ALIGNMENT = 512  # bytes; every region starts at a multiple of it
@@ -267,10 +268,11 @@ class HostMemory:
         )
 
     def _slots(self, step: StepStats, payloads: list[Block]) -> list[Block]:
-        """Payload blocks grown into slots: a compressed one by its site's headroom (raw
+        """Payload blocks grown into slots: a zvc or rle one by its site's headroom (other
         sizes are exact), every one up to the alignment: padding the arena has anyway."""
-        raw = {s.site for s in step.sites if s.decision == "raw"}
-        return [replace(b, size=self._slot_bytes(b, exact=b.key in raw)) for b in payloads]
+        drifts = {s.site for s in step.sites if s.decision in COMPRESSORS}
+        return [replace(b, size=self._slot_bytes(b, exact=b.key not in drifts))
+                for b in payloads]
 
     def _slot_bytes(self, block: Block, exact: bool) -> int:
         headroom = self._headroom.get(block.key, self.headroom)
