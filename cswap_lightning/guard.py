@@ -66,6 +66,7 @@ class AccuracyGuard:
         self.reverted_sites = SumMetric()
         self.probe_seconds = SumMetric()
         self._steps_seen = 0
+        self._handed_out = 0  # reports new_report() has returned
 
     def lossy_in_use(self) -> bool:
         plan, config = self.offloader.plan, self.offloader.config
@@ -73,6 +74,13 @@ class AccuracyGuard:
             return True
         return plan is not None and any(d.decision in LOSSY_CODECS
                                         for d in plan.decisions.values())
+
+    def new_report(self) -> GuardReport | None:
+        """The latest report if a probe ran since the last call (so a trainer logs it once)."""
+        if len(self.reports) == self._handed_out:
+            return None
+        self._handed_out = len(self.reports)
+        return self.reports[-1]
 
     def due(self) -> bool:
         """Count a training step; True when a probe should run before it."""

@@ -62,7 +62,6 @@ class CSwapCallback(TrainerCallback):
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self.inside = False  # a forward is running under the engine
         self._probing = False  # the guard is running the model itself
-        self._reports_logged = 0  # guard reports already logged
 
     @property
     def offloader(self) -> Offloader:
@@ -158,10 +157,9 @@ class CSwapCallback(TrainerCallback):
             return  # nothing trained since the last log line (e.g. an evaluation's)
         values = {name: value.item() for name, value in self.metrics.compute().items()}
         self.metrics.reset()
-        reports = self._guard.reports if self._guard is not None else []
-        if len(reports) > self._reports_logged:  # the latest probe since the last log line
-            self._reports_logged = len(reports)
-            values |= reports[-1].log_values()
+        report = self.guard.new_report()  # the latest probe since the last log line
+        if report is not None:
+            values |= report.log_values()
         logs.update(values)
         if state.log_history:  # the Trainer recorded its copy of `logs` before calling us
             state.log_history[-1].update(values)

@@ -220,7 +220,6 @@ class CSwapHooks(Callback):
         self.strategy = strategy
         self.metrics = offload_metrics()
         self.last: StepStats | None = None  # the most recent training step's statistics
-        self._reports_logged = 0  # guard reports already logged
 
     @property
     def state_key(self) -> str:
@@ -257,10 +256,9 @@ class CSwapHooks(Callback):
         self.metrics(**step_values(self.last))
         for name, metric in self.metrics.items():
             pl_module.log(name, metric, on_step=True, on_epoch=True, metric_attribute=name)
-        reports = self.strategy.guard.reports if self.strategy._guard is not None else []
-        if len(reports) > self._reports_logged:  # a probe ran before this step
-            self._reports_logged = len(reports)
-            pl_module.log_dict(reports[-1].log_values(), on_step=True, on_epoch=False)
+        report = self.strategy.guard.new_report()  # a probe ran before this step
+        if report is not None:
+            pl_module.log_dict(report.log_values(), on_step=True, on_epoch=False)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         log_dir = trainer.log_dir or trainer.default_root_dir  # every rank: it broadcasts
