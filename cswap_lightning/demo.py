@@ -13,11 +13,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .codecs import get_codec
+from .advisor import predicted_stored_bytes
 from .config import COMPRESSORS, LOSSY_CODECS, CSwapConfig
 from .engine import Offloader
 from .profiler import measure_link
-from .stats import SiteStats, fmt_bytes
+from .stats import fmt_bytes
 
 CODECS_THAT_COMPRESS = (*COMPRESSORS, *LOSSY_CODECS)
 
@@ -50,13 +50,6 @@ def load_digits(device: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]
     x, y = x[perm].to(device), y[perm].to(device)
     n_train = int(0.8 * len(x))
     return x[:n_train], y[:n_train], x[n_train:], y[n_train:]
-
-
-def _zvc_bytes(site: SiteStats) -> int:
-    """What ZVC would store for a site, from its measured sparsity."""
-    elem = getattr(torch, site.dtype).itemsize
-    numel = site.nbytes // elem
-    return get_codec("zvc").payload_nbytes(numel, round(numel * (1 - site.sparsity)), elem)
 
 
 def gradients_match(model: nn.Module, offloader: Offloader, x: torch.Tensor, y: torch.Tensor) -> bool:
@@ -126,8 +119,9 @@ def run_demo(
         print(offloader.plan.table())
         if not any(d.decision in CODECS_THAT_COMPRESS for d in offloader.plan.decisions.values()):
             link = offloader.link or measure_link(dev)
-            raw = [s for s in step.sites if s.decision == "raw" and s.sparsity is not None]
-            zvc = sum(_zvc_bytes(s) for s in raw)
+            raw = [p for p in offloader.profiler.profile()
+                   if offloader.plan.decisions[p.site].decision == "raw"]
+            zvc = sum(predicted_stored_bytes("zvc", p) for p in raw)
             print(f"No site is compressed: here a swap costs a copy at {link.d2h / 1e9:.1f} GB/s, "
                   f"faster than the {dev.type} codec, so compressing would expose more time than "
                   f"it saves. Over a PCIe link ZVC would have sent {fmt_bytes(zvc)} instead of "
