@@ -10,17 +10,16 @@ both runs, so the delta is the codec's own effect.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 
+from .bench import result_meta, write_results
 from .config import LOSSY_CODECS, CSwapConfig
 from .integrations.lightning import _CSwapMixin
 from .stats import StepStats, fmt_bytes
@@ -32,6 +31,7 @@ class RunResult:
 
     label: str
     plan: str
+    device: str
     metric: list[float] = field(default_factory=list)  # after each epoch
     step_s: list[float] = field(default_factory=list)  # wall time of each training step
     offloaded_bytes: int = 0  # per step (the last one): bytes that left the device
@@ -97,7 +97,7 @@ def train_once(args: list[str], label: str, change: Callable[[CSwapConfig], CSwa
             "variant)"
         )
     strategy.cswap_config = change(strategy.cswap_config)
-    result = RunResult(label, strategy.cswap_config.plan)
+    result = RunResult(label, strategy.cswap_config.plan, str(strategy.root_device))
     cli.trainer.callbacks.append(_Recorder(strategy, metric, result))
     cuda = strategy.root_device.type == "cuda"
     if cuda:
@@ -120,11 +120,9 @@ def compare(args: list[str], lossy: str = "int8", metric: str = "val_acc",
     report = format_report(runs, metric)
     print(report)
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(f"{out}.md").write_text(f"# cswap compare {' '.join(args)}\n\n```\n{report}\n```\n")
-        Path(f"{out}.json").write_text(json.dumps(
-            {"args": args, "metric": metric, "runs": [asdict(r) for r in runs]}, indent=2))
-        print(f"\nwritten: {out}.md, {out}.json")
+        meta = result_meta(torch.device(runs[0].device), lossy=lossy, metric=metric)
+        write_results(out, "cswap compare", meta, {"runs": [asdict(r) for r in runs]},
+                      f"```\n{report}\n```")
     return runs
 
 
