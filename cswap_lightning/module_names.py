@@ -6,6 +6,7 @@ site number, which changes whenever the model does.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
 from torch.utils.hooks import RemovableHandle
@@ -16,7 +17,9 @@ class ModuleTracker:
     """A stack of the qualified names of ``model``'s modules whose forward is running."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.names = {m: name for name, m in model.named_modules()}
+        # torch.compile's wrapper holds the module as `_orig_mod`: name it as the user does
+        self.names = {m: ".".join(part for part in name.split(".") if part != "_orig_mod")
+                      for name, m in model.named_modules()}
         self.stack: list[str] = []
         self._handles: list[RemovableHandle] = []
 
@@ -37,8 +40,13 @@ class ModuleTracker:
         self._handles, self.stack = [], []
 
     def _enter_module(self, module: nn.Module, args) -> None:
+        # Dynamo traces global hooks into the graph; a compiled region's tensors are saved
+        # together when it ends, so they are named after the compiled module as a whole.
+        if torch.compiler.is_compiling():
+            return
+        module = getattr(module, "_orig_mod", module)  # torch.compile's wrapper
         self.stack.append(self.names.get(module, self.current()))
 
     def _exit_module(self, module: nn.Module, args, output) -> None:
-        if self.stack:
+        if self.stack and not torch.compiler.is_compiling():
             self.stack.pop()

@@ -79,3 +79,24 @@ def test_excluded_modules_and_non_floating_tensors_are_never_lossy(as_int8):
     assert all(s.decision == "raw" for s in sites if s.module == "8" or s.dtype == "int64")
     assert any(s.dtype == "int64" for s in sites)  # max-pool indices
     off.close()
+
+
+def test_compiled_submodules_are_named_as_written_and_can_be_excluded(as_int8):
+    """Dynamo traces the engine's module hooks too: they must not break compilation, and a
+    compiled region's sites carry the name the user gave the module."""
+    as_int8(Faithful())
+    torch.manual_seed(0)
+    head = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                              torch.compile(head, backend="aot_eager"))
+    off = Offloader(CSwapConfig(plan="int8", min_bytes=0, lossy_exclude=("2",))).watch(net)
+    x = torch.randn(16, 32)
+    for _ in range(2):
+        with off:
+            loss = net(x).sum()
+        loss.backward()
+    sites = [s for s in off.last_step().sites if s.decision not in ("keep", "dedup")]
+    assert {s.module for s in sites} == {"0", "1", "2"}
+    assert {s.decision for s in sites if s.module == "2"} == {"raw"}
+    assert {s.decision for s in sites if s.module != "2"} == {"int8"}
+    off.close()

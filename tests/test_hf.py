@@ -57,7 +57,7 @@ class RecordMicroBatches(TrainerCallback):
 
 
 def bert_trainer(tmp_path, callbacks: list[TrainerCallback], max_steps: int = 2,
-                 epochs: int = 1) -> Trainer:
+                 epochs: int = 1, **arguments) -> Trainer:
     torch.manual_seed(0)
     config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=64, max_position_embeddings=32, num_labels=2)
@@ -67,7 +67,7 @@ def bert_trainer(tmp_path, callbacks: list[TrainerCallback], max_steps: int = 2,
         num_train_epochs=epochs,
         per_device_train_batch_size=4, per_device_eval_batch_size=4,
         gradient_accumulation_steps=ACCUMULATION, learning_rate=1e-3, logging_steps=1,
-        save_strategy="no", dataloader_num_workers=0, disable_tqdm=True,
+        save_strategy="no", dataloader_num_workers=0, disable_tqdm=True, **arguments,
     )
     return Trainer(model, args, train_dataset=RandomTokens(), eval_dataset=RandomTokens(8),
                    callbacks=callbacks)
@@ -101,6 +101,21 @@ def test_every_micro_batch_is_offloaded_and_weights_match(tmp_path):
     metrics = trainer.evaluate()
     assert cswap.offloader.last_step().step == entered  # evaluation never entered the engine
     assert "cswap/ratio" not in metrics
+
+
+def test_a_compiled_model_is_offloaded_and_weights_match(tmp_path):
+    compiled = {"torch_compile": True, "torch_compile_backend": "aot_eager"}
+    cswap = CSwapCallback(LOSSLESS)
+    trainer = bert_trainer(tmp_path / "cswap", [cswap], **compiled)
+    trainer.train()
+    plain = bert_trainer(tmp_path / "plain", [], **compiled)
+    plain.train()
+    last = cswap.offloader.last_step()
+    assert last.step == 2 * ACCUMULATION - 1 and last.offloaded_bytes > 0
+    assert "zvc" in {s.decision for s in last.sites}
+    for (name, p), q in zip(trainer.model.state_dict().items(),
+                            plain.model.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name
 
 
 class RecordPlanPerEpoch(TrainerCallback):
