@@ -7,6 +7,7 @@ learned about site k (its sparsity, when backward needed it) plans the next step
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from concurrent.futures import Future
@@ -67,6 +68,7 @@ class _Entry:
         "consumed",
         "id",
         "nbytes",
+        "ready",
         "restored",
         "restoring",
         "stats",
@@ -80,6 +82,7 @@ class _Entry:
         self.stored = stored
         self.restoring: Future | None = None  # restore in flight (prefetched or on demand)
         self.restored: weakref.ref | None = None  # the device copy, while autograd holds it
+        self.ready: torch.cuda.Event | None = None  # recorded once the device copy is complete
         self.consumed = False  # unpacked at least once
 
     def host_bytes(self) -> int:
@@ -156,6 +159,9 @@ class _Step:
         self.device: torch.device | None = None
         self.base_bytes = 0  # device memory in use when forward saved its first tensor
         self._unpacked: set[int] = set()
+        # Autograd runs backward on one thread per device: a model split over several GPUs in
+        # one process unpacks from several threads at once.
+        self._lock = threading.Lock()
         self.probe: str | None = None  # an accuracy-guard probe step (Offloader.probe_next_step)
         self._originals: dict[int, torch.Tensor] = {}
         self._by_storage: dict[int, tuple[StorageWeakRef, int, _Entry]] = {}
@@ -238,15 +244,17 @@ class _Step:
         if isinstance(saved, _Kept):
             t = saved.tensor
             check_version(t._version, saved.version, t.dtype, tuple(t.shape))
-            self._time_unpack(saved.site)
+            with self._lock:
+                self._time_unpack(saved.site)
             return saved.tensor
         check_version(saved.probe._version, saved.version, saved.probe.dtype, saved.size)
         entry = saved.entry
-        self._time_unpack(entry.id)
-        start = time.perf_counter()
-        base = self._take(entry)
-        entry.stats.wait_s += time.perf_counter() - start
-        self._prefetch_after(entry)
+        with self._lock:
+            self._time_unpack(entry.id)
+            start = time.perf_counter()
+            base = self._take(entry)
+            entry.stats.wait_s += time.perf_counter() - start
+            self._prefetch_after(entry)
         return base.as_strided(saved.size, saved.stride, saved.offset)
 
     def _time_unpack(self, site: int) -> None:
@@ -256,19 +264,18 @@ class _Step:
 
     def _take(self, entry: _Entry) -> torch.Tensor:
         base = entry.restored() if entry.restored is not None else None
-        if base is not None:
-            return base
-        if entry.restoring is None:
-            entry.restoring = self.offloader.transfer.restore(entry.stored)
-        elif not entry.consumed:
-            self._inflight -= entry.nbytes
-        base, ready = entry.restoring.result()
-        if ready is not None:
+        if base is None:
+            if entry.restoring is None:
+                entry.restoring = self.offloader.transfer.restore(entry.stored)
+            elif not entry.consumed:
+                self._inflight -= entry.nbytes
+            base, entry.ready = entry.restoring.result()
+            entry.restoring = None
+            entry.restored = weakref.ref(base)
+        if entry.ready is not None:  # every unpack: backward may run this op on another stream
             stream = torch.cuda.current_stream(base.device)
-            stream.wait_event(ready)
+            stream.wait_event(entry.ready)
             base.record_stream(stream)
-        entry.restoring = None
-        entry.restored = weakref.ref(base)
         original = self._originals.pop(entry.id, None)
         if original is not None:
             entry.stats.error = relative_error(original, base).item()
