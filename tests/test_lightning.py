@@ -136,6 +136,21 @@ def test_bf16_mixed_precision():
     assert "bfloat16" in dtypes  # autocast's activations went through the engine
 
 
+class CompiledReluNet(ReluNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.compile(self.net, backend="aot_eager")
+
+
+def test_a_compiled_network_inside_the_module():
+    trainer, model = train(CSwapStrategy(LOSSLESS), model=CompiledReluNet)
+    _, plain = train(SingleDeviceStrategy("cpu"), model=CompiledReluNet)
+    assert_same_weights(model, plain)
+    zvc = [s for s in trainer.strategy.offloader.last_step().sites if s.decision == "zvc"]
+    assert {s.module for s in zvc} == {"", "net"}  # "": the loss, in training_step
+    assert {s.shape for s in zvc if s.module == "net"} == {(8, 16), (8, 32)}  # compiled region
+
+
 def test_manual_optimization():
     trainer, model = train(CSwapStrategy(LOSSLESS), model=partial(ReluNet, manual=True))
     _, plain = train(SingleDeviceStrategy("cpu"), model=partial(ReluNet, manual=True))
