@@ -31,9 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cswap", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("fit", help="train a recipe with LightningCLI: cswap fit --config "
-                        "recipes/cnn.yaml (cswap fit --help lists its options)")
+                        "cnn (a shipped recipe, or a YAML file; cswap fit --help lists options)")
     commands.add_parser("compare", help="train a recipe lossless and lossy from one seed and "
-                        "compare: cswap compare --config recipes/cnn.yaml [--lossy int8]")
+                        "compare: cswap compare --config cnn [--lossy int8]")
+    commands.add_parser("recipes", help="list the shipped recipes (cswap fit --config NAME)")
 
     demo = commands.add_parser("demo", help="train a small ReLU CNN on scikit-learn digits")
     demo.add_argument("--epochs", type=int, default=3)
@@ -99,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     tune.add_argument("--out", default=None, help="write markdown and JSON results here (stem)")
 
     args = parser.parse_args(argv)
+    if args.command == "recipes":
+        from .recipes import describe, shipped
+
+        for name, path in shipped().items():
+            print(f"{name:10} {describe(path)}\n{'':10} {path}")
+        return 0
     if args.command == "build-ext":
         from .codecs.cuda_build import BuildError, build
 
@@ -146,14 +153,14 @@ def _compare(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="cswap compare", description="Train a recipe twice from the same seed, lossless "
         "and lossy, and compare the validation metric after each epoch and the bytes saved. "
-        "Other arguments (--config recipes/NAME.yaml, --trainer.max_epochs 3, ...) go to "
+        "Other arguments (--config NAME or FILE.yaml, --trainer.max_epochs 3, ...) go to "
         "LightningCLI.")
     parser.add_argument("--lossy", default="int8", choices=LOSSY_CODECS)
     parser.add_argument("--metric", default="val_acc", help="what validation logs to compare")
     parser.add_argument("--out", default=None, help="write markdown and JSON results here (stem)")
     args, recipe_args = parser.parse_known_args(argv)
     if not recipe_args:
-        parser.error("no recipe: pass --config recipes/NAME.yaml")
+        parser.error("no recipe: pass --config NAME (`cswap recipes` lists them) or a YAML file")
     from .compare import compare
 
     compare(recipe_args, args.lossy, args.metric, args.out)

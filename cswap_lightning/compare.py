@@ -22,6 +22,7 @@ from lightning.pytorch.cli import LightningCLI
 from .bench import result_meta, write_results
 from .config import LOSSY_CODECS, CSwapConfig
 from .integrations.lightning import _CSwapMixin
+from .recipes import resolve_configs
 from .stats import StepStats, fmt_bytes
 
 
@@ -113,6 +114,7 @@ def compare(args: list[str], lossy: str = "int8", metric: str = "val_acc",
     """Train the recipe lossless, then lossy with codec ``lossy``; print and return both."""
     if lossy not in LOSSY_CODECS:
         raise ValueError(f"cswap compare: lossy codec {lossy!r} is not one of {LOSSY_CODECS}")
+    args = resolve_configs(args)
     runs = (
         train_once(args, "lossless", _lossless, metric),
         train_once(args, "lossy", lambda c: replace(c, plan=lossy, guard_every=0), metric),

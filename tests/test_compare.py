@@ -60,7 +60,7 @@ def test_compare_needs_a_cswap_strategy(tmp_path):
 def test_cli_compare_needs_a_recipe_and_a_known_codec(capsys):
     with pytest.raises(SystemExit):
         main(["compare"])
-    assert "--config recipes/NAME.yaml" in capsys.readouterr().err
+    assert "--config NAME (`cswap recipes` lists them)" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["compare", "--lossy", "int3", "--config", "recipes/cnn.yaml"])
     assert "invalid choice: 'int3'" in capsys.readouterr().err

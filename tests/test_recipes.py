@@ -14,8 +14,10 @@ import yaml
 from torch import nn
 
 from cswap_lightning import CSwapConfig
+from cswap_lightning.cli import main
 from cswap_lightning.fit import main as fit
 from cswap_lightning.integrations.lightning import CSwapStrategy
+from cswap_lightning.recipes import describe, resolve_configs, shipped
 from cswap_lightning.recipes.models import ImageClassifier
 from cswap_lightning.recipes.nets import resnet50, vgg16
 from cswap_lightning.recipes.tokens import TokenSequences
@@ -77,8 +79,35 @@ def no_command_line(monkeypatch):
     monkeypatch.setattr(sys, "argv", sys.argv[:1])
 
 
-def test_recipes_are_found():
+def test_recipes_are_found_and_shipped_with_the_package():
     assert {path.stem for path in RECIPES} >= {"cnn", "vgg16", "resnet50", "bert", "gpt2"}
+    assert {name: path.read_text() for name, path in shipped().items()} == {
+        path.stem: path.read_text() for path in RECIPES}
+
+
+def test_config_names_resolve_to_shipped_recipes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cnn = str(shipped()["cnn"])
+    assert resolve_configs(["--config", "cnn", "--trainer.max_steps", "2"]) == [
+        "--config", cnn, "--trainer.max_steps", "2"]
+    assert resolve_configs(["-c", "recipes/bert.yaml"]) == ["-c", str(shipped()["bert"])]
+    assert resolve_configs(["--config=gpt2.yaml"]) == [f"--config={shipped()['gpt2']}"]
+    (tmp_path / "cnn").write_text("trainer: {}\n")  # a file of that name wins
+    assert resolve_configs(["--config", "cnn"]) == ["--config", "cnn"]
+    assert resolve_configs(["--config"]) == ["--config"]  # LightningCLI reports it
+    with pytest.raises(SystemExit, match=r"'vgg'.*not a file, nor a shipped recipe \(bert, cnn"):
+        resolve_configs(["--config", "vgg"])
+    with pytest.raises(SystemExit, match="'elsewhere/cnn.yaml'"):
+        resolve_configs(["--config", "elsewhere/cnn.yaml"])
+
+
+def test_cswap_recipes_lists_each_with_what_it_trains(capsys):
+    assert main(["recipes"]) == 0
+    out = capsys.readouterr().out
+    for name, path in shipped().items():
+        assert f"{name:10} {describe(path)}" in out and str(path) in out
+    assert describe(shipped()["bert"]).startswith("BERT-base sequence classification")
+    assert describe(shipped()["bert"]).endswith("on generated token sequences.")
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda path: path.stem)
@@ -133,8 +162,8 @@ def test_bad_cswap_option_fails_at_parse_time_naming_it(tmp_path, capsys):
 
 
 def test_cnn_recipe_as_shipped_learns_through_the_console_entry(tmp_path):
-    run = subprocess.run(
-        [sys.executable, "-m", "cswap_lightning", "fit", "--config", str(CNN),
+    run = subprocess.run(  # by name, from a directory with no recipes/ in it
+        [sys.executable, "-m", "cswap_lightning", "fit", "--config", "cnn",
          "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
          "--trainer.default_root_dir", str(tmp_path), "--data.cache_dir", str(tmp_path / "data")],
         cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
