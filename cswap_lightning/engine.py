@@ -385,6 +385,8 @@ class Offloader:
 
     def watch(self, model: torch.nn.Module) -> Self:
         """Name each site by the module of ``model`` that saved it (for ``lossy_exclude``)."""
+        if self.modules is not None:
+            self.modules.close()
         self.modules = ModuleTracker(model)
         return self
 
@@ -462,6 +464,8 @@ class Offloader:
     def close(self) -> None:
         """Stop the worker threads (the Offloader cannot be used afterwards)."""
         self.transfer.close()
+        if self.modules is not None:
+            self.modules.close()
         if _SHARED.get(self.config) is self:
             del _SHARED[self.config]
 

@@ -1,6 +1,8 @@
 """The accuracy guard, with injected lossy codecs: one that destroys information, one that
 keeps it."""
 
+import gc
+
 import pytest
 import torch
 from conftest import Destructive, Faithful, model_and_batch
@@ -91,8 +93,9 @@ def test_compiled_submodules_are_named_as_written_and_can_be_excluded(as_int8):
                               torch.compile(head, backend="aot_eager"))
     off = Offloader(CSwapConfig(plan="int8", min_bytes=0, lossy_exclude=("2",))).watch(net)
     x = torch.randn(16, 32)
-    for _ in range(2):
-        with off:
+    for step in range(3):
+        # Hooks added and removed around each step would change Dynamo's guards every step.
+        with torch._dynamo.config.patch(error_on_recompile=step > 0), off:
             loss = net(x).sum()
         loss.backward()
     sites = [s for s in off.last_step().sites if s.decision not in ("keep", "dedup")]
@@ -100,3 +103,18 @@ def test_compiled_submodules_are_named_as_written_and_can_be_excluded(as_int8):
     assert {s.decision for s in sites if s.module == "2"} == {"raw"}
     assert {s.decision for s in sites if s.module != "2"} == {"int8"}
     off.close()
+
+
+def test_module_hooks_last_until_close_or_a_new_watch():
+    hooks = torch.nn.modules.module._global_forward_pre_hooks
+    before = len(hooks)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    off = Offloader(CSwapConfig(plan="raw")).watch(net)
+    assert len(hooks) == before + 1
+    off.watch(net)  # the Hugging Face callback watches again on every train()
+    assert len(hooks) == before + 1
+    off.close()
+    assert len(hooks) == before
+    Offloader(CSwapConfig(plan="raw")).watch(net)  # dropped without close()
+    gc.collect()
+    assert len(hooks) == before
