@@ -66,6 +66,7 @@ class _Entry:
     __slots__ = (
         "__weakref__",
         "consumed",
+        "counted",
         "id",
         "nbytes",
         "ready",
@@ -84,6 +85,7 @@ class _Entry:
         self.restored: weakref.ref | None = None  # the device copy, while autograd holds it
         self.ready: torch.cuda.Event | None = None  # recorded once the device copy is complete
         self.consumed = False  # unpacked at least once
+        self.counted = False  # prefetched: its bytes count as in flight until it is unpacked
 
     def host_bytes(self) -> int:
         if not self.stored.done() or self.stored.exception() is not None:
@@ -249,10 +251,13 @@ class _Step:
             return saved.tensor
         check_version(saved.probe._version, saved.version, saved.probe.dtype, saved.size)
         entry = saved.entry
+        start = time.perf_counter()
         with self._lock:
             self._time_unpack(entry.id)
-            start = time.perf_counter()
-            base = self._take(entry)
+            restoring = self._restoring(entry)
+        base, ready = restoring.result()  # outside the lock: other devices' threads go on
+        with self._lock:
+            self._restored(entry, base, ready)
             entry.stats.wait_s += time.perf_counter() - start
             self._prefetch_after(entry)
         return base.as_strided(saved.size, saved.stride, saved.offset)
@@ -262,19 +267,28 @@ class _Step:
             self._unpacked.add(site)
             self.timer.unpacked(site)
 
-    def _take(self, entry: _Entry) -> torch.Tensor:
+    def _restoring(self, entry: _Entry) -> Future[tuple[torch.Tensor, torch.cuda.Event | None]]:
+        """The entry's device copy: the one autograd still holds, or a restore (prefetched
+        earlier, or started now)."""
         base = entry.restored() if entry.restored is not None else None
-        if base is None:
-            if entry.restoring is None:
-                entry.restoring = self.offloader.transfer.restore(entry.stored)
-            elif not entry.consumed:
-                self._inflight -= entry.nbytes
-            base, entry.ready = entry.restoring.result()
+        if base is not None:
+            held: Future = Future()
+            held.set_result((base, entry.ready))
+            return held
+        if entry.restoring is None:
+            entry.restoring = self.offloader.transfer.restore(entry.stored)
+        if entry.counted:
+            entry.counted = False
+            self._inflight -= entry.nbytes
+        return entry.restoring
+
+    def _restored(self, entry: _Entry, base: torch.Tensor, ready: torch.cuda.Event | None) -> None:
+        if entry.restoring is not None and entry.restoring.done():
             entry.restoring = None
-            entry.restored = weakref.ref(base)
-        if entry.ready is not None:  # every unpack: backward may run this op on another stream
+            entry.restored, entry.ready = weakref.ref(base), ready
+        if ready is not None:  # every unpack: backward may run this op on another stream
             stream = torch.cuda.current_stream(base.device)
-            stream.wait_event(entry.ready)
+            stream.wait_event(ready)
             base.record_stream(stream)
         original = self._originals.pop(entry.id, None)
         if original is not None:
@@ -283,7 +297,6 @@ class _Step:
             entry.consumed = True
             entry.stats.unpacked_at = self.tick()
             self.unpack_order.append(entry.id)
-        return base
 
     def _prefetch_after(self, entry: _Entry) -> None:
         """Bring back the sites expected next, within the bytes-in-flight budget."""
@@ -301,7 +314,7 @@ class _Step:
                 if self._inflight and self._inflight + nxt.nbytes > budget:
                     return
                 nxt.restoring = self.offloader.transfer.restore(nxt.stored)
-                nxt.stats.prefetched = True
+                nxt.stats.prefetched = nxt.counted = True
                 self._inflight += nxt.nbytes
             self._cursor += 1
 
@@ -311,6 +324,9 @@ class _Step:
         stored = future.result()
         if isinstance(stored, Stored):
             stats.stored_bytes, stats.offload_s = stored.nbytes, stored.seconds
+            if stored.packed.header.codec != stats.decision:
+                stats.reason = f"{stats.decision} out of device memory"
+                stats.decision = stored.packed.header.codec
             self._counts.append((stats, stored.packed.header.numel, stored.nonzero))
         else:
             stats.decision, stats.reason = "keep", "offload failed"
@@ -473,10 +489,10 @@ class Offloader:
         step = self._step
         if step is None:
             return
-        # Only a profiled step's figures (sparsity, windows) need its device work done; waiting
+        # Only a profiled step's figures (sparsity, windows) need its offload work done; waiting
         # for that otherwise would hold up the forward about to start.
-        self.transfer.drain(device=step.profiling)
         if step.profiling:
+            self.transfer.drain()
             step.close()
         if step.failed:
             return

@@ -18,6 +18,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from cswap_lightning import CSwapConfig, Offloader, engine, offload
+from cswap_lightning.codecs import ZVCCodec, register
 
 LOSSLESS = ("raw", "zvc", "rle", "auto")
 
@@ -315,6 +316,54 @@ def test_offload_failure_keeps_the_tensor_with_one_warning(monkeypatch):
     assert {s.reason for s in off.last_step().sites} >= {"offload failed"}
 
 
+class ScratchHungryZVC(ZVCCodec):
+    """ZVC whose device scratch never fits: encoding runs out of memory on every ``encode_oom``
+    call and decoding on the first of two calls (the device attempt, then the host one)."""
+
+    def __init__(self, encode_oom: bool) -> None:
+        self.encode_oom = encode_oom
+        self.decodes = 0
+
+    def encode(self, t):
+        if self.encode_oom:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return super().encode(t)
+
+    def decode(self, packed):
+        self.decodes += 1
+        if self.decodes % 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return super().decode(packed)
+
+
+@pytest.mark.parametrize("encode_oom", [True, False])
+def test_a_codec_out_of_device_memory_falls_back_with_one_warning(encode_oom):
+    """Encoding falls back to raw (no scratch); decoding to the host, then a copy over."""
+    codec = ScratchHungryZVC(encode_oom)
+    register(codec)
+    try:
+        model, x, y = model_and_batch("mlp")
+        ref = grads(copy.deepcopy(model), x, y)
+        off = Offloader(CSwapConfig(plan="zvc", min_bytes=0))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = grads(copy.deepcopy(model), x, y, off, steps=2)
+    finally:
+        register(ZVCCodec())
+    assert_bitwise_equal(ref, got)
+    messages = [str(w.message) for w in caught if "ran out of device memory" in str(w.message)]
+    assert len(messages) == 1 and "(injected)" in messages[0]
+    sites = [s for s in off.last_step().sites if s.stored_bytes]
+    if encode_oom:
+        assert {(s.decision, s.reason) for s in sites} == {("raw", "zvc out of device memory")}
+        assert codec.decodes == 0
+    else:
+        assert "decoded on the host" in messages[0] and {s.decision for s in sites} == {"zvc"}
+        # every restore tried the device, then the host; two steps, each site at least once
+        assert codec.decodes % 2 == 0 and codec.decodes >= 2 * 2 * len(sites)
+    off.close()
+
+
 def test_statistics_table_and_dict():
     model, x, y = model_and_batch("cnn")
     off = Offloader(CSwapConfig(plan="zvc", min_bytes=0))
@@ -329,7 +378,7 @@ def test_statistics_table_and_dict():
     assert all(s["sparsity"] is not None for s in d["sites"] if s["decision"] == "zvc")
 
 
-def test_entering_a_step_waits_for_the_device_only_after_a_profiled_one(monkeypatch):
+def test_entering_a_step_waits_only_after_a_profiled_one(monkeypatch):
     model, x, y = model_and_batch("mlp")
     off = Offloader(CSwapConfig(plan="auto", min_bytes=0, profile_steps=1))
     waits, drain = [], off.transfer.drain
@@ -340,8 +389,16 @@ def test_entering_a_step_waits_for_the_device_only_after_a_profiled_one(monkeypa
 
     monkeypatch.setattr(off.transfer, "drain", recorded)
     grads(model, x, y, off, steps=3)
-    assert waits == [True, False]  # closing the profiled step, then the planned one
+    assert waits == [True]  # closing the profiled step; the planned one is closed in the queue
     assert off.plan is not None
+    gate = threading.Event()
+    off.transfer._offload.submit(gate.wait, 30)  # the offload worker is busy until the gate
+    start = time.perf_counter()
+    with off:  # closes the last step without waiting for the worker
+        pass
+    assert time.perf_counter() - start < 10
+    gate.set()
+    assert off.transfer.arena_report() is not None  # the closed steps still planned the arena
     off.close()
 
 
