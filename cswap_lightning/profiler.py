@@ -79,7 +79,9 @@ class Clock:
     def seconds(self, start, end) -> float:
         if not self.cuda:
             return end - start
-        end.synchronize()  # only when a profiled step is closed, never in forward
+        # Only when a profiled step is closed, never in forward. Both: they may be on two streams.
+        start.synchronize()
+        end.synchronize()
         return start.elapsed_time(end) / 1e3
 
 

@@ -22,6 +22,7 @@ import torch
 
 from .arena import ArenaReport, HostMemory, Lease
 from .codecs import Codec, Packed, get_codec, nonzero_count
+from .codecs.reference import RawCodec
 from .stats import StepStats
 
 
@@ -83,20 +84,24 @@ class Transfer:
         self._restore.submit(lambda: None).result()
         if not device:
             return
-        for offload_stream, restore_stream in self._streams.values():
+        for offload_stream, restore_stream in list(self._streams.values()):
             offload_stream.synchronize()
             restore_stream.synchronize()
 
     def step_closed(self, step: StepStats, device: torch.device | None = None) -> None:
-        """Plan the arena from a finished step (its offload jobs done) on ``device``, in the
-        background."""
+        """Plan the arena from a finished step on ``device``, in the background, once the
+        offload jobs submitted so far are done (queued behind them: the caller never waits)."""
         if self.host_memory is not None:
-            self.host_memory.step_closed(step, device)
+            self._offload.submit(self.host_memory.step_closed, step, device)
 
     def arena_report(self) -> ArenaReport | None:
         """Arena against lower bound and per-tensor bytes for the last closed step (None
-        without an arena or before the first closed step)."""
-        return self.host_memory.report() if self.host_memory is not None else None
+        without an arena or before the first closed step); waits for the offload jobs
+        submitted so far, since steps are closed behind them."""
+        if self.host_memory is None:
+            return None
+        self._offload.submit(lambda: None).result()
+        return self.host_memory.report()
 
     def close(self) -> None:
         self._offload.shutdown(wait=True)
@@ -129,7 +134,7 @@ class Transfer:
                 if ready is not None:
                     torch.cuda.current_stream().wait_event(ready)
                 nonzero = self._to_host(nonzero_count(flat), source=flat)
-                packed = codec.encode(flat)
+                packed = self._encode(codec, flat)
                 host, lease = self._payload_to_host(packed.payload, flat, site)
                 done = torch.cuda.current_stream().record_event() if flat.is_cuda else None
                 if lease is not None:
@@ -143,6 +148,21 @@ class Transfer:
             return flat
         seconds = time.perf_counter() - start
         return Stored(Packed(packed.header, host), flat.device, nonzero, done, seconds, lease)
+
+    def _encode(self, codec: Codec, flat: torch.Tensor) -> Packed:
+        """``codec``'s payload, or the raw one where the codec's scratch does not fit on the
+        device (raw needs none): near the memory limit is where offloading matters most."""
+        try:
+            return codec.encode(flat)
+        except torch.OutOfMemoryError as err:
+            if isinstance(codec, RawCodec):
+                raise
+            self._warn_once(
+                "encode oom",
+                f"cswap: the {codec.name} codec ran out of device memory ({err}); such tensors "
+                "are swapped uncompressed. Further cases are not reported.",
+            )
+            return get_codec("raw").encode(flat)
 
     def _payload_to_host(
         self, payload: torch.Tensor, source: torch.Tensor, site: int | None
@@ -190,9 +210,28 @@ class Transfer:
             payload = stored.packed.payload.to(device, non_blocking=True)
             if stored.lease is not None and payload.is_cuda:
                 stored.lease.last_use = torch.cuda.current_stream().record_event()
-            out = get_codec(stored.packed.header.codec).decode(Packed(stored.packed.header, payload))
+            out = self._decode(stored, payload)
             ready = torch.cuda.current_stream().record_event() if out.is_cuda else None
         return out, ready
+
+    def _decode(self, stored: Stored, payload: torch.Tensor) -> torch.Tensor:
+        """The tensor from ``payload`` (``stored``'s payload, on its device); where the
+        codec's scratch does not fit on the device, decoded on the host and copied over."""
+        codec = get_codec(stored.packed.header.codec)
+        packed = Packed(stored.packed.header, payload)
+        copied = payload is not stored.packed.payload  # a device copy only this job holds
+        if copied and isinstance(codec, RawCodec):
+            return codec.share(packed)
+        try:
+            return codec.decode(packed)
+        except torch.OutOfMemoryError as err:
+            self._warn_once(
+                "decode oom",
+                f"cswap: the {codec.name} codec ran out of device memory ({err}); such tensors "
+                "are decoded on the host instead (slower). Further cases are not reported.",
+            )
+            del packed, payload
+            return codec.decode(stored.packed).to(stored.device)
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:

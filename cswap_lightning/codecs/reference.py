@@ -76,10 +76,19 @@ class RawCodec(Codec):
         return bits.as_strided((bits.numel(),), (1,)).view(torch.uint8)  # size-1 dims: any stride
 
     def _decode_bits(self, payload: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._bits(payload, numel, dtype).clone()
+
+    def share(self, packed: Packed) -> torch.Tensor:
+        """What :meth:`decode` returns, but in the payload's own memory: for a payload that is
+        a fresh copy nobody else holds (a restore's host-to-device copy), so no second one."""
+        h = packed.header
+        return self._bits(packed.payload, h.numel, bits_dtype(h.dtype)).view(h.dtype).reshape(h.shape)
+
+    def _bits(self, payload: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
         expected = self.payload_nbytes(numel, numel, dtype.itemsize)
         if payload.numel() != expected:
             raise ValueError(f"raw payload has {payload.numel()} bytes, expected {expected}")
-        return payload.clone().view(dtype)
+        return payload.view(dtype)
 
 
 class ZVCCodec(Codec):
