@@ -375,10 +375,14 @@ class Offloader:
         self._step: _Step | None = None
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._steps = 0
+        self._closed = False
 
     def __enter__(self) -> Self:
         if self._hooks is not None:
             raise RuntimeError("this Offloader is already active; enter it once per forward pass")
+        if self._closed:
+            raise RuntimeError("this Offloader was closed; create a new one (or call "
+                               "cswap_lightning.offload(config) again for the shared one)")
         self._close_step()
         profiling = self.config.plan == "auto" and self._profiling_left > 0
         self._step = _Step(self, self._steps, self._order, profiling)
@@ -479,6 +483,7 @@ class Offloader:
 
     def close(self) -> None:
         """Stop the worker threads (the Offloader cannot be used afterwards)."""
+        self._closed = True
         self.transfer.close()
         if self.modules is not None:
             self.modules.close()

@@ -271,6 +271,19 @@ def test_hooks_are_not_left_installed_after_the_block():
         off.__enter__()
 
 
+def test_a_closed_offloader_says_so_and_offload_gives_a_new_one():
+    config = CSwapConfig(plan="raw", min_bytes=0)
+    shared = offload(config)
+    shared.close()
+    with pytest.raises(RuntimeError, match="was closed; create a new one"):
+        shared.__enter__()
+    fresh = offload(config)
+    assert fresh is not shared
+    with fresh:
+        (torch.randn(64, 64, requires_grad=True) * 2).sin().sum().backward()
+    fresh.close()
+
+
 def test_prefetch_follows_the_learned_order_within_the_budget():
     model, x, y = model_and_batch("mlp")
     off = Offloader(CSwapConfig(plan="raw", min_bytes=0))
