@@ -309,6 +309,19 @@ def test_prefetch_follows_the_recorded_order_not_a_fixed_one():
     assert not any(s.prefetched for s in off.last_step().sites)
 
 
+def lossless_with_warnings(plan):
+    """Two steps of the MLP under ``plan``: asserts bitwise-equal gradients, returns the
+    Offloader and the messages of the warnings raised."""
+    model, x, y = model_and_batch("mlp")
+    ref = grads(copy.deepcopy(model), x, y)
+    off = Offloader(CSwapConfig(plan=plan, min_bytes=0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = grads(copy.deepcopy(model), x, y, off, steps=2)
+    assert_bitwise_equal(ref, got)
+    return off, [str(w.message) for w in caught]
+
+
 def test_offload_failure_keeps_the_tensor_with_one_warning(monkeypatch):
     class Broken:
         name = "broken"
@@ -317,14 +330,8 @@ def test_offload_failure_keeps_the_tensor_with_one_warning(monkeypatch):
             raise MemoryError("host RAM exhausted")
 
     monkeypatch.setattr(engine, "get_codec", lambda name: Broken())
-    model, x, y = model_and_batch("mlp")
-    ref = grads(copy.deepcopy(model), x, y)
-    off = Offloader(CSwapConfig(plan="raw", min_bytes=0))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        got = grads(copy.deepcopy(model), x, y, off, steps=2)
-    assert_bitwise_equal(ref, got)
-    messages = [str(w.message) for w in caught if "could not offload" in str(w.message)]
+    off, caught = lossless_with_warnings("raw")
+    messages = [m for m in caught if "could not offload" in m]
     assert len(messages) == 1 and "host RAM exhausted" in messages[0]
     assert {s.reason for s in off.last_step().sites} >= {"offload failed"}
 
@@ -355,16 +362,10 @@ def test_a_codec_out_of_device_memory_falls_back_with_one_warning(encode_oom):
     codec = ScratchHungryZVC(encode_oom)
     register(codec)
     try:
-        model, x, y = model_and_batch("mlp")
-        ref = grads(copy.deepcopy(model), x, y)
-        off = Offloader(CSwapConfig(plan="zvc", min_bytes=0))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            got = grads(copy.deepcopy(model), x, y, off, steps=2)
+        off, caught = lossless_with_warnings("zvc")
     finally:
         register(ZVCCodec())
-    assert_bitwise_equal(ref, got)
-    messages = [str(w.message) for w in caught if "ran out of device memory" in str(w.message)]
+    messages = [m for m in caught if "ran out of device memory" in m]
     assert len(messages) == 1 and "(injected)" in messages[0]
     sites = [s for s in off.last_step().sites if s.stored_bytes]
     if encode_oom:
