@@ -111,9 +111,21 @@ class HostArena:
         if status != 0:
             raise RuntimeError(f"cudaHostRegister of {fmt_bytes(size)} failed with error {status}")
         weakref.finalize(
-            self, _unregister, base, start, device, self._last_use, self._released
+            self, _unpin_later, base, start, device, self._last_use, self._released
         ).atexit = False  # never after the CUDA context is gone
         return base[start : start + nbytes]
+
+
+# Whichever thread drops an arena's last payload (the forward thread, even) must not wait for
+# its copies to finish and for the driver to unpin it: a thread of its own does.
+_UNPINNER = ThreadPoolExecutor(1, thread_name_prefix="cswap-unpin")
+
+
+def _unpin_later(*args) -> None:
+    try:
+        _UNPINNER.submit(_unregister, *args)
+    except RuntimeError:  # the interpreter is shutting down: the driver unpins at exit
+        pass
 
 
 def _unregister(
@@ -123,8 +135,8 @@ def _unregister(
     last_use: dict[int, torch.cuda.Event],
     released: deque[Lease],
 ) -> None:
-    """Unpin an arena nobody holds any more, once the copies that touched it are done (in
-    whichever thread drops it, so under the device it was registered with)."""
+    """Unpin an arena nobody holds any more, once the copies that touched it are done (on its
+    own thread, so under the device it was registered with)."""
     with torch.cuda.device(device):
         for event in [*last_use.values(), *(lease.last_use for lease in released)]:
             if event is not None:
