@@ -5,11 +5,13 @@ from .engine import Offloader, offload
 from .stats import SiteStats, StepStats
 
 # Imported on first use, so that `import cswap_lightning` loads neither Lightning nor
-# transformers; importing the Lightning strategies registers "cswap", "cswap_ddp", "cswap_fsdp".
+# transformers; importing the Lightning strategies registers "cswap", "cswap_ddp", "cswap_fsdp"
+# and "cswap_model_parallel".
 _LAZY = {
     "CSwapStrategy": "integrations.lightning",
     "CSwapDDPStrategy": "integrations.lightning",
     "CSwapFSDPStrategy": "integrations.lightning",
+    "CSwapModelParallelStrategy": "integrations.lightning",
     "CSwapCallback": "integrations.hf",
 }
 
@@ -27,6 +29,7 @@ __all__ = [
     "CSwapConfig",
     "CSwapDDPStrategy",
     "CSwapFSDPStrategy",
+    "CSwapModelParallelStrategy",
     "CSwapStrategy",
     "Offloader",
     "SiteStats",

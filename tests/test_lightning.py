@@ -5,6 +5,7 @@ DDP, FSDP precision) keep working."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -17,7 +18,7 @@ import pytest
 import torch
 from conftest import Destructive, Faithful
 from lightning.pytorch.plugins.precision import FSDPPrecision
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanMetric
@@ -27,6 +28,7 @@ from cswap_lightning.integrations.lightning import (
     CSwapDDPStrategy,
     CSwapFSDPStrategy,
     CSwapHooks,
+    CSwapModelParallelStrategy,
     CSwapStrategy,
 )
 
@@ -149,6 +151,50 @@ def test_a_compiled_network_inside_the_module():
     zvc = [s for s in trainer.strategy.offloader.last_step().sites if s.decision == "zvc"]
     assert {s.module for s in zvc} == {"", "net"}  # "": the loss, in training_step
     assert {s.shape for s in zvc if s.module == "net"} == {(8, 16), (8, 32)}  # compiled region
+
+
+class ShardedReluNet(ReluNet):
+    """ReluNet with FSDP2 applied per linear layer and to the whole, as Lightning's model-parallel
+    strategy expects (in ``configure_model``, on its device mesh)."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+
+@pytest.fixture
+def _leave_no_process_group():
+    """Lightning leaves the one-process group it made (and its MASTER_PORT in the
+    environment, which a later DDP launch would find taken)."""
+    environ = dict(os.environ)
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+@pytest.mark.usefixtures("_leave_no_process_group")
+def test_model_parallel_fsdp2_weights_match_and_shards_stay():
+    trainer, model = train(CSwapModelParallelStrategy(LOSSLESS), model=ShardedReluNet)
+    _, plain = train(ModelParallelStrategy(), model=ShardedReluNet)
+    for (name, p), q in zip(model.state_dict().items(), plain.state_dict().values(), strict=True):
+        assert torch.equal(p.full_tensor(), q.full_tensor()), name  # DTensor shards
+    sites = trainer.strategy.offloader.last_step().sites
+    assert "zvc" in {s.decision for s in sites}
+    assert {s.reason for s in sites if s.decision == "keep"} <= {"parameter", "view of a leaf",
+                                                                 "small"}
+    assert type(pl.Trainer(strategy="cswap_model_parallel", accelerator="cpu").strategy) is (
+        CSwapModelParallelStrategy)
+    with pytest.warns(UserWarning, match="cannot run under CSwapModelParallelStrategy"):
+        trainer, _ = train(CSwapModelParallelStrategy(CSwapConfig(plan="fp8", min_bytes=0)),
+                           model=ShardedReluNet, max_steps=1)
+    assert not trainer.strategy.guard.reports
 
 
 def test_manual_optimization():

@@ -1,13 +1,14 @@
 """Lightning strategies that run each training step's forward under the offload engine.
 
-Each strategy is its Lightning base (one device, DDP, FSDP) plus one change: ``training_step``
+Each strategy is its Lightning base (one device, DDP, FSDP, model parallel) plus one change: ``training_step``
 runs inside ``with offloader:``, so the tensors autograd saves during forward are offloaded,
 and the backward Lightning runs afterwards brings them back. Everything else (precision
 plugins, ``no_sync`` under gradient accumulation, distributed samplers, manual optimisation,
 checkpointing) is the base's own code. With lossy sites, every ``guard_every`` steps the
 accuracy guard first probes the step's batch through the module's own ``training_step``
 (logging muted, metric states restored). Importing this module registers the names ``"cswap"``,
-``"cswap_ddp"`` and ``"cswap_fsdp"``, so ``Trainer(strategy="cswap")`` and YAML configs work::
+``"cswap_ddp"``, ``"cswap_fsdp"`` and ``"cswap_model_parallel"``, so ``Trainer(strategy="cswap")``
+and YAML configs work::
 
     import cswap_lightning.integrations.lightning  # or: from cswap_lightning import CSwapStrategy
 
@@ -33,6 +34,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import (
     DDPStrategy,
     FSDPStrategy,
+    ModelParallelStrategy,
     SingleDeviceStrategy,
     StrategyRegistry,
 )
@@ -83,9 +85,9 @@ class _CSwapMixin:
         return self._guard
 
     def can_probe(self) -> bool:
-        """Whether the guard can run ``training_step`` on its own: not under FSDP (sharded
-        parameters) nor with manual optimisation (the step would update the weights)."""
-        return (not isinstance(self, FSDPStrategy)
+        """Whether the guard can run ``training_step`` on its own: not with sharded parameters
+        (FSDP, model parallel) nor with manual optimisation (the step would update weights)."""
+        return (not isinstance(self, (FSDPStrategy, ModelParallelStrategy))
                 and self.lightning_module.automatic_optimization)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -207,6 +209,27 @@ class CSwapFSDPStrategy(_CSwapMixin, FSDPStrategy):
         cls._registered_strategies.append(cls.strategy_name)
 
 
+class CSwapModelParallelStrategy(_CSwapMixin, ModelParallelStrategy):
+    """Lightning's model-parallel strategy (FSDP2 and tensor parallelism, applied by the
+    module's ``configure_model``) with saved activations offloaded on every rank. FSDP2's
+    parameters are leaves and tensor-parallel activations are DTensors: both stay in place.
+
+    Args:
+        config: what to offload and how (``None``: the defaults).
+        **kwargs: passed to :class:`~lightning.pytorch.strategies.ModelParallelStrategy`
+            (``data_parallel_size``, ``tensor_parallel_size``, ...).
+    """
+
+    strategy_name = "cswap_model_parallel"
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls,
+            description="FSDP2/tensor parallel, saved activations offloaded (cswap)",
+        )
+
+
 class CSwapHooks(Callback):
     """Connects a CSwap strategy's offloader to the Trainer's events.
 
@@ -269,5 +292,5 @@ class CSwapHooks(Callback):
         rank_zero_info(f"cswap: per-site summary in {table}, memory timeline in {plot}")
 
 
-for _strategy in (CSwapStrategy, CSwapDDPStrategy, CSwapFSDPStrategy):
+for _strategy in (CSwapStrategy, CSwapDDPStrategy, CSwapFSDPStrategy, CSwapModelParallelStrategy):
     _strategy.register_strategies(StrategyRegistry)
