@@ -7,12 +7,15 @@ learned about site k (its sparsity, when backward needed it) plans the next step
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from fnmatch import fnmatch
+from functools import partial
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -37,21 +40,35 @@ _SUPPORTED_DTYPES = frozenset(DTYPES)
 LOSSY_DTYPES = tuple(str(d).removeprefix("torch.") for d in _LOSSY_TORCH_DTYPES)
 
 
+def unwrap(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor] | None]:
+    """The plain tensor that holds ``t``'s memory, and how to wrap it again: a DTensor (tensor
+    or sequence parallelism) moves as its local shard; any other tensor as itself."""
+    dtensor = sys.modules.get("torch.distributed.tensor")  # imported where DTensors exist
+    if dtensor is None or type(t) is not dtensor.DTensor or _of_a_leaf(t):
+        return t, None
+    return t._local_tensor, partial(dtensor.DTensor.from_local, device_mesh=t.device_mesh,
+                                    placements=t.placements, shape=t.shape, stride=t.stride())
+
+
+def _of_a_leaf(t: torch.Tensor) -> bool:
+    base = t if t._base is None else t._base
+    return base.is_leaf and base.requires_grad
+
+
 def skip_reason(t: torch.Tensor, min_bytes: int) -> str:
     """Why ``t`` must stay where it is, or ``""`` if it can be offloaded."""
     if isinstance(t, torch.nn.Parameter):
         return "parameter"
-    if type(t) is not torch.Tensor:
-        return f"subclass {type(t).__name__}"
     if t.layout != torch.strided or t.is_nested:
         return "sparse/nested"
     if t.is_quantized or t.is_complex() or t.dtype not in _SUPPORTED_DTYPES:
         return f"dtype {str(t.dtype).removeprefix('torch.')}"
     if t.device.type not in ("cuda", "cpu"):
         return f"device {t.device.type}"
-    base = t if t._base is None else t._base
-    if base.is_leaf and base.requires_grad:  # held outside autograd: moving it frees nothing
-        return "leaf" if base is t else "view of a leaf"
+    if _of_a_leaf(t):  # held outside autograd: moving it frees nothing
+        return "leaf" if t._base is None else "view of a leaf"
+    if type(t) is not torch.Tensor:
+        return f"subclass {type(t).__name__}"
     nbytes = t.numel() * t.element_size()
     if nbytes < max(min_bytes, 1):
         return "small"
@@ -146,6 +163,7 @@ class _Saved:
     offset: int
     probe: torch.Tensor
     version: int
+    rebuild: Callable[[torch.Tensor], torch.Tensor] | None  # a DTensor from its local tensor
 
 
 class _Step:
@@ -182,7 +200,8 @@ class _Step:
         return self.clock - 1
 
     # forward ----------------------------------------------------------------------------
-    def pack(self, t: torch.Tensor) -> _Kept | _Saved:
+    def pack(self, saved: torch.Tensor) -> _Kept | _Saved:
+        t, rebuild = unwrap(saved)
         site = len(self.stats.sites)
         nbytes = t.numel() * t.element_size()
         stats = SiteStats(site, tuple(t.shape), str(t.dtype).removeprefix("torch."), nbytes, "keep")
@@ -196,18 +215,18 @@ class _Step:
             self.timer.packed(site)
         stats.reason = skip_reason(t, self.offloader.config.min_bytes)
         if stats.reason:
-            return _Kept(t, t._version, site)
+            return _Kept(saved, saved._version, site)
         storage = t.untyped_storage()
         hit = self._by_storage.get(storage._cdata)
         if hit is not None and hit[1] == t._version and hit[2].stats.dtype == stats.dtype:
             stats.decision, stats.reason = "dedup", f"shares storage with site {hit[2].id}"
-            return self._saved(hit[2], t)
+            return self._saved(hit[2], t, rebuild)
         codec = self.offloader.codec_for(site, stats)
         if codec == "keep":
             stats.reason = "plan"
             if self.profiling:
                 self._counts.append((stats, t.numel(), nonzero_count(t)))
-            return _Kept(t, t._version, site)
+            return _Kept(saved, saved._version, site)
         stats.decision = codec
         elem = t.element_size()
         flat = t.detach().as_strided((storage.nbytes() // elem,), (1,), 0)
@@ -222,7 +241,7 @@ class _Step:
         # Holding a weak reference pins the storage's address, so it cannot be mistaken for
         # a new storage that happens to reuse it later in this step.
         self._by_storage[storage._cdata] = (StorageWeakRef(storage), t._version, entry)
-        return self._saved(entry, t)
+        return self._saved(entry, t, rebuild)
 
     def _first_pack(self, device: torch.device) -> None:
         self.device = device
@@ -232,9 +251,9 @@ class _Step:
             self.timer = StepTimer(device)
 
     @staticmethod
-    def _saved(entry: _Entry, t: torch.Tensor) -> _Saved:
+    def _saved(entry: _Entry, t: torch.Tensor, rebuild: Callable | None) -> _Saved:
         size, stride, offset = tuple(t.size()), tuple(t.stride()), t.storage_offset()
-        return _Saved(entry, size, stride, offset, version_probe(t), t._version)
+        return _Saved(entry, size, stride, offset, version_probe(t), t._version, rebuild)
 
     def end_forward(self) -> None:
         self._by_storage.clear()
@@ -260,7 +279,8 @@ class _Step:
             self._restored(entry, base, ready)
             entry.stats.wait_s += time.perf_counter() - start
             self._prefetch_after(entry)
-        return base.as_strided(saved.size, saved.stride, saved.offset)
+        view = base.as_strided(saved.size, saved.stride, saved.offset)
+        return view if saved.rebuild is None else saved.rebuild(view)
 
     def _time_unpack(self, site: int) -> None:
         if self.timer is not None and site not in self._unpacked:

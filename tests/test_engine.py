@@ -3,6 +3,7 @@
 import contextlib
 import copy
 import gc
+import socket
 import subprocess
 import sys
 import textwrap
@@ -510,6 +511,48 @@ def test_backward_threads_unpacking_one_site_at_once(monkeypatch):
         assert_bitwise_equal(ref, got)
         assert off._step._inflight == 0  # the restore was counted once, not once per thread
         assert off._step.unpack_order == [0]
+    off.close()
+
+
+@pytest.fixture
+def one_process_mesh(monkeypatch):
+    """A one-process gloo group on the CPU and its device mesh, for DTensor models."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+                        "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    torch.distributed.init_process_group("gloo")
+    yield init_device_mesh("cpu", (1,))
+    torch.distributed.destroy_process_group()
+
+
+def test_tensor_parallel_activations_move_as_their_local_shards(one_process_mesh):
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    def parallel(model):
+        plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+        return parallelize_module(copy.deepcopy(model), one_process_mesh, plan)
+
+    def full(gradients):
+        return [g.full_tensor() if hasattr(g, "full_tensor") else g for g in gradients]
+
+    model, x, y = model_and_batch("mlp")
+    ref = full(grads(parallel(model), x, y, steps=2))
+    off = Offloader(CSwapConfig(plan="zvc", min_bytes=0))
+    assert_bitwise_equal(ref, full(grads(parallel(model), x, y, off, steps=2)))
+    sites = off.last_step().sites
+    assert not [s for s in sites if s.reason.startswith("subclass")]  # DTensors moved too
+    assert {s.reason for s in sites if s.decision == "keep"} <= {"parameter", "view of a leaf",
+                                                                 "small"}
+    assert sum(s.decision == "zvc" for s in sites) >= 4
     off.close()
 
 
