@@ -1,4 +1,4 @@
-"""The `cswap` console script: demo, fit, compare, bench, build-ext and tune."""
+"""The `cswap` console script: demo, fit, compare, recipes, bench, build-ext and tune."""
 
 from __future__ import annotations
 
