@@ -115,14 +115,19 @@ def compare(args: list[str], lossy: str = "int8", metric: str = "val_acc",
     if lossy not in LOSSY_CODECS:
         raise ValueError(f"cswap compare: lossy codec {lossy!r} is not one of {LOSSY_CODECS}")
     args = resolve_configs(args)
-    runs = (
-        train_once(args, "lossless", _lossless, metric),
-        train_once(args, "lossy", lambda c: replace(c, plan=lossy, guard_every=0), metric),
-    )
+    lossless = train_once(args, "lossless", _lossless, metric)
+    meta = result_meta(torch.device(lossless.device), lossy=lossy, metric=metric)
+    try:
+        runs = (lossless,
+                train_once(args, "lossy", lambda c: replace(c, plan=lossy, guard_every=0), metric))
+    except BaseException:  # interrupted too: the finished run is kept
+        if out:
+            write_results(out, "cswap compare (lossy run did not finish)", meta,
+                          {"runs": [asdict(lossless)]}, "Only the lossless run finished.")
+        raise
     report = format_report(runs, metric)
     print(report)
     if out:
-        meta = result_meta(torch.device(runs[0].device), lossy=lossy, metric=metric)
         write_results(out, "cswap compare", meta, {"runs": [asdict(r) for r in runs]},
                       f"```\n{report}\n```")
     return runs

@@ -1,10 +1,12 @@
 """`cswap compare`: the CNN recipe trained lossless and lossy from one seed, at a CPU size."""
 
+import json
 import sys
 from pathlib import Path
 
 import pytest
 
+from cswap_lightning import compare as compare_module
 from cswap_lightning.cli import main
 from cswap_lightning.compare import compare
 
@@ -45,6 +47,23 @@ def test_compare_trains_both_plans_and_reports_the_lossy_savings(tmp_path, capsy
     out = capsys.readouterr().out
     assert "val_acc after epoch" in out and "x smaller" in out
     assert (tmp_path / "result.md").exists() and (tmp_path / "result.json").exists()
+
+
+def test_an_interrupted_lossy_run_keeps_the_lossless_results(tmp_path, monkeypatch):
+    real = compare_module.train_once
+
+    def interrupted_lossy(args, label, change, metric):
+        if label == "lossy":
+            raise KeyboardInterrupt
+        return real(args, label, change, metric)
+
+    monkeypatch.setattr(compare_module, "train_once", interrupted_lossy)
+    out = tmp_path / "result"
+    with pytest.raises(KeyboardInterrupt):
+        compare(cnn_args(tmp_path, "--trainer.max_epochs", "1"), out=str(out))
+    (run,) = json.loads(Path(f"{out}.json").read_text())["runs"]
+    assert run["label"] == "lossless" and len(run["metric"]) == 1
+    assert "did not finish" in Path(f"{out}.md").read_text()
 
 
 def test_compare_names_a_metric_the_model_does_not_log(tmp_path):
