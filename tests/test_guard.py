@@ -105,16 +105,19 @@ def test_compiled_submodules_are_named_as_written_and_can_be_excluded(as_int8):
     off.close()
 
 
-def test_module_hooks_last_until_close_or_a_new_watch():
+def test_module_hooks_last_until_close_or_a_new_watch_and_only_for_lossy_exclude():
     hooks = torch.nn.modules.module._global_forward_pre_hooks
     before = len(hooks)
     net = torch.nn.Sequential(torch.nn.Linear(4, 4))
-    off = Offloader(CSwapConfig(plan="raw")).watch(net)
+    excluding = CSwapConfig(plan="raw", lossy_exclude=("0",))
+    off = Offloader(excluding).watch(net)
     assert len(hooks) == before + 1
     off.watch(net)  # the Hugging Face callback watches again on every train()
     assert len(hooks) == before + 1
     off.close()
     assert len(hooks) == before
-    Offloader(CSwapConfig(plan="raw")).watch(net)  # dropped without close()
+    Offloader(excluding).watch(net)  # dropped without close()
     gc.collect()
     assert len(hooks) == before
+    off = Offloader(CSwapConfig(plan="raw")).watch(net)  # no patterns: nothing to name
+    assert len(hooks) == before and off.modules is None
