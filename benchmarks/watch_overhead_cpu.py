@@ -52,7 +52,7 @@ def main(out: str) -> None:
              f"| unwatched | {a * 1e3:.3f} ms | 1.00x |\n| watched | {b * 1e3:.3f} ms | {b / a:.2f}x |\n\n"
              f"{len(calls)} module calls per forward: {(b - a) / len(calls) * 1e6:.1f} us each.")
     print(table)
-    write_results(out, "Offloader.watch overhead", result_meta(torch.device("cpu")),
+    write_results(out, "Offloader.watch overhead", result_meta(torch.device("cpu"), command=" ".join(["python", *sys.argv])),
                   {"unwatched_s": unwatched, "watched_s": watched, "module_calls": len(calls)},
                   table)
 
