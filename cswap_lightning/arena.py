@@ -13,12 +13,14 @@ next writer's stream first waits, on the device, for the last copy that touched 
 from __future__ import annotations
 
 import math
+import queue
 import threading
 import warnings
 import weakref
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 
@@ -110,22 +112,32 @@ class HostArena:
             status = int(torch.cuda.cudart().cudaHostRegister(base.data_ptr() + start, size, 1))
         if status != 0:
             raise RuntimeError(f"cudaHostRegister of {fmt_bytes(size)} failed with error {status}")
-        weakref.finalize(
-            self, _unpin_later, base, start, device, self._last_use, self._released
-        ).atexit = False  # never after the CUDA context is gone
+        _start_unpinner()
+        unpin = partial(_unregister, base, start, device, self._last_use, self._released)
+        weakref.finalize(self, _UNPINS.put, unpin).atexit = False  # not once CUDA is gone
         return base[start : start + nbytes]
 
 
 # Whichever thread drops an arena's last payload (the forward thread, even) must not wait for
-# its copies to finish and for the driver to unpin it: a thread of its own does.
-_UNPINNER = ThreadPoolExecutor(1, thread_name_prefix="cswap-unpin")
+# its copies to finish and for the driver to unpin it: a thread of its own does. A SimpleQueue
+# because its put() is safe in a weakref callback, which may run inside any other code.
+_UNPINS: queue.SimpleQueue = queue.SimpleQueue()
+_unpinner_started = threading.Lock()
 
 
-def _unpin_later(*args) -> None:
-    try:
-        _UNPINNER.submit(_unregister, *args)
-    except RuntimeError:  # the interpreter is shutting down: the driver unpins at exit
-        pass
+def _start_unpinner() -> None:
+    if _unpinner_started.acquire(blocking=False):  # once per process; daemon: exit drops it
+        threading.Thread(target=_unpin_forever, name="cswap-unpin", daemon=True).start()
+
+
+def _unpin_forever() -> None:
+    while True:
+        job = _UNPINS.get()
+        try:
+            job()
+        except Exception as err:  # noqa: BLE001 - the thread must go on for the next arena
+            warnings.warn(f"cswap: could not unpin a host arena: {err}", RuntimeWarning,
+                          stacklevel=1)
 
 
 def _unregister(

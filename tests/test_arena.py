@@ -2,7 +2,9 @@
 
 import copy
 import gc
+import threading
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ from conftest import model_and_batch
 from torch.nn import functional as F
 
 from cswap_lightning import CSwapConfig, Offloader
+from cswap_lightning import arena as arena_module
 from cswap_lightning.arena import ALIGNMENT, HEADROOM, HostArena
 from cswap_lightning.codecs import get_codec
 from cswap_lightning.memplan import Block, plan
@@ -243,3 +246,24 @@ def test_arena_on_cuda_is_pinned_lossless_and_reused():
     assert report.hits == report.payloads > 0
     assert off.transfer.host_memory.arena.buffer.is_pinned()
     off.close()
+
+
+def test_unpinning_runs_on_its_own_thread_when_an_arena_goes():
+    """A pinned arena's finalizer only queues its unpinning (safe inside any code a weakref
+    callback interrupts); the cswap-unpin thread runs it, and outlives a job that fails."""
+    arena_module._start_unpinner()
+    ran = []
+    done = threading.Event()
+
+    class Dropped:
+        pass
+
+    dropped = Dropped()
+    weakref.finalize(dropped, arena_module._UNPINS.put,
+                     lambda: (ran.append(threading.current_thread().name), done.set()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the failing job's warning, from the other thread
+        arena_module._UNPINS.put(lambda: 1 / 0)  # queued first
+        del dropped
+        assert done.wait(10)
+    assert ran == ["cswap-unpin"]
