@@ -273,10 +273,10 @@ class _Step:
         start = time.perf_counter()
         with self._lock:
             self._time_unpack(entry.id)
-            restoring = self._restoring(entry)
+            restoring = self._restore_future(entry)
         base, ready = restoring.result()  # outside the lock: other devices' threads go on
         with self._lock:
-            self._restored(entry, base, ready)
+            self._hand_over(entry, base, ready)
             entry.stats.wait_s += time.perf_counter() - start
             self._prefetch_after(entry)
         view = base.as_strided(saved.size, saved.stride, saved.offset)
@@ -287,7 +287,9 @@ class _Step:
             self._unpacked.add(site)
             self.timer.unpacked(site)
 
-    def _restoring(self, entry: _Entry) -> Future[tuple[torch.Tensor, torch.cuda.Event | None]]:
+    def _restore_future(
+        self, entry: _Entry
+    ) -> Future[tuple[torch.Tensor, torch.cuda.Event | None]]:
         """The entry's device copy: the one autograd still holds, or a restore (prefetched
         earlier, or started now)."""
         base = entry.restored() if entry.restored is not None else None
@@ -302,7 +304,11 @@ class _Step:
             self._inflight -= entry.nbytes
         return entry.restoring
 
-    def _restored(self, entry: _Entry, base: torch.Tensor, ready: torch.cuda.Event | None) -> None:
+    def _hand_over(
+        self, entry: _Entry, base: torch.Tensor, ready: torch.cuda.Event | None
+    ) -> None:
+        """Keep the device copy for later unpacks, order this thread's stream after it, and
+        note the first unpack."""
         if entry.restoring is not None and entry.restoring.done():
             entry.restoring = None
             entry.restored, entry.ready = weakref.ref(base), ready
