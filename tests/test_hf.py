@@ -104,10 +104,14 @@ def test_every_micro_batch_is_offloaded_and_weights_match(tmp_path):
 
 
 def test_a_compiled_model_is_offloaded_and_weights_match(tmp_path):
+    from torch._dynamo.utils import counters
+
     compiled = {"torch_compile": True, "torch_compile_backend": "aot_eager"}
     cswap = CSwapCallback(LOSSLESS)
     trainer = bert_trainer(tmp_path / "cswap", [cswap], **compiled)
+    counters.clear()
     trainer.train()
+    assert not counters["graph_break"]  # Dynamo ran the callback's hooks, never traced them
     plain = bert_trainer(tmp_path / "plain", [], **compiled)
     plain.train()
     last = cswap.offloader.last_step()

@@ -78,6 +78,9 @@ class CSwapCallback(TrainerCallback):
         return self._guard
 
     # the model's forward --------------------------------------------------------------------
+    # With `torch_compile=True` these hooks sit at the edges of the compiled forward: Dynamo
+    # must run them as they are, not trace the engine and the guard into graphs of their own.
+    @torch.compiler.disable
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         if self._probing or not (module.training and torch.is_grad_enabled()):
             return
@@ -101,11 +104,13 @@ class CSwapCallback(TrainerCallback):
             )
         return loss
 
+    @torch.compiler.disable
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.inside:
             self.inside = False
             self.offloader.__exit__(None, None, None)
 
+    @torch.compiler.disable
     def _exit_on_error(self, module: nn.Module, args: Any, output: Any) -> None:
         # Registered with always_call: alone when forward raises (inside its `except`, so
         # sys.exc_info() is that error), a no-op after `_exit` when forward returns.
