@@ -22,7 +22,6 @@ import torch
 
 from .arena import ArenaReport, HostMemory, Lease
 from .codecs import Codec, Packed, get_codec, nonzero_count
-from .codecs.reference import RawCodec
 from .stats import StepStats
 
 
@@ -155,7 +154,7 @@ class Transfer:
         try:
             return codec.encode(flat)
         except torch.OutOfMemoryError as err:
-            if isinstance(codec, RawCodec):
+            if codec.name == "raw":
                 raise
             self._warn_once(
                 "encode oom",
@@ -220,10 +219,8 @@ class Transfer:
         codec = get_codec(stored.packed.header.codec)
         packed = Packed(stored.packed.header, payload)
         copied = payload is not stored.packed.payload  # a device copy only this job holds
-        if copied and isinstance(codec, RawCodec):
-            return codec.share(packed)
         try:
-            return codec.decode(packed)
+            return codec.decode_owned(packed) if copied else codec.decode(packed)
         except torch.OutOfMemoryError as err:
             self._warn_once(
                 "decode oom",

@@ -48,6 +48,11 @@ class Codec(abc.ABC):
         bits = self._decode_bits(packed.payload, h.numel, bits_dtype(h.dtype))
         return bits.view(h.dtype).reshape(h.shape)
 
+    def decode_owned(self, packed: Packed) -> torch.Tensor:
+        """:meth:`decode` for a payload nobody else holds (a restore's fresh device copy): a
+        codec may return the payload's own memory instead of a second copy."""
+        return self.decode(packed)
+
     @abc.abstractmethod
     def payload_nbytes(self, numel: int, nnz: int, elem_size: int, nruns: int = 0) -> int:
         """Exact payload size, for the cost model."""
@@ -78,9 +83,8 @@ class RawCodec(Codec):
     def _decode_bits(self, payload: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return self._bits(payload, numel, dtype).clone()
 
-    def share(self, packed: Packed) -> torch.Tensor:
-        """What :meth:`decode` returns, but in the payload's own memory: for a payload that is
-        a fresh copy nobody else holds (a restore's host-to-device copy), so no second one."""
+    def decode_owned(self, packed: Packed) -> torch.Tensor:
+        """What :meth:`decode` returns, in the payload's own memory."""
         h = packed.header
         return self._bits(packed.payload, h.numel, bits_dtype(h.dtype)).view(h.dtype).reshape(h.shape)
 
