@@ -276,7 +276,7 @@ class _Step:
             restoring = self._restore_future(entry)
         base, ready = restoring.result()  # outside the lock: other devices' threads go on
         with self._lock:
-            self._hand_over(entry, base, ready)
+            self._hand_over(entry, restoring, base, ready)
             entry.stats.wait_s += time.perf_counter() - start
             self._prefetch_after(entry)
         view = base.as_strided(saved.size, saved.stride, saved.offset)
@@ -304,12 +304,11 @@ class _Step:
             self._inflight -= entry.nbytes
         return entry.restoring
 
-    def _hand_over(
-        self, entry: _Entry, base: torch.Tensor, ready: torch.cuda.Event | None
-    ) -> None:
-        """Keep the device copy for later unpacks, order this thread's stream after it, and
-        note the first unpack."""
-        if entry.restoring is not None and entry.restoring.done():
+    def _hand_over(self, entry: _Entry, restoring: Future, base: torch.Tensor,
+                   ready: torch.cuda.Event | None) -> None:
+        """Keep the device copy ``restoring`` gave for later unpacks (unless another thread
+        already did), order this thread's stream after it, and note the first unpack."""
+        if entry.restoring is restoring:
             entry.restoring = None
             entry.restored, entry.ready = weakref.ref(base), ready
         if ready is not None:  # every unpack: backward may run this op on another stream
