@@ -1,8 +1,8 @@
 """Lightning strategies that run each training step's forward under the offload engine.
 
-Each strategy is its Lightning base (one device, DDP, FSDP, model parallel) plus one change: ``training_step``
-runs inside ``with offloader:``, so the tensors autograd saves during forward are offloaded,
-and the backward Lightning runs afterwards brings them back. Everything else (precision
+Each strategy is its Lightning base (one device, DDP, FSDP, model parallel) plus one change:
+``training_step`` runs inside ``with offloader:``, so the tensors autograd saves during forward
+are offloaded, and the backward Lightning runs afterwards brings them back. Everything else (precision
 plugins, ``no_sync`` under gradient accumulation, distributed samplers, manual optimisation,
 checkpointing) is the base's own code. With lossy sites, every ``guard_every`` steps the
 accuracy guard first probes the step's batch through the module's own ``training_step``
