@@ -18,10 +18,12 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import NoReturn
 
 import torch
 
 from .codecs import get_codec
+from .config import COMPRESSORS, LOSSY_CODECS
 from .predictor import CodecTimeModel
 from .profiler import Link, SiteProfile
 from .stats import fmt_bytes
@@ -29,6 +31,9 @@ from .stats import fmt_bytes
 # Sites left in place for these reasons are held outside autograd anyway (weights, their
 # views, storages another site already moved): keeping them costs no extra memory.
 _HELD_ELSEWHERE = ("parameter", "leaf", "view of a leaf", "shares storage")
+
+# What a plan may decide for a site.
+DECISIONS: tuple[str, ...] = ("keep", "raw", *COMPRESSORS, *LOSSY_CODECS)
 
 
 @dataclass
@@ -40,7 +45,7 @@ class Decision:
     dtype: str
     nbytes: int
     sparsity: float
-    decision: str  # keep | raw | a codec name
+    decision: str  # one of DECISIONS: keep | raw | a codec name
     reason: str  # why: "budget met", "not offloadable", "hidden", "compression pays"...
     stored_bytes: int  # predicted host bytes
     raw_s: float  # predicted exposed time if swapped raw
@@ -106,12 +111,96 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict) -> Plan:
-        decisions = {}
-        for d in data["decisions"]:
-            decisions[d["site"]] = Decision(**(d | {"shape": tuple(d["shape"])}))
-        signature = tuple((tuple(shape), dtype) for shape, dtype in data["signature"])
+        """The plan :meth:`as_dict` gave, checked first: a damaged checkpoint fails here,
+        naming the field, rather than later in forward or backward."""
+        _check_fields("plan", data, _PLAN_FIELDS)
+        decisions: dict[int, Decision] = {}
+        for i, d in enumerate(data["decisions"]):
+            where = f"plan['decisions'][{i}]"
+            decision = _decision(where, d)
+            if decision.site in decisions:
+                _reject(f"{where}['site']", decision.site, "each site once")
+            decisions[decision.site] = decision
+        signature = tuple(_signature_entry(f"plan['signature'][{i}]", entry)
+                          for i, entry in enumerate(data["signature"]))
         return cls(decisions, signature, data["budget_bytes"], data["base_bytes"],
                    data["predicted_peak"], data["fits"])
+
+
+# The type of each field of a saved plan, for Plan.from_dict.
+_SEQUENCE = (list, tuple)
+_NUMBER = (int, float)
+_PLAN_FIELDS: dict[str, tuple[type, ...]] = {
+    "decisions": _SEQUENCE, "signature": _SEQUENCE, "budget_bytes": (int, type(None)),
+    "base_bytes": (int,), "predicted_peak": (int,), "fits": (bool,),
+}
+_DECISION_FIELDS: dict[str, tuple[type, ...]] = {
+    "site": (int,), "shape": _SEQUENCE, "dtype": (str,), "nbytes": (int,), "sparsity": _NUMBER,
+    "decision": (str,), "reason": (str,), "stored_bytes": (int,), "raw_s": _NUMBER,
+    "chosen_s": _NUMBER,
+}
+_TYPE_NAMES = {int: "an int", float: "a float", bool: "a bool", str: "a str", list: "a list",
+               tuple: "a tuple", type(None): "None"}
+
+
+def _fail(problem: str) -> NoReturn:
+    raise ValueError(
+        f"Plan.from_dict: {problem} (the saved plan is damaged or from another version: load "
+        "the checkpoint without it to measure and plan again)"
+    )
+
+
+def _reject(where: str, value: object, expected: str) -> NoReturn:
+    _fail(f"{where} is {value!r}; expected {expected}")
+
+
+def _check_fields(where: str, data: object, fields: dict[str, tuple[type, ...]]) -> None:
+    """``data`` must be a dict of exactly ``fields``, each of its type (a bool is no number),
+    every number >= 0."""
+    if not isinstance(data, dict):
+        _reject(where, data, "a dict")
+    expected = f"expected the keys {', '.join(map(repr, fields))}"
+    for key in data:
+        if key not in fields:
+            _fail(f"{where} has an unknown key {key!r}; {expected}")
+    for key, types in fields.items():
+        if key not in data:
+            _fail(f"{where} has no {key!r}; {expected}")
+        value = data[key]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            _reject(f"{where}[{key!r}]", value, " or ".join(_TYPE_NAMES[t] for t in types))
+        if isinstance(value, _NUMBER) and not isinstance(value, bool) and not value >= 0:  # NaN too
+            _reject(f"{where}[{key!r}]", value, "a number >= 0")
+
+
+def _decision(where: str, d: object) -> Decision:
+    _check_fields(where, d, _DECISION_FIELDS)
+    if d["decision"] not in DECISIONS:
+        _reject(f"{where}['decision']", d["decision"], f"one of {', '.join(map(repr, DECISIONS))}")
+    if d["sparsity"] > 1:
+        _reject(f"{where}['sparsity']", d["sparsity"], "a fraction in [0, 1]")
+    _check_dtype(f"{where}['dtype']", d["dtype"])
+    return Decision(**(d | {"shape": _shape(f"{where}['shape']", d["shape"])}))
+
+
+def _signature_entry(where: str, entry: object) -> tuple[tuple[int, ...], str]:
+    if not isinstance(entry, _SEQUENCE) or len(entry) != 2:
+        _reject(where, entry, "a [shape, dtype] pair")
+    shape, dtype = entry
+    _check_dtype(f"{where}[1]", dtype)
+    return _shape(f"{where}[0]", shape), dtype
+
+
+def _shape(where: str, shape: object) -> tuple[int, ...]:
+    if not isinstance(shape, _SEQUENCE) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        _reject(where, shape, "a list of ints >= 0")
+    return tuple(shape)
+
+
+def _check_dtype(where: str, dtype: object) -> None:
+    if not (isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype)):
+        _reject(where, dtype, "the name of a torch dtype, such as 'float32'")
 
 
 def exposed_s(nbytes: int, link: Link, forward_s: float, backward_s: float) -> float:

@@ -294,3 +294,77 @@ def test_learned_plan_survives_a_state_dict_round_trip():
         restored.load_state_dict({"version": 7})
     off.close()
     restored.close()
+
+
+def _saved_plan() -> dict:
+    advisor = Advisor("zvc", Link(GB, GB, GB), model())
+    return advisor.plan([site(0.9, index=0), site(0.0, index=1)], 123, 64 * MiB).as_dict()
+
+
+# (where in the saved plan, the bad value there, what the error says after "plan")
+DAMAGED_PLANS = [
+    (("decisions", 0, "decision"), "evil",
+     (r"\['decisions'\]\[0\]\['decision'\] is 'evil'; expected one of 'keep', 'raw', 'zvc', "
+      r"'rle', 'int8', 'fp8', 'int4'")),
+    (("decisions", 1, "site"), "1", r"\['decisions'\]\[1\]\['site'\] is '1'; expected an int"),
+    (("decisions", 0, "shape"), 4,
+     r"\['decisions'\]\[0\]\['shape'\] is 4; expected a list or a tuple"),
+    (("decisions", 0, "shape"), [4, "x"],
+     r"\['decisions'\]\[0\]\['shape'\] is \[4, 'x'\]; expected a list of ints >= 0"),
+    (("decisions", 0, "dtype"), "float33",
+     r"\['decisions'\]\[0\]\['dtype'\] is 'float33'; expected the name of a torch dtype"),
+    (("decisions", 0, "dtype"), 32, r"\['decisions'\]\[0\]\['dtype'\] is 32; expected a str"),
+    (("decisions", 0, "nbytes"), 4.5,
+     r"\['decisions'\]\[0\]\['nbytes'\] is 4.5; expected an int"),
+    (("decisions", 0, "nbytes"), True,
+     r"\['decisions'\]\[0\]\['nbytes'\] is True; expected an int"),
+    (("decisions", 0, "nbytes"), -1,
+     r"\['decisions'\]\[0\]\['nbytes'\] is -1; expected a number >= 0"),
+    (("decisions", 0, "sparsity"), 1.5,
+     r"\['decisions'\]\[0\]\['sparsity'\] is 1.5; expected a fraction in \[0, 1\]"),
+    (("decisions", 0, "raw_s"), float("nan"),
+     r"\['decisions'\]\[0\]\['raw_s'\] is nan; expected a number >= 0"),
+    (("decisions", 0), "raw", r"\['decisions'\]\[0\] is 'raw'; expected a dict"),
+    (("decisions",), {"0": {}}, r"\['decisions'\] is \{'0': \{\}\}; expected a list or a tuple"),
+    (("signature",), "float32", r"\['signature'\] is 'float32'; expected a list or a tuple"),
+    (("signature", 0), [[4]], r"\['signature'\]\[0\] is \[\[4\]\]; expected a \[shape, dtype\]"),
+    (("signature", 1, 1), "fp32",
+     r"\['signature'\]\[1\]\[1\] is 'fp32'; expected the name of a torch dtype"),
+    (("budget_bytes",), "64 MiB", r"\['budget_bytes'\] is '64 MiB'; expected an int or None"),
+    (("fits",), 1, r"\['fits'\] is 1; expected a bool"),
+]
+
+
+@pytest.mark.parametrize("path, value, message", DAMAGED_PLANS,
+                         ids=[f"{'.'.join(map(str, p))}={v!r}" for p, v, _ in DAMAGED_PLANS])
+def test_a_damaged_saved_plan_is_refused_naming_the_field_and_what_it_accepts(path, value,
+                                                                              message):
+    data = _saved_plan()
+    *parents, key = path
+    target = data
+    for p in parents:
+        target = target[p]
+    target[key] = value
+    with pytest.raises(ValueError, match=r"^Plan.from_dict: plan" + message):
+        Plan.from_dict(data)
+
+
+def test_a_saved_plan_with_a_missing_unknown_or_repeated_key_is_refused():
+    data = _saved_plan()
+    del data["decisions"][1]["nbytes"]
+    with pytest.raises(ValueError, match=r"decisions'\]\[1\] has no 'nbytes'"):
+        Plan.from_dict(data)
+    data = _saved_plan()
+    data["decisions"][0]["codec"] = "zvc"
+    with pytest.raises(ValueError, match=r"decisions'\]\[0\] has an unknown key 'codec'"):
+        Plan.from_dict(data)
+    data = _saved_plan()
+    del data["fits"]
+    with pytest.raises(ValueError, match=r"^Plan.from_dict: plan has no 'fits'"):
+        Plan.from_dict(data)
+    data = _saved_plan()
+    data["decisions"][1]["site"] = 0
+    with pytest.raises(ValueError, match=r"decisions'\]\[1\]\['site'\] is 0; expected each site"):
+        Plan.from_dict(data)
+    with pytest.raises(ValueError, match=r"^Plan.from_dict: plan is \[\]; expected a dict"):
+        Plan.from_dict([])
