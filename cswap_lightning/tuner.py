@@ -8,7 +8,9 @@ GPU, CUDA events timing the real codec (``cuda_objective``); in tests, any funct
 
 Results are cached as JSON per GPU model and extension build. A cache file that does not
 parse, has another schema version, or was written for another GPU or build is ignored with a
-warning and tuned anew, never trusted.
+warning and tuned anew, never trusted; so is anything at its path that is not a regular file,
+and a cache in folders others can write to (the library loader's rule,
+``cuda_build.check_cache_file``), which is then not written either.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import math
 import os
 import re
+import stat
 import statistics
 import sys
 import tempfile
@@ -49,6 +52,7 @@ SEARCH_SPACE = {
 }
 CACHE_SCHEMA = "cswap-lightning/kernel-tuning"
 CACHE_VERSION = 1
+MAX_CACHE_BYTES = 64 << 20  # ~65 bytes a timed run: a million runs (a default tuning: 552)
 
 Objective = Callable[[int, int], float]
 """Seconds one kernel run takes at launch parameters (grid, block)."""
@@ -296,31 +300,58 @@ def cache_path(key: CacheKey) -> Path:
 
 
 def read_cache(path: Path, key: CacheKey) -> TuningResult | None:
-    """The cached tuning for ``key``; None, with a warning, if the file is unusable."""
-    if not path.exists():
-        return None
+    """The cached tuning for ``key``; None, with a warning, if the file is unusable or the
+    cache folders are not private. None without one if there is no file yet."""
     try:
-        result = TuningResult.from_json(json.loads(path.read_text()))
+        cuda_build.check_cache_file(path)
+        result = TuningResult.from_json(json.loads(_read_regular_file(path, MAX_CACHE_BYTES)))
         if result.key != key:
             raise ValueError(f"it was written for {result.key}, this is {key}")
-    except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError included
+    except FileNotFoundError:
+        return None
+    # OSError and BuildError: unreadable or not private; ValueError: JSONDecodeError and
+    # UnicodeDecodeError included; RecursionError: JSON nested too deep to parse.
+    except (OSError, cuda_build.BuildError, ValueError, RecursionError) as err:
         warnings.warn(f"cswap: ignoring the kernel tuning cache {path}: {err}. Tuning anew.",
                       RuntimeWarning, stacklevel=2)
         return None
     return result
 
 
-def write_cache(path: Path, result: TuningResult) -> None:
-    """Write through a temporary file and a rename: readers never see half a file."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tuning-", suffix=".json", dir=path.parent)
+def _read_regular_file(path: Path, limit: int) -> str:
+    """The text of ``path`` if it is a regular file of at most ``limit`` bytes; ValueError if
+    not. Opening without blocking and checking the open file means a FIFO cannot hang the
+    read, nor a device (``/dev/zero``) exhaust memory."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(result.to_json(), f, indent=1)
-        os.replace(tmp, path)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("it is not a regular file")
+        with open(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        os.close(fd)
+    if len(data) > limit:
+        raise ValueError(f"it is larger than {limit} bytes")
+    return data.decode()
+
+
+def write_cache(path: Path, result: TuningResult) -> None:
+    """Write through a temporary file and a rename: readers never see half a file. Where the
+    cache folders are not private or the file cannot be written, warn and write nothing: the
+    tuning is still good, only not cached."""
+    try:
+        cuda_build.make_cache_folder(path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=".tuning-", suffix=".json", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(result.to_json(), f, indent=1)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except (OSError, cuda_build.BuildError) as err:
+        warnings.warn(f"cswap: not writing the kernel tuning cache {path}: {err}",
+                      RuntimeWarning, stacklevel=2)
 
 
 def load_or_tune(key: CacheKey, objective_for: Callable[[Kernel], Objective],

@@ -105,7 +105,7 @@ def test_build_produces_private_library_for_sm80_and_sm90(tmp_path):
 
     os.chmod(path, 0o777)
     with pytest.raises(cuda_build.BuildError, match="writable by group or others"):
-        cuda_build.check_library(path)
+        cuda_build.check_cache_file(path)
     with pytest.raises(cuda_build.BuildError, match="writable by group or others"):
         cuda_build.build(cache_dir=tmp_path)
 

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 import statistics
+import threading
+import time
 import warnings
 
 import numpy as np
@@ -264,6 +268,94 @@ def test_bad_cache_is_ignored_with_a_warning_and_rebuilt(tmp_path, case):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert tuner.read_cache(path, KEY) == rebuilt  # the rewritten file is valid
+
+
+def _unblock_fifo_later(path, seconds: float = 10.0) -> None:
+    """Open ``path`` for writing after ``seconds``, so a reader that blocked on it gets EOF
+    (a test of the old, blocking read fails on its time limit instead of hanging)."""
+
+    def open_and_close() -> None:
+        time.sleep(seconds)
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:  # no reader left: nothing blocked on it
+            pass
+
+    threading.Thread(target=open_and_close, daemon=True).start()
+
+
+NOT_JSON_FILES = {  # what sits at the cache path -> what the warning says
+    "deeply nested JSON": (lambda path: path.write_text("[" * 100_000), "recursion"),
+    "FIFO": (lambda path: (os.mkfifo(path), _unblock_fifo_later(path)), "not a regular file"),
+    "symlink to /dev/zero": (lambda path: path.symlink_to("/dev/zero"), "symbolic link"),
+    "directory": (lambda path: path.mkdir(), "not a regular file"),
+    "huge file": (lambda path: path.write_bytes(b" " * (tuner.MAX_CACHE_BYTES + 1)),
+                  "larger than"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NOT_JSON_FILES))
+def test_cache_path_that_is_no_json_file_is_ignored_without_hanging(tmp_path, case):
+    make, reason = NOT_JSON_FILES[case]
+    path = tmp_path / "gpu.json"
+    make(path)
+    objectives = CountingObjectives()
+    kernels = (Kernel("zvc", "encode", "float32"),)
+    start = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = tuner.load_or_tune(KEY, objectives, kernels, SMALL, path=path)
+    assert time.monotonic() - start < 5
+    messages = [str(w.message) for w in caught]
+    assert re.search(f"ignoring the kernel tuning cache {path}: .*{reason}.* Tuning anew",
+                     messages[0], re.IGNORECASE), messages
+    assert objectives.calls > 0 and result.key == KEY
+    if case == "directory":  # nothing can replace it: the tuning is used, not cached
+        assert len(messages) == 2 and messages[1].startswith(
+            f"cswap: not writing the kernel tuning cache {path}: [Errno 21] Is a directory")
+    else:  # the cache file replaced what was there
+        assert len(messages) == 1 and tuner.read_cache(path, KEY) == result
+
+
+UNTRUSTED = {  # which folders are made unsafe, how -> what the refusal says
+    "world-writable root": ("root", lambda folder: folder.chmod(0o777),
+                            "writable by group or others", "chmod go-w"),
+    "group-writable folder": ("folders", lambda folder: folder.chmod(0o770),
+                              "writable by group or others", "chmod go-w"),
+    "root owned by another user": ("root", lambda folder: os.chown(folder, os.getuid() + 1, -1),
+                                   "owned by uid", "CSWAP_CACHE_DIR"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNTRUSTED))
+def test_tuner_and_library_loader_refuse_the_same_cache_folders(tmp_path, monkeypatch, case):
+    where, make_unsafe, reason, fix = UNTRUSTED[case]
+    if "owned" in case and os.getuid() != 0:
+        pytest.skip("giving a folder to another user needs root")
+    root = tmp_path / "cache"
+    monkeypatch.setenv("CSWAP_CACHE_DIR", str(root))
+    path = tuner.cache_path(KEY)
+    objectives = CountingObjectives()
+    kernels = (Kernel("zvc", "encode", "float32"),)
+    tuner.load_or_tune(KEY, objectives, kernels, SMALL)
+    written = path.read_text()
+    library = root / "0123abcd" / cuda_build.LIBRARY_NAME
+    library.parent.mkdir(mode=0o700)
+    library.write_bytes(b"\x7fELF")
+    cuda_build.check_cache_file(library)  # private: the loader accepts it
+    for folder in [root] if where == "root" else [path.parent, library.parent]:
+        make_unsafe(folder)
+
+    with pytest.raises(cuda_build.BuildError, match=f"refusing .*{reason}.*{fix}"):
+        cuda_build.check_cache_file(library)
+    with pytest.warns(RuntimeWarning, match=f"ignoring the kernel tuning cache {path}: "
+                      f"refusing .*{reason}.*{fix}"):
+        assert tuner.read_cache(path, KEY) is None
+    calls = objectives.calls
+    with pytest.warns(RuntimeWarning, match=f"not writing the kernel tuning cache {path}: "
+                      f"refusing .*{reason}.*{fix}"):
+        tuner.load_or_tune(KEY, objectives, kernels, SMALL, force=True)
+    assert objectives.calls == 2 * calls and path.read_text() == written  # tuned, not cached
 
 
 def test_cache_path_names_gpu_capability_and_build(monkeypatch, tmp_path):

@@ -62,7 +62,7 @@ def open_library(path: str | Path) -> ctypes.CDLL:
     """Load a built library after the ownership checks, declare its functions, check versions.
 
     Needs no GPU: nothing here calls into the CUDA runtime."""
-    cuda_build.check_library(Path(path))
+    cuda_build.check_cache_file(Path(path))
     lib = ctypes.CDLL(str(path))
     for name, (restype, argtypes) in _SIGNATURES.items():
         fn = getattr(lib, name)

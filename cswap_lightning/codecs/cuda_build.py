@@ -3,9 +3,10 @@
 The library is cached at ``<cache>/<key>/libcswap_codec.so``, where ``<cache>`` is
 ``$CSWAP_CACHE_DIR``, else ``$XDG_CACHE_HOME/cswap-lightning``, else
 ``~/.cache/cswap-lightning``, and ``<key>`` hashes the sources, the nvcc version and the flags,
-so a changed source or toolkit builds anew. Directories are created with mode 0o700, and a
-library is loaded only if it and its directory belong to the current user and are not
-writable by group or others.
+so a changed source or toolkit builds anew. Directories are created with mode 0o700. One rule
+(:func:`check_cache_file`) decides what cswap reads from the cache, the library and the kernel
+tuning alike: a file is used only if it, its folder and the cache root belong to the current
+user and are not writable by group or others.
 """
 
 from __future__ import annotations
@@ -84,16 +85,40 @@ def build_key(nvcc_version_text: str, flags: tuple[str, ...]) -> str:
 
 
 def check_private(path: Path) -> None:
-    """Refuse ``path`` unless the current user owns it and only they can write to it."""
+    """Refuse ``path`` unless the current user owns it and only they can write to it; the
+    error says how to fix it."""
     st = path.lstat()
+    own = "set CSWAP_CACHE_DIR to a folder of your own"
     if stat.S_ISLNK(st.st_mode):
-        raise BuildError(f"refusing {path}: it is a symbolic link")
+        raise BuildError(f"refusing {path}: it is a symbolic link; remove it, or {own}")
     if st.st_uid != os.getuid():
-        raise BuildError(f"refusing {path}: owned by uid {st.st_uid}, not by uid {os.getuid()}")
+        raise BuildError(
+            f"refusing {path}: owned by uid {st.st_uid}, not by uid {os.getuid()}; {own}"
+        )
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise BuildError(
-            f"refusing {path}: writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+            f"refusing {path}: writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); "
+            f"run `chmod go-w {path}`, or {own}"
         )
+
+
+def check_cache_file(path: Path) -> None:
+    """Refuse ``path``, a file ``<cache root>/<folder>/<name>``, unless the root, the folder and
+    the file are private (:func:`check_private`): who can write to any of them can swap the
+    file. The loader applies it to the library, the tuner to its cache; FileNotFoundError if
+    any of them is missing."""
+    path = Path(path)
+    for p in (path.parent.parent, path.parent, path):
+        check_private(p)
+
+
+def make_cache_folder(folder: Path) -> None:
+    """Create ``<cache root>/<folder>`` with mode 0o700 where missing, then refuse it, as
+    :func:`check_cache_file` would, unless the folder and the root are private."""
+    folder.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, exist_ok=True)
+    check_private(folder.parent)
+    check_private(folder)
 
 
 def library_path(
@@ -120,11 +145,7 @@ def build(
         raise BuildError(NVCC_MISSING)
     target = library_path(nvcc, cache_dir, arch_flags)
     folder = target.parent
-    # Who can write to the cache root can swap the library folder: both must be private.
-    folder.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    folder.mkdir(mode=0o700, exist_ok=True)
-    check_private(folder.parent)
-    check_private(folder)
+    make_cache_folder(folder)
     if target.exists() and not force:
         check_private(target)
         return target
@@ -149,10 +170,3 @@ def build(
             os.unlink(tmp)
     check_private(target)
     return target
-
-
-def check_library(path: Path) -> None:
-    """Refuse to load ``path`` unless it, its folder and the cache root are private."""
-    path = Path(path)
-    for p in (path.parent.parent, path.parent, path):
-        check_private(p)
