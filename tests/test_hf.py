@@ -56,12 +56,17 @@ class RecordMicroBatches(TrainerCallback):
         self._record()
 
 
-def bert_trainer(tmp_path, callbacks: list[TrainerCallback], max_steps: int = 2,
-                 epochs: int = 1, **arguments) -> Trainer:
+def bert() -> BertForSequenceClassification:
     torch.manual_seed(0)
     config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=64, max_position_embeddings=32, num_labels=2)
-    model = BertForSequenceClassification(config)
+    return BertForSequenceClassification(config)
+
+
+def bert_trainer(tmp_path, callbacks: list[TrainerCallback], max_steps: int = 2,
+                 epochs: int = 1, data: torch.utils.data.Dataset | None = None,
+                 **arguments) -> Trainer:
+    model = bert()
     args = TrainingArguments(
         output_dir=str(tmp_path), use_cpu=True, seed=0, report_to=[], max_steps=max_steps,
         num_train_epochs=epochs,
@@ -69,8 +74,8 @@ def bert_trainer(tmp_path, callbacks: list[TrainerCallback], max_steps: int = 2,
         gradient_accumulation_steps=ACCUMULATION, learning_rate=1e-3, logging_steps=1,
         save_strategy="no", dataloader_num_workers=0, disable_tqdm=True, **arguments,
     )
-    return Trainer(model, args, train_dataset=RandomTokens(), eval_dataset=RandomTokens(8),
-                   callbacks=callbacks)
+    return Trainer(model, args, train_dataset=data if data is not None else RandomTokens(),
+                   eval_dataset=RandomTokens(8), callbacks=callbacks)
 
 
 def test_every_micro_batch_is_offloaded_and_weights_match(tmp_path):
@@ -177,6 +182,49 @@ def test_an_error_in_forward_leaves_the_engine(tmp_path):
     assert not cswap.inside
     with cswap.offloader:  # entering again works: the failed forward's context was closed
         pass
+
+
+class FailingTokens(RandomTokens):
+    """Raises when its n-th item is read: training ends by an exception, mid-epoch."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.left = n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        self.left -= 1
+        if self.left == 0:
+            raise RuntimeError("unreadable item")
+        return super().__getitem__(i)
+
+
+def loss_and_grads(model: torch.nn.Module, batch: dict[str, torch.Tensor]):
+    torch.manual_seed(1)  # the same dropout masks
+    model.zero_grad()
+    loss = model(**batch).loss
+    loss.backward()
+    return loss, [p.grad for p in model.parameters()]
+
+
+def test_forwards_after_training_failed_are_left_alone(tmp_path):
+    cswap = CSwapCallback(LOSSLESS)
+    data = FailingTokens(4 * ACCUMULATION + 8)  # a batch of the second optimizer step
+    trainer = bert_trainer(tmp_path, [cswap], data=data)
+    with pytest.raises(RuntimeError, match="unreadable item"):
+        trainer.train()
+    assert trainer.state.global_step == 1  # on_train_end never came
+    entered = cswap.offloader.last_step().step
+
+    batch = RandomTokens()[0:2]
+    model = trainer.model.train()
+    loss, grads = loss_and_grads(model, batch)  # a plain forward and backward, outside train()
+    assert cswap.offloader.last_step().step == entered  # the engine saw nothing
+    plain = bert()
+    plain.load_state_dict(model.state_dict())
+    plain_loss, plain_grads = loss_and_grads(plain.train(), batch)
+    assert torch.equal(loss, plain_loss)
+    for g, h in zip(grads, plain_grads, strict=True):
+        assert torch.equal(g, h)
 
 
 def test_the_accuracy_guard_probes_lossy_plans_and_leaves_no_trace(tmp_path):

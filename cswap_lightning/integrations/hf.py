@@ -7,20 +7,24 @@ A callback cannot wrap the Trainer's code, and no callback event falls between a
 forward and its backward. The model's own forward hooks do: the callback registers a pre-hook
 that enters the engine and a hook that leaves it, so every forward of every micro-batch of
 gradient accumulation is covered and its backward runs outside, as the engine requires. They
-act only in training mode with gradients on, so evaluation and prediction are untouched.
-The pre-hook also holds the micro-batch's inputs, so with a lossy plan it runs the accuracy
-guard's probe there, through the model alone (no Trainer code runs twice).
+act only in training mode with gradients on, so evaluation and prediction are untouched, and
+only while the Trainer's training loop runs: the Trainer calls ``on_train_end`` only when
+training succeeds, so after an exception the next forward finds the loop gone from the stack
+and removes the hooks instead of entering the engine. The pre-hook also holds the
+micro-batch's inputs, so with a lossy plan it runs the accuracy guard's probe there, through
+the model alone (no Trainer code runs twice).
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
+from types import CodeType
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.utils import logging
 
 from ..config import CSwapConfig
@@ -32,6 +36,25 @@ from ..stats import StepStats
 logger = logging.get_logger(__name__)
 
 
+def _training_loop() -> CodeType:
+    """The code of the Trainer method that is calling the callbacks: its training loop
+    (whatever a Trainer subclass or a later transformers release names it)."""
+    frame = sys._getframe(1)
+    while frame is not None and not isinstance(frame.f_locals.get("self"), Trainer):
+        frame = frame.f_back
+    if frame is None:
+        raise ValueError("CSwapCallback runs inside a transformers.Trainer's train()")
+    return frame.f_code
+
+
+def _on_stack(code: CodeType | None) -> bool:
+    """Whether a frame running ``code`` is on this thread's stack (a few frames up)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not code:
+        frame = frame.f_back
+    return frame is not None
+
+
 class CSwapCallback(TrainerCallback):
     """Offload saved activations during ``Trainer.train``; log what it did with the losses.
 
@@ -39,7 +62,8 @@ class CSwapCallback(TrainerCallback):
         config: what to offload and how (``None``: the defaults).
 
     The engine is left after each forward even if it raises (a hook with ``always_call``),
-    and the hooks are removed when training ends, early stopping included. Each epoch starts
+    and the hooks are removed when training ends: at ``on_train_end`` (early stopping
+    included) or, when ``train()`` raised, at the next forward outside it. Each epoch starts
     with the engine measuring and planning again. With lossy sites in the plan, every
     ``config.guard_every`` micro-batches :attr:`guard` first compares that micro-batch's
     gradients with and without them (the model must return its loss, i.e. get ``labels``).
@@ -60,6 +84,7 @@ class CSwapCallback(TrainerCallback):
         self._offloader: Offloader | None = None
         self._guard: AccuracyGuard | None = None
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._loop: CodeType | None = None  # the code of the Trainer's running training loop
         self.inside = False  # a forward is running under the engine
         self._probing = False  # the guard is running the model itself
 
@@ -83,6 +108,9 @@ class CSwapCallback(TrainerCallback):
     @torch.compiler.disable
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         if self._probing or not (module.training and torch.is_grad_enabled()):
+            return
+        if not _on_stack(self._loop):
+            self._remove_hooks()  # train() raised: on_train_end never came
             return
         if self.guard.due():
             self.guard.probe(module, lambda: self._probe_loss(module, args, kwargs))
@@ -122,6 +150,7 @@ class CSwapCallback(TrainerCallback):
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        self._loop = None
 
     # Trainer events -------------------------------------------------------------------------
     def on_train_begin(self, args: TrainingArguments, state: TrainerState,
@@ -130,6 +159,7 @@ class CSwapCallback(TrainerCallback):
         if model is None:
             raise ValueError("CSwapCallback needs the model: the Trainer passes it to callbacks")
         self._remove_hooks()  # a second train() on the same callback
+        self._loop = _training_loop()
         self._hooks = [
             model.register_forward_pre_hook(self._enter, with_kwargs=True),
             model.register_forward_hook(self._exit),
