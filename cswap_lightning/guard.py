@@ -2,14 +2,17 @@
 
 Every ``guard_every`` steps a probe computes one micro-batch's gradients twice, with the
 lossy sites swapped raw instead (bitwise what training without the library gives, and with
-the same memory savings) and with the current lossy plan, and compares them per parameter. If the worst relative error exceeds ``guard_tolerance``,
-the lossy sites whose round trip lost the most (measured on the probe itself) are moved back to lossless.
+the same memory savings) and with the current lossy plan, and compares them per parameter.
+If the worst relative error exceeds ``guard_tolerance`` (a NaN or inf gradient always does),
+the lossy sites whose round trip lost the most (measured on the probe itself) are moved back
+to lossless.
 The probe leaves no trace: parameter gradients, buffers (BatchNorm statistics) and random
 number generators are as they were before it.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,11 +38,13 @@ class GuardReport:
 
     @property
     def worst_cosine(self) -> float:
-        return min(self.cosine.values(), default=1.0)
+        """The lowest cosine; a NaN counts as -1 (``min`` would drop it or not, by order)."""
+        return min((_unless_nan(c, -1.0) for c in self.cosine.values()), default=1.0)
 
     @property
     def worst_rel_error(self) -> float:
-        return max(self.rel_error.values(), default=0.0)
+        """The largest error; a NaN counts as inf (``max`` would drop it or not, by order)."""
+        return max((_unless_nan(e, math.inf) for e in self.rel_error.values()), default=0.0)
 
     def log_values(self, prefix: str = "cswap/guard_") -> dict[str, float]:
         """The figures the integrations log after a probe."""
@@ -61,8 +66,9 @@ class AccuracyGuard:
         self.every = offloader.config.guard_every
         self.tolerance = offloader.config.guard_tolerance
         self.reports: list[GuardReport] = []
-        self.worst_cosine = MinMetric()
-        self.worst_rel_error = MaxMetric()
+        # By default these drop a NaN, hiding the probe that went worst.
+        self.worst_cosine = MinMetric(nan_strategy=-1.0)
+        self.worst_rel_error = MaxMetric(nan_strategy=math.inf)
         self.reverted_sites = SumMetric()
         self.probe_seconds = SumMetric()
         self._steps_seen = 0
@@ -102,11 +108,9 @@ class AccuracyGuard:
         for (name, _), g, h in zip(named, exact, lossy):
             if g is None or h is None:
                 continue
-            g, h = g.double().flatten(), h.double().flatten()
-            norm = torch.linalg.vector_norm(g).item()
-            rel_error[name] = torch.linalg.vector_norm(h - g).item() / norm if norm else 0.0
-            cosine[name] = torch.nn.functional.cosine_similarity(g, h, dim=0, eps=1e-30).item()
-        site_errors = {s.site: s.error for s in off.last_step().sites if s.error is not None}
+            rel_error[name], cosine[name] = compare_gradients(g, h)
+        site_errors = {s.site: _unless_nan(s.error, math.inf)
+                       for s in off.last_step().sites if s.error is not None}
         report = GuardReport(off.last_step().step, cosine, rel_error, site_errors,
                              time.perf_counter() - start)
         if report.worst_rel_error > self.tolerance:
@@ -134,6 +138,33 @@ class AccuracyGuard:
         self.worst_rel_error.update(report.worst_rel_error)
         self.reverted_sites.update(len(report.reverted))
         self.probe_seconds.update(report.seconds)
+
+
+def compare_gradients(exact: torch.Tensor, lossy: torch.Tensor) -> tuple[float, float]:
+    """Relative error ``|lossy - exact| / |exact|`` and cosine similarity of two gradients.
+
+    Where floating point gives 0 or NaN, the result says what the case means for the guard:
+    both zero is no error (0.0, 1.0); an exact zero with a lossy non-zero is an error
+    infinitely large relative to it (inf, 0.0); a NaN or inf in either gradient is the
+    worst of both (inf, -1.0), so it trips any tolerance, even when the exact gradient is the
+    one at fault: the probe cannot vouch for the lossy sites then.
+    """
+    g, h = exact.detach().double().flatten(), lossy.detach().double().flatten()
+    finite, norm, error, cosine = torch.stack([  # one read back to the host, not four
+        (torch.isfinite(g).all() & torch.isfinite(h).all()).double(),
+        torch.linalg.vector_norm(g),
+        torch.linalg.vector_norm(h - g),
+        torch.nn.functional.cosine_similarity(g, h, dim=0, eps=1e-30),
+    ]).tolist()
+    if not finite:
+        return math.inf, -1.0
+    if norm == 0.0:
+        return (0.0, 1.0) if error == 0.0 else (math.inf, 0.0)
+    return error / norm, cosine
+
+
+def _unless_nan(value: float, worst: float) -> float:
+    return worst if math.isnan(value) else value
 
 
 class _Snapshot:

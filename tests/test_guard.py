@@ -2,6 +2,7 @@
 keeps it."""
 
 import gc
+import math
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from conftest import Destructive, Faithful, model_and_batch
 from torch.nn import functional as F
 
 from cswap_lightning import CSwapConfig, Offloader
-from cswap_lightning.guard import AccuracyGuard
+from cswap_lightning.guard import AccuracyGuard, GuardReport, compare_gradients
 
 
 def guarded(name="mlp", **config):
@@ -46,6 +47,54 @@ def test_guard_does_not_trip_on_a_faithful_codec(as_int8):
     assert not report.reverted and not off.reverted
     assert guard.worst_rel_error.compute().item() == 0.0
     off.close()
+
+
+class Poisoned(Faithful):
+    """Registered as "int8", gives back NaNs (e.g. a scale that overflowed)."""
+
+    def decode(self, packed):
+        return torch.full_like(super().decode(packed), float("nan"))
+
+    decode_owned = decode
+
+
+def test_a_nan_from_the_lossy_plan_trips_any_tolerance_and_is_reported_as_inf(as_int8):
+    as_int8(Poisoned())
+    net, x, y, off, guard = guarded(guard_tolerance=1e9)
+    report = guard.probe(net, lambda: F.cross_entropy(net(x), y))
+    assert report.worst_rel_error == math.inf and report.worst_cosine == -1.0
+    assert report.site_errors and all(e == math.inf for e in report.site_errors.values())
+    assert not any(math.isnan(v) for v in report.log_values().values())
+    assert report.reverted and off.reverted == set(report.reverted)
+    assert guard.worst_rel_error.compute().item() == math.inf
+    assert guard.worst_cosine.compute().item() == -1.0
+    off.close()
+
+
+@pytest.mark.parametrize("exact, lossy, rel_error, cosine", [
+    ([3.0, 4.0], [3.0, 4.0], 0.0, 1.0),
+    ([3.0, 4.0], [3.0, 0.0], 0.8, 0.6),
+    ([0.0, 0.0], [0.0, 0.0], 0.0, 1.0),  # no gradient either way: nothing was bent
+    ([0.0, 0.0], [0.0, 1e-20], math.inf, 0.0),  # any error is infinite relative to none
+    ([3.0, 4.0], [float("nan"), 4.0], math.inf, -1.0),
+    ([3.0, 4.0], [float("inf"), 4.0], math.inf, -1.0),
+    ([float("nan"), 4.0], [float("nan"), 4.0], math.inf, -1.0),  # nothing to vouch against
+], ids=["equal", "bent", "both zero", "exact zero", "lossy nan", "lossy inf", "exact nan"])
+def test_compare_gradients_resolves_zeros_and_non_finite_values_for_the_guard(exact, lossy,
+                                                                             rel_error, cosine):
+    got = compare_gradients(torch.tensor(exact), torch.tensor(lossy))
+    assert got == (pytest.approx(rel_error), pytest.approx(cosine))
+
+
+def test_a_nan_in_a_report_or_its_metrics_counts_as_the_worst_value():
+    nan = float("nan")
+    report = GuardReport(0, {"a": 0.9, "b": nan}, {"a": 0.1, "b": nan}, {}, 0.0)
+    assert report.worst_rel_error == math.inf and report.worst_cosine == -1.0
+    guard = AccuracyGuard(Offloader(CSwapConfig(plan="int8")))
+    guard.worst_rel_error.update(nan)
+    guard.worst_cosine.update(nan)
+    assert guard.worst_rel_error.compute().item() == math.inf
+    assert guard.worst_cosine.compute().item() == -1.0
 
 
 def test_probe_leaves_gradients_buffers_and_random_state_as_they_were(as_int8):
