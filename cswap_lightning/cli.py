@@ -3,17 +3,81 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from collections.abc import Callable
 
 from .config import LOSSY_CODECS, PLANS, CSwapConfig
 
+# argparse types: a value out of range is a usage error (exit status 2) naming the flag and
+# what it accepts, caught before anything runs rather than as a traceback from deep inside.
+
+
+def _whole(low: int, high: int | None = None) -> Callable[[str], int]:
+    """A whole number from ``low`` (to ``high``, if given)."""
+    accepted = f">= {low}" if high is None else f"from {low} to {high}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected a whole number {accepted}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _fraction(text: str) -> float:
+    """A number from 0 to 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= 1.0:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}")
+    return value
+
 
 def _budget(text: str) -> int | float | str | None:
-    """``none``, ``auto``, a fraction like ``0.5`` or a byte count like ``2000000000``."""
+    """``none``, ``auto``, a fraction like ``0.5`` (written with a point) or a byte count like
+    ``2000000000`` or ``2e9``: what ``CSwapConfig.budget`` accepts."""
     if text in ("none", "auto"):
         return None if text == "none" else text
-    number = float(text)
-    return number if "." in text else int(number)
+    try:
+        number = float(text)
+    except ValueError:
+        number = math.nan
+    if "." in text and 0.0 < number <= 1.0:
+        return number
+    if math.isfinite(number) and number >= 1 and number.is_integer():
+        return int(number)
+    raise argparse.ArgumentTypeError(
+        f"expected none, auto, a fraction of device memory in (0, 1] like 0.5, or a number of "
+        f"bytes >= 1 like 2000000000; got {text!r}")
+
+
+def _demo_batch_size(text: str) -> int:
+    """At most the digits' training images: a larger batch would leave an epoch no step."""
+    from .demo import TRAIN_IMAGES
+
+    return _whole(1, TRAIN_IMAGES)(text)
+
+
+def _size(text: str) -> int:
+    """A size like 256KiB, in bytes: a positive multiple of 4, whole elements of every dtype
+    the codec benchmark measures."""
+    from .bench_codec import parse_size
+
+    try:
+        size = parse_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if size <= 0 or size % 4:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive multiple of 4 bytes (whole float32 elements), got {text!r}")
+    return size
 
 
 def _config(args: argparse.Namespace) -> CSwapConfig:
@@ -37,12 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("recipes", help="list the shipped recipes (cswap fit --config NAME)")
 
     demo = commands.add_parser("demo", help="train a small ReLU CNN on scikit-learn digits")
-    demo.add_argument("--epochs", type=int, default=3)
-    demo.add_argument("--batch-size", type=int, default=128)
-    demo.add_argument("--width", type=int, default=32, help="channels of the first conv")
+    demo.add_argument("--epochs", type=_whole(1), default=3)
+    demo.add_argument("--batch-size", type=_demo_batch_size, default=128,
+                      help="images per step, at most the training split of the digits")
+    demo.add_argument("--width", type=_whole(1), default=32, help="channels of the first conv")
     demo.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     demo.add_argument("--plan", default="auto", choices=PLANS)
-    demo.add_argument("--min-bytes", type=int, default=64 * 1024)
+    demo.add_argument("--min-bytes", type=_whole(0), default=64 * 1024,
+                      help="saved tensors smaller than this stay on the device")
     demo.add_argument("--budget", type=_budget, default=None,
                       help="device memory budget for plan auto: none, auto, bytes or a fraction")
 
@@ -52,9 +118,10 @@ def main(argv: list[str] | None = None) -> int:
                                   "against no offload and peer methods")
     step.add_argument("--model", default="cnn", choices=("cnn", "mlp", "transformer"))
     step.add_argument("--device", default="auto")
-    step.add_argument("--batch-size", type=int, default=None, help="default: per model and device")
-    step.add_argument("--steps", type=int, default=10, help="timed steps per method")
-    step.add_argument("--warmup", type=int, default=3)
+    step.add_argument("--batch-size", type=_whole(1), default=None,
+                      help="default: per model and device")
+    step.add_argument("--steps", type=_whole(1), default=10, help="timed steps per method")
+    step.add_argument("--warmup", type=_whole(0), default=3)
     step.add_argument("--out", default=None, help="write markdown and JSON results here (stem)")
     codec = bench_kinds.add_parser("codec", help="zvc/rle throughput and ratio by dtype, size "
                                    "and sparsity, against copy bandwidth and nvCOMP")
@@ -65,12 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     codec.add_argument("--dtypes", nargs="+", choices=("float32", "float16", "bfloat16"),
                        default=None)
     codec.add_argument("--codecs", nargs="+", choices=("zvc", "rle"), default=None)
-    codec.add_argument("--sparsities", nargs="+", type=_percent, default=None, metavar="PCT",
+    codec.add_argument("--sparsities", nargs="+", type=_whole(0, 100), default=None,
+                       metavar="PCT",
                        help="percentages of zeros (default: 0 25 50 75 90 95)")
     codec.add_argument("--quick", action="store_true",
                        help="sparsities 0,50,90, fewer repeats and a smaller CNN")
-    codec.add_argument("--warmup", type=int, default=None)
-    codec.add_argument("--repeats", type=int, default=None, help="timed runs per operation")
+    codec.add_argument("--warmup", type=_whole(0), default=None)
+    codec.add_argument("--repeats", type=_whole(1), default=None,
+                       help="timed runs per operation")
     codec.add_argument("--relu", action=argparse.BooleanOptionalAction, default=True,
                        help="also measure real ReLU activations of the demo CNN")
     codec.add_argument("--nvcomp", action=argparse.BooleanOptionalAction, default=True,
@@ -89,11 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     tune = commands.add_parser(
         "tune", help="tune the CUDA kernels' grid and block sizes with hyperopt TPE, against an "
         "exhaustive grid search, and cache them for this GPU (needs CUDA and nvcc)")
-    tune.add_argument("--max-evals", type=int, default=30, help="TPE runs per kernel")
-    tune.add_argument("--startup", type=int, default=6, help="random runs before TPE models")
-    tune.add_argument("--seed", type=int, default=0)
-    tune.add_argument("--mib", type=int, default=64, help="size of the timed tensor in MiB")
-    tune.add_argument("--sparsity", type=float, default=0.5, help="fraction of zeros in it")
+    tune.add_argument("--max-evals", type=_whole(1), default=30, help="TPE runs per kernel")
+    tune.add_argument("--startup", type=_whole(1), default=6,
+                      help="random runs before TPE models")
+    tune.add_argument("--seed", type=_whole(0), default=0)
+    tune.add_argument("--mib", type=_whole(1), default=64,
+                      help="size of the timed tensor in MiB")
+    tune.add_argument("--sparsity", type=_fraction, default=0.5, help="fraction of zeros in it")
     tune.add_argument("--dtypes", nargs="+", default=["float32", "float16"],
                       help="float32, float16, bfloat16, float64 or bool, one per element size")
     tune.add_argument("--no-grid-search", action="store_true", help="skip the comparison")
@@ -165,21 +236,6 @@ def _compare(argv: list[str]) -> int:
 
     compare(recipe_args, args.lossy, args.metric, args.out)
     return 0
-
-
-def _size(text: str) -> int:
-    from .bench_codec import parse_size
-
-    try:
-        return parse_size(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def _percent(text: str) -> int:
-    if not text.isdigit() or int(text) > 100:
-        raise argparse.ArgumentTypeError(f"bad percentage {text!r}: a whole number 0..100")
-    return int(text)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from .profiler import measure_link
 from .stats import fmt_bytes
 
 CODECS_THAT_COMPRESS = (*COMPRESSORS, *LOSSY_CODECS)
+TRAIN_FRACTION = 0.8
+TRAIN_IMAGES = int(TRAIN_FRACTION * 1797)  # of scikit-learn's digits: the largest batch size
 
 
 def build_cnn(width: int = 32, num_classes: int = 10) -> nn.Sequential:
@@ -48,7 +50,7 @@ def load_digits(device: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]
     y = torch.tensor(data.target, dtype=torch.long)
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
     x, y = x[perm].to(device), y[perm].to(device)
-    n_train = int(0.8 * len(x))
+    n_train = int(TRAIN_FRACTION * len(x))
     return x[:n_train], y[:n_train], x[n_train:], y[n_train:]
 
 

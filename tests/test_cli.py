@@ -1,0 +1,69 @@
+"""The `cswap` command line: a numeric flag out of range is a usage error (exit status 2) that
+names the flag and what it accepts, never a traceback from deep in the run."""
+
+from __future__ import annotations
+
+import pytest
+
+from cswap_lightning import cli
+from cswap_lightning.demo import TRAIN_IMAGES, load_digits
+
+FAST_CODEC = ["--quick", "--no-relu", "--no-nvcomp", "--codecs", "zvc", "--dtypes", "float32",
+              "--sparsities", "0"]
+WHOLE = "expected a whole number"
+BUDGET = "expected none, auto, a fraction of device memory in (0, 1]"
+
+BAD_FLAGS = [  # the command line, the flag the error names, what it says the flag accepts
+    (["demo", "--budget", "inf"], "--budget", BUDGET),
+    (["demo", "--budget", "1.5"], "--budget", BUDGET),
+    (["demo", "--budget", "0"], "--budget", BUDGET),
+    (["demo", "--budget", "lots"], "--budget", BUDGET),
+    (["demo", "--min-bytes", "-1"], "--min-bytes", f"{WHOLE} >= 0"),
+    (["demo", "--epochs", "0"], "--epochs", f"{WHOLE} >= 1"),
+    (["demo", "--epochs", "1.5"], "--epochs", f"{WHOLE} >= 1"),
+    (["demo", "--batch-size", "0"], "--batch-size", f"{WHOLE} from 1 to {TRAIN_IMAGES}"),
+    (["demo", "--batch-size", "5000"], "--batch-size", f"{WHOLE} from 1 to {TRAIN_IMAGES}"),
+    (["demo", "--width", "0"], "--width", f"{WHOLE} >= 1"),
+    (["bench", "step", "--steps", "0", "--warmup", "0"], "--steps", f"{WHOLE} >= 1"),
+    (["bench", "step", "--steps", "1", "--warmup", "-1"], "--warmup", f"{WHOLE} >= 0"),
+    (["bench", "step", "--steps", "1", "--warmup", "0", "--batch-size", "0"], "--batch-size",
+     f"{WHOLE} >= 1"),
+    (["bench", "codec", "--sizes", "256KiB", "--repeats", "0", *FAST_CODEC], "--repeats",
+     f"{WHOLE} >= 1"),
+    (["bench", "codec", "--sizes", "256KiB", "--warmup", "-1", *FAST_CODEC], "--warmup",
+     f"{WHOLE} >= 0"),
+    (["bench", "codec", "--sizes", "0", *FAST_CODEC], "--sizes", "expected a positive multiple of 4"),
+    (["bench", "codec", "--sizes", "6", *FAST_CODEC], "--sizes", "expected a positive multiple of 4"),
+    (["bench", "codec", "--sparsities", "101"], "--sparsities", f"{WHOLE} from 0 to 100"),
+    (["tune", "--max-evals", "0"], "--max-evals", f"{WHOLE} >= 1"),
+    (["tune", "--startup", "0"], "--startup", f"{WHOLE} >= 1"),
+    (["tune", "--seed", "-1"], "--seed", f"{WHOLE} >= 0"),
+    (["tune", "--mib", "0"], "--mib", f"{WHOLE} >= 1"),
+    (["tune", "--sparsity", "2"], "--sparsity", "expected a number from 0 to 1"),
+    (["tune", "--sparsity", "nan"], "--sparsity", "expected a number from 0 to 1"),
+]
+
+
+@pytest.mark.parametrize("argv, flag, accepted", BAD_FLAGS,
+                         ids=[" ".join(argv) for argv, _, _ in BAD_FLAGS])
+def test_out_of_range_flag_is_a_usage_error_naming_it(argv, flag, accepted, capsys):
+    with pytest.raises(SystemExit) as failure:
+        cli.main(argv)
+    assert failure.value.code == 2
+    error = capsys.readouterr().err
+    value = argv[argv.index(flag) + 1]
+    assert f"error: argument {flag}: {accepted}" in error and f"got {value!r}" in error, error
+
+
+@pytest.mark.parametrize("text, value", [("none", None), ("auto", "auto"), ("0.5", 0.5),
+                                         ("1.0", 1.0), ("1", 1), ("2000000000", 2_000_000_000),
+                                         ("2e9", 2_000_000_000), ("2.5e9", 2_500_000_000)])
+def test_budget_flag_reads_what_the_config_accepts(text, value):
+    parsed = cli._budget(text)
+    assert parsed == value and type(parsed) is type(value)
+
+
+def test_demo_batch_size_bound_is_its_training_split():
+    import torch
+
+    assert len(load_digits(torch.device("cpu"))[0]) == TRAIN_IMAGES
