@@ -4,6 +4,7 @@ is always left (early stop, an error in forward)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import pytest
@@ -11,6 +12,8 @@ import torch
 from transformers import (
     BertConfig,
     BertForSequenceClassification,
+    LlamaConfig,
+    LlamaForCausalLM,
     Trainer,
     TrainerCallback,
     TrainingArguments,
@@ -256,3 +259,53 @@ def test_the_guard_moves_sites_that_bend_gradients_back_to_lossless(tmp_path):
     last = cswap.offloader.last_step()  # the real step after the last probe
     assert {s.decision for s in last.sites if s.site in reverted} == {"raw"}
     assert "int4" in {s.decision for s in last.sites}  # the others stay lossy
+
+
+class RandomText(RandomTokens):
+    """Random token sequences for a causal language model (the model shifts the labels)."""
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def checkpointed_llama_trainer(tmp_path, callbacks: list[TrainerCallback],
+                               checkpointing: dict | None) -> Trainer:
+    """A tiny Llama trained with activation checkpointing (``checkpointing``: its kwargs)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, seed=0, report_to=[], max_steps=2,
+        per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=1, save_strategy="no",
+        dataloader_num_workers=0, disable_tqdm=True, activation_checkpointing=True,
+        activation_checkpointing_kwargs=checkpointing,
+    )
+    return Trainer(LlamaForCausalLM(config), args, train_dataset=RandomText(),
+                   callbacks=callbacks)
+
+
+def logged_bytes(trainer: Trainer) -> list[float]:
+    return [h["cswap/offloaded_bytes"] for h in trainer.state.log_history
+            if "cswap/offloaded_bytes" in h]
+
+
+def test_the_engine_takes_the_checkpoint_boundaries_over_from_hf_offload(tmp_path, caplog):
+    raw = CSwapConfig(plan="raw", min_bytes=0)
+    with caplog.at_level(logging.WARNING, logger=CSwapCallback.__module__):
+        offloading = checkpointed_llama_trainer(tmp_path / "offload", [CSwapCallback(raw)],
+                                                {"offload": True})
+        offloading.train()
+    told = [r.getMessage() for r in caplog.records if "cswap" in r.getMessage()]
+    assert len(told) == 1 and "offload" in told[0]
+
+    checkpointing = checkpointed_llama_trainer(tmp_path / "checkpoint", [CSwapCallback(raw)],
+                                               None)
+    checkpointing.train()
+    assert logged_bytes(offloading) == logged_bytes(checkpointing)  # per optimizer step
+    assert len(logged_bytes(offloading)) == 2 and logged_bytes(offloading)[0] > 0
+
+    plain = checkpointed_llama_trainer(tmp_path / "plain", [], None)
+    plain.train()
+    for (name, p), q in zip(offloading.model.state_dict().items(),
+                            plain.model.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name

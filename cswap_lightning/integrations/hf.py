@@ -55,6 +55,26 @@ def _on_stack(code: CodeType | None) -> bool:
     return frame is not None
 
 
+def _take_over_checkpoint_offload(args: TrainingArguments, model: nn.Module) -> None:
+    """Turn off the Trainer's checkpointing offload (``activation_checkpointing_kwargs=
+    {"offload": True}``), keeping the checkpointing.
+
+    That offload wraps each checkpointed layer in torch's ``save_on_cpu``, whose hooks, nested
+    inside the engine's, take the layer's inputs (all a checkpointed layer saves) and copy them
+    synchronously, uncompressed. Without it the engine moves them, as it does the rest.
+    """
+    kwargs = dict(args.activation_checkpointing_kwargs or {})
+    if not (args.activation_checkpointing and kwargs.pop("offload", False)):
+        return
+    every_n_layers = kwargs.pop("every_n_layers", 1)
+    model.disable_input_require_grads()  # enabling again adds the Trainer's hook again
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None,
+                                          every_n_layers=every_n_layers, offload=False)
+    logger.warning("cswap: activation checkpointing stays on, its offload is off for this run: "
+                   "cswap moves (and compresses) the checkpointed layers' inputs instead of "
+                   "torch's synchronous save_on_cpu")
+
+
 class CSwapCallback(TrainerCallback):
     """Offload saved activations during ``Trainer.train``; log what it did with the losses.
 
@@ -64,7 +84,9 @@ class CSwapCallback(TrainerCallback):
     The engine is left after each forward even if it raises (a hook with ``always_call``),
     and the hooks are removed when training ends: at ``on_train_end`` (early stopping
     included) or, when ``train()`` raised, at the next forward outside it. Each epoch starts
-    with the engine measuring and planning again. With lossy sites in the plan, every
+    with the engine measuring and planning again. With activation checkpointing, the engine
+    moves the checkpointed layers' inputs; the Trainer's own offload of them
+    (``activation_checkpointing_kwargs={"offload": True}``) is turned off for the run. With lossy sites in the plan, every
     ``config.guard_every`` micro-batches :attr:`guard` first compares that micro-batch's
     gradients with and without them (the model must return its loss, i.e. get ``labels``).
 
@@ -159,6 +181,7 @@ class CSwapCallback(TrainerCallback):
         if model is None:
             raise ValueError("CSwapCallback needs the model: the Trainer passes it to callbacks")
         self._remove_hooks()  # a second train() on the same callback
+        _take_over_checkpoint_offload(args, model)
         self._loop = _training_loop()
         self._hooks = [
             model.register_forward_pre_hook(self._enter, with_kwargs=True),
