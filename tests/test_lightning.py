@@ -18,7 +18,11 @@ import pytest
 import torch
 from conftest import Destructive, Faithful
 from lightning.pytorch.plugins.precision import FSDPPrecision
-from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import (
+    FSDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+)
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanMetric
@@ -198,6 +202,49 @@ def test_model_parallel_fsdp2_weights_match_and_shards_stay():
     assert not trainer.strategy.guard.reports
 
 
+class Block(nn.Sequential):
+    """The unit activation checkpointing wraps: its (8, 4 x width) activations stay inside."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(nn.Linear(width, 4 * width), nn.ReLU(), nn.Linear(4 * width, width))
+
+
+class BlockReluNet(ReluNet):
+    def __init__(self, width: int = 32) -> None:
+        super().__init__(width)
+        self.net = nn.Sequential(nn.Linear(16, width), Block(width), Block(width),
+                                 nn.Linear(width, 4))
+
+
+class CheckpointedShardedNet(BlockReluNet, ShardedReluNet):
+    """Each block checkpointed by torch's checkpoint_wrapper, as FSDPStrategy's
+    ``activation_checkpointing_policy`` does, then sharded by FSDP2."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            apply_activation_checkpointing,
+        )
+
+        apply_activation_checkpointing(self.net, check_fn=lambda m: isinstance(m, Block))
+        super().configure_model()
+
+
+def assert_the_engine_moves_the_block_inputs(trainer: pl.Trainer) -> None:
+    moved = [s.shape for s in trainer.strategy.offloader.last_step().sites if s.decision == "zvc"]
+    # x, both blocks' inputs (saved by checkpoint), the head's input, logits, labels, loss:
+    # nothing from inside the blocks (8 x 128).
+    assert moved == [(8, 16), (8, 32), (8, 32), (8, 32), (8, 4), (8,), ()]
+
+
+@pytest.mark.usefixtures("_leave_no_process_group")
+def test_activation_checkpointing_under_fsdp2_leaves_the_block_inputs_to_the_engine():
+    trainer, model = train(CSwapModelParallelStrategy(LOSSLESS), model=CheckpointedShardedNet)
+    _, plain = train(ModelParallelStrategy(), model=CheckpointedShardedNet)
+    for (name, p), q in zip(model.state_dict().items(), plain.state_dict().values(), strict=True):
+        assert torch.equal(p.full_tensor(), q.full_tensor()), name
+    assert_the_engine_moves_the_block_inputs(trainer)
+
+
 def test_manual_optimization():
     trainer, model = train(CSwapStrategy(LOSSLESS), model=partial(ReluNet, manual=True))
     _, plain = train(SingleDeviceStrategy("cpu"), model=partial(ReluNet, manual=True))
@@ -336,6 +383,16 @@ def test_one_gpu_follows_the_accelerator_and_matches_the_plain_strategy():
 def test_fsdp_on_one_gpu_offloads_activations():
     trainer, _ = train(CSwapFSDPStrategy(LOSSLESS), accelerator="cuda", precision="bf16-mixed")
     assert trainer.strategy.offloader.last_step().offloaded_bytes > 0
+
+
+@pytest.mark.gpu
+def test_fsdp_activation_checkpointing_leaves_the_block_inputs_to_the_engine():
+    # Lightning's policy wraps blocks in torch's checkpoint_wrapper, which never offloads.
+    checkpointed = {"activation_checkpointing_policy": {Block}, "accelerator": "cuda"}
+    trainer, model = train(CSwapFSDPStrategy(LOSSLESS, **checkpointed), model=BlockReluNet)
+    _, plain = train(FSDPStrategy(**checkpointed), model=BlockReluNet)
+    assert_same_weights(model, plain)
+    assert_the_engine_moves_the_block_inputs(trainer)
 
 
 def test_fsdp_by_name_needs_a_gpu_as_lightnings_fsdp_does():
