@@ -149,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         "advisor", help="does the advisor pick the faster of raw and compressed swaps?")
     advisor.add_argument("--device", default="auto")
     advisor.add_argument("--codec", default="zvc", choices=("zvc", "rle"))
+    from .commands.bench_suite import add_parser as add_suite_parser
+
+    add_suite_parser(bench_kinds)
 
     build_ext = commands.add_parser(
         "build-ext", help="compile the CUDA codec library with nvcc and print its path"
@@ -212,6 +215,11 @@ def main(argv: list[str] | None = None) -> int:
 
         run_codec_bench(args.device, args.sizes, args.dtypes, args.codecs, args.sparsities,
                         args.quick, args.warmup, args.repeats, args.relu, args.nvcomp, args.out)
+        return 0
+    if args.bench == "suite":
+        from .commands.bench_suite import run_suite
+
+        run_suite(args, sys.argv[1:] if argv is None else argv)
         return 0
     from .bench import run_step_bench
 
