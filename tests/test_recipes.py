@@ -147,7 +147,7 @@ def test_bad_value_fails_naming_the_key(key, value, named, capsys, tmp_path):
         fit(["--config", str(CNN), f"--{key}", value, "--trainer.default_root_dir", str(tmp_path)])
     assert failure.value.code == 2
     error = capsys.readouterr().err
-    assert f'Parser key "{named}"' in error and f"Got value: {value}" in error
+    assert value in error.partition(f'Parser key "{named}"')[2]  # the key, then the value
     assert not any(tmp_path.iterdir())  # failed before anything ran
 
 
@@ -159,6 +159,73 @@ def test_bad_cswap_option_fails_at_parse_time_naming_it(tmp_path, capsys):
     error = capsys.readouterr().err
     assert 'Parser key "plan"' in error and "'zvc'" in error and "Got value: bogus" in error
     assert not any(tmp_path.iterdir())  # failed before anything ran
+
+
+CSWAP_CONFIG = "trainer.strategy.init_args.config"
+
+
+@pytest.mark.parametrize("key, value, error", [
+    ("min_bytes", "-1", "CSwapConfig.min_bytes must be >= 0 bytes, got -1"),
+    ("prefetch_bytes", "-1", "CSwapConfig.prefetch_bytes must be >= 0 bytes, got -1"),
+    ("budget", "1.5", "CSwapConfig.budget must be None (offload everything), 'auto'"),
+])
+def test_out_of_range_cswap_option_is_a_short_usage_error(key, value, error, tmp_path, capsys):
+    with pytest.raises(SystemExit) as failure:
+        fit(["--config", str(CNN), f"--{CSWAP_CONFIG}.{key}", value,
+             "--trainer.default_root_dir", str(tmp_path)])
+    assert failure.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"cswap fit: error: {CSWAP_CONFIG}: {error}") and err.count("\n") == 1
+    assert not any(tmp_path.iterdir())  # failed before anything ran
+
+
+def test_out_of_range_value_in_a_yaml_config_is_a_short_usage_error(tmp_path, capsys):
+    override = tmp_path / "override.yaml"
+    override.write_text("trainer:\n  strategy:\n    init_args:\n      config:\n"
+                        "        min_bytes: -4096\n")
+    with pytest.raises(SystemExit) as failure:
+        fit(["--config", str(CNN), "--config", str(override)])
+    assert failure.value.code == 2
+    assert capsys.readouterr().err == (f"cswap fit: error: {CSWAP_CONFIG}: CSwapConfig.min_bytes "
+                                       "must be >= 0 bytes, got -4096\n")
+
+
+@pytest.mark.parametrize("key", ["model.width", "model.num_classes", "data.batch_size",
+                                 "data.image_size", "data.num_threads"])
+def test_recipe_sizes_must_be_positive_at_parse_time(key, capsys, tmp_path):
+    with pytest.raises(SystemExit) as failure:
+        fit(["--config", str(CNN), f"--{key}", "0", "--trainer.default_root_dir", str(tmp_path)])
+    assert failure.value.code == 2
+    err = capsys.readouterr().err
+    assert f'Parser key "{key.split(".")[1]}"' in err and "PositiveInt: 0" in err, err
+    assert not any(tmp_path.iterdir())
+
+
+def test_recipe_argument_refused_when_built_is_a_short_usage_error(capsys, tmp_path):
+    with pytest.raises(SystemExit) as failure:
+        fit(["--config", str(CNN), "--data.channels", "2", "--trainer.default_root_dir",
+             str(tmp_path)])
+    assert failure.value.code == 2
+    assert capsys.readouterr().err == ("cswap fit: error: channels must be 1 (grayscale) or 3 "
+                                       "(RGB), got 2\n")
+
+
+def test_console_entry_runs_without_lightningclis_args_warning_and_fails_cleanly(tmp_path):
+    args = small_args(CNN, tmp_path)
+    args[1] = "cnn"  # a recipe name, resolved by `cswap fit`
+
+    def cswap_fit(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "cswap_lightning", "fit", *args, *extra],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                              check=False)
+
+    good = cswap_fit()
+    assert good.returncode == 0, good.stderr[-3000:]
+    assert "args parameter" not in good.stderr and "args=" not in good.stderr
+    bad = cswap_fit(f"--{CSWAP_CONFIG}.budget", "1.5")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
+    assert bad.stderr.splitlines()[-1].startswith(f"cswap fit: error: {CSWAP_CONFIG}: "
+                                                  "CSwapConfig.budget must be")
 
 
 def test_cnn_recipe_as_shipped_learns_through_the_console_entry(tmp_path):

@@ -2,7 +2,9 @@
 linked as ``recipes/`` in the repository) and what they name: models (``models``, ``nets``) and
 data (``images``: DALI, ``tokens``: generated sequences).
 
-``cswap fit --config cnn`` runs a shipped recipe by name; ``cswap recipes`` lists them.
+``cswap fit --config cnn`` runs a shipped recipe by name; ``cswap recipes`` lists them. The
+classes' sizes are typed ``jsonargparse.typing.PositiveInt``, so LightningCLI refuses a size
+below 1 as it parses, naming the key, instead of failing deep inside the first step.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from jsonargparse.typing import PositiveInt
 from lightning.pytorch import LightningDataModule
 
 try:
@@ -126,12 +127,12 @@ class DALIImageDataModule(LightningDataModule):
     def __init__(
         self,
         data_dir: str | None = None,
-        image_size: int = 224,
+        image_size: PositiveInt = 224,
         channels: int = 3,
-        batch_size: int = 64,
+        batch_size: PositiveInt = 64,
         num_samples: int = DIGITS,
         cache_dir: str | None = None,
-        num_threads: int = 2,
+        num_threads: PositiveInt = 2,
         seed: int = 0,
     ) -> None:
         super().__init__()

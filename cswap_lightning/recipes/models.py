@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+from jsonargparse.typing import PositiveInt
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor, nn
@@ -69,9 +70,9 @@ class ImageClassifier(RecipeModule):
     def __init__(
         self,
         arch: Arch = "resnet50",
-        width: int = 64,
-        num_classes: int = 10,
-        in_channels: int = 3,
+        width: PositiveInt = 64,
+        num_classes: PositiveInt = 10,
+        in_channels: PositiveInt = 3,
         optimizer: OptimizerCallable = torch.optim.AdamW,
     ) -> None:
         super().__init__(optimizer)
@@ -117,12 +118,12 @@ class BertClassifier(HFModule):
 
     def __init__(
         self,
-        vocab_size: int = 30522,
-        hidden_size: int = 768,
-        num_layers: int = 12,
-        num_heads: int = 12,
-        max_positions: int = 512,
-        num_labels: int = 2,
+        vocab_size: PositiveInt = 30522,
+        hidden_size: PositiveInt = 768,
+        num_layers: PositiveInt = 12,
+        num_heads: PositiveInt = 12,
+        max_positions: PositiveInt = 512,
+        num_labels: PositiveInt = 2,
         optimizer: OptimizerCallable = torch.optim.AdamW,
     ) -> None:
         from transformers import BertConfig, BertForSequenceClassification
@@ -149,11 +150,11 @@ class GPT2LM(HFModule):
 
     def __init__(
         self,
-        vocab_size: int = 50257,
-        hidden_size: int = 768,
-        num_layers: int = 12,
-        num_heads: int = 12,
-        max_positions: int = 1024,
+        vocab_size: PositiveInt = 50257,
+        hidden_size: PositiveInt = 768,
+        num_layers: PositiveInt = 12,
+        num_heads: PositiveInt = 12,
+        max_positions: PositiveInt = 1024,
         optimizer: OptimizerCallable = torch.optim.AdamW,
     ) -> None:
         from transformers import GPT2Config, GPT2LMHeadModel

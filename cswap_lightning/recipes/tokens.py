@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+from jsonargparse.typing import PositiveInt
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 
@@ -63,11 +64,11 @@ class TokenDataModule(LightningDataModule):
     def __init__(
         self,
         task: Task = "classification",
-        vocab_size: int = 30522,
-        seq_len: int = 128,
-        num_labels: int = 2,
-        num_samples: int = 4096,
-        batch_size: int = 32,
+        vocab_size: PositiveInt = 30522,
+        seq_len: PositiveInt = 128,
+        num_labels: PositiveInt = 2,
+        num_samples: PositiveInt = 4096,
+        batch_size: PositiveInt = 32,
         seed: int = 0,
     ) -> None:
         super().__init__()
