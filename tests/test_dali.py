@@ -7,6 +7,9 @@ import pytest
 import torch
 from PIL import Image
 
+pytest.importorskip("nvidia.dali", reason="NVIDIA DALI is not installed: the image recipes' "
+                    "data module needs it (pip install 'cswap-lightning[dali]')")
+
 from cswap_lightning.recipes.images import DALIImageDataModule
 
 SIZE = 16
