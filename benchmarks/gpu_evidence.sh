@@ -3,7 +3,8 @@
 # the CUDA codec build, `pytest -m gpu`, compute-sanitizer memcheck on a short codec run,
 # `cswap bench codec` (full sizes, with nvCOMP when its wheels were carried),
 # `cswap bench step` for the CNN and the transformer, `cswap bench advisor`, `cswap compare` on
-# BERT-base (lossless against int8), and `cswap tune`.
+# BERT-base (lossless against int8), `cswap tune`, and `cswap bench suite` (issue 13: ResNet-50,
+# VGG-16, BERT-large, GPT-2 medium against every peer method; two steps, one per model pair).
 # Each step has its own time limit, capped by what is left of the whole budget; a failing or
 # timed-out step is recorded and the script goes on.
 #
@@ -24,9 +25,15 @@
 #      the step benchmark reports torchtune as skipped.
 #   2. One run call:
 #        run(command="bash benchmarks/gpu_evidence.sh", carry=[".whl"], timeout_s=600)
+#      and a second for what the first did not reach (the summary says "out of time"); the
+#      suite's two steps (240 s each at most) normally go there:
+#        run(command="ONLY='install-wheels build-ext bench-suite-cnn bench-suite-transformers' \
+#            bash benchmarks/gpu_evidence.sh", carry=[".whl"], timeout_s=600)
 #   3. What comes back (files_at): summary.txt (each step's exit code and time, then the codec
 #      summary), evidence.tar.gz (every log, the pytest junit XML and all result files, named
-#      for benchmarks/results/), and the codec result as codec-<gpu>-<date>.{md,json}.
+#      for benchmarks/results/), the codec result as codec-<gpu>-<date>.{md,json}, and the
+#      suite's reports as suite-{cnn,transformers}-<gpu>-<date>/ (suite.md, suite.json, PNGs;
+#      written after every run, so a step cut off by its time limit keeps what it measured).
 #      Commit the result files from the tarball under benchmarks/results/.
 #
 # Environment: OUT (where results go; the device machine sets it), BUDGET_S (total seconds,
@@ -114,6 +121,19 @@ if "${CSWAP[@]}" tune --help >/dev/null 2>&1; then
 else
     echo "tune: skipped, this checkout has no 'cswap tune'" | tee -a "$SUMMARY"
 fi
+
+# Issue 13: every method at 100/50/35% of no offload's memory and the largest batch, on the
+# full-size models, bf16. Each pair of models has a time budget a little under its step's limit
+# (fewer timed steps; runs and batch searches left when a model's share is spent are reported
+# as skipped); progress lines go to the step's log as it runs.
+step bench-suite-cnn 240 "${CSWAP[@]}" bench suite --models resnet50 vgg16 --steps 3 \
+    --time-budget 215 --out "$WORK/suite-cnn-$TAG"
+step bench-suite-transformers 240 "${CSWAP[@]}" bench suite --models bert-large gpt2-medium \
+    --steps 3 --time-budget 215 --out "$WORK/suite-transformers-$TAG"
+for suite in "$WORK"/suite-*-"$TAG"; do
+    [[ -d $suite ]] && cp -r "$suite" "$OUT"/ && grep -hE "^- (PASS|FAIL|n/a)|^Verdict" \
+        "$suite/suite.md" | tee -a "$SUMMARY"
+done
 
 CODEC_MD=$WORK/codec-$TAG.md
 if [[ -f $CODEC_MD ]]; then

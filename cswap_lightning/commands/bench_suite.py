@@ -141,7 +141,7 @@ def workload(key: str, small: bool) -> Workload:
                 return BertForSequenceClassification(BertConfig(
                     vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
                     num_attention_heads=heads, intermediate_size=4 * hidden,
-                    max_position_embeddings=seq, num_labels=2))
+                    max_position_embeddings=seq, num_labels=2, use_cache=False))
             from transformers import GPT2Config, GPT2LMHeadModel
 
             return GPT2LMHeadModel(GPT2Config(
@@ -215,9 +215,11 @@ def _hf_checkpointing(model: nn.Module, offload: bool) -> None:
     if offload and (enable is None or "offload" not in inspect.signature(enable).parameters):
         raise Skip(f"transformers {transformers.__version__} has no built-in activation offload "
                    "(activation_checkpointing_enable(offload=True), transformers >= 5.17)")
-    if enable is not None:
-        enable(offload=offload) if offload else enable()
-    else:
+    if offload:
+        enable(offload=True)
+    elif enable is not None:
+        enable()
+    else:  # transformers before activation_checkpointing_enable
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
@@ -545,14 +547,16 @@ def max_batch(wl: Workload, base: nn.Module, method: str, s: Settings, start: in
     pace: list[tuple[int, float]] = []  # (batch, seconds a try took)
 
     def fits(b: int) -> bool | None:
-        if pace:  # a try's time grows with the batch: do not start one that cannot finish
-            size, took = pace[-1]
+        row = (known or {}).get(b)
+        if row is None:
+            # A try's time grows with the batch: do not start one that cannot finish.
+            size, took = pace[-1] if pace else (b, 0.0)
             if time.monotonic() + took * b / size > deadline:
                 stop.append("time budget")
                 return None
-        began = time.monotonic()
-        row = (known or {}).get(b) or measure(wl, base, method, b, s)
-        pace.append((b, time.monotonic() - began))
+            began = time.monotonic()
+            row = measure(wl, base, method, b, s)
+            pace.append((b, time.monotonic() - began))
         failed = "skipped" in row and not row.get("oom")
         ok = "skipped" not in row and (cap is None or row["peak_bytes"] <= cap)
         tries.append({k: row.get(k) for k in ("batch", "samples_per_s", "peak_bytes")}
@@ -864,7 +868,8 @@ def markdown(results: list[dict], dev: torch.device, opts: argparse.Namespace) -
                "StepStats.wait_s, plus forward's stalls, StepStats.forward_wait_s, or forward "
                "time beyond no offload's where the engine does not report them); the engine's "
                "own peak of resident saved-tensor bytes (StepStats.peak_resident_bytes, where "
-               "the engine reports it)."), "",
+               "the engine reports it); cswap's sites: how many saved tensors the engine kept "
+               "(keep), shared (dedup) or sent through each codec on the last step."), "",
               "Goals (PASS/FAIL/n/a per model below, computed from the measured figures):", ""]
     lines += [f"- {g}" for g in GOALS]
     for result in results:
@@ -879,23 +884,24 @@ def model_markdown(result: dict, opts: argparse.Namespace) -> list[str]:
               f"{fmt_bytes(result.get('prefetch_bytes') or DEFAULT_PREFETCH)}"
               f"{'' if result['complete'] else ' (PARTIAL: still running, or cut off)'}"),
              "", ("| method | samples/s | vs no offload | peak memory | vs no offload | "
-                  "link bytes/step | exposed swap | engine's peak |"),
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "link bytes/step | exposed swap | engine's peak | cswap's sites |"),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     order = {name: i for i, name in enumerate(METHODS)}
     rows = sorted(result["runs"], key=lambda r: (order[r["method"]], -(r.get("budget") or 0)))
     for r in rows:
         label = _label(r)
         if "skipped" in r:
-            lines.append(f"| {label} | skipped: {r['skipped']} | | | | | | |")
+            lines.append(f"| {label} | skipped: {r['skipped']} | | | | | | | |")
             continue
         exposed = f"{1e3 * r['exposed_s']:.1f} ms" if "exposed_s" in r else "-"
         engine = r.get("engine_peak_bytes")
         engine_text = "-" if r["method"] not in CSWAP else (
             fmt_bytes(engine) if engine is not None else "n/a")
+        sites = ", ".join(f"{k} {v}" for k, v in sorted(r.get("decisions", {}).items()))
         lines.append(
             f"| {label} | {r['samples_per_s']:.1f} | {r.get('vs_no_offload', math.nan):.2f}x | "
             f"{fmt_bytes(r['peak_bytes'])} | {100 * r.get('peak_fraction', math.nan):.0f}% | "
-            f"{fmt_bytes(r['link_bytes'])} | {exposed} | {engine_text} |")
+            f"{fmt_bytes(r['link_bytes'])} | {exposed} | {engine_text} | {sites or '-'} |")
     if result.get("max_batch"):
         cap = result.get("memory_cap")
         lines += ["", f"max batch (within {fmt_bytes(cap) if cap else 'device memory'}):", "",

@@ -1,0 +1,126 @@
+"""`cswap bench suite --small`, run for real on the CPU (about a minute), and its ledger."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from cswap_lightning.cli import main
+from cswap_lightning.commands.bench_suite import (
+    GOALS,
+    METHODS,
+    MODELS,
+    DeviceLedger,
+    HookTap,
+)
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    out = tmp_path_factory.mktemp("suite")
+    assert main(["bench", "suite", "--small", "--device", "cpu", "--out", str(out)]) == 0
+    return out, json.loads((out / "suite.json").read_text()), (out / "suite.md").read_text()
+
+
+def by_label(model: dict) -> dict[str, dict]:
+    return {r["label"]: r for r in model["runs"]}
+
+
+def test_report_names_every_method_and_goal(suite):
+    _, data, report = suite
+    for name in (*METHODS, "activation checkpointing", "save_on_cpu", "no offload",
+                 "max batch"):
+        assert name in report
+    for goal in GOALS:
+        assert report.count(f": {goal}: ") == len(MODELS)  # one verdict per model and goal
+    for line in ("- date: ", "- device: cpu", "- torch: ", "- command: cswap bench suite --small"):
+        assert line in report
+    assert report.count("Verdict: ") == len(MODELS)
+    assert [m["model"] for m in data["models"]] == list(MODELS)
+    for model in data["models"]:
+        assert model["complete"]
+        assert {g["status"] for g in model["goals"]} <= {"PASS", "FAIL", "n/a"}
+        assert len(model["goals"]) == len(GOALS)
+
+
+def test_measured_figures_are_numbers(suite):
+    _, data, _ = suite
+    for model in data["models"]:
+        ran = [r for r in model["runs"] if "skipped" not in r]
+        assert {r["method"] for r in ran} >= {"no offload", "activation checkpointing",
+                                              "save_on_cpu", "cswap raw", "cswap auto",
+                                              "cswap auto + int8"}
+        for r in ran:
+            for key in ("samples_per_s", "step_s", "peak_bytes", "vs_no_offload",
+                        "peak_fraction"):
+                assert math.isfinite(r[key]) and r[key] > 0, (model["model"], r["label"], key)
+            assert r["link_bytes"] >= 0
+            if r["method"].startswith("cswap"):
+                assert math.isfinite(r["exposed_s"]) and r["exposed_s"] >= 0
+        for search in model["max_batch"]:
+            assert search["max_batch"] >= 1 and search["samples_per_s"] > 0
+
+
+def test_skipped_methods_carry_reasons(suite):
+    _, data, _ = suite
+    for model in data["models"]:
+        runs = by_label(model)
+        assert "CUDA" in runs["torchtune OffloadActivations"]["skipped"]
+        hf = runs["HF built-in offload"]
+        if model["model"] in ("resnet50", "vgg16"):
+            assert "not a Hugging Face model" in hf["skipped"]
+        else:  # transformers pins its host copies: no pinned memory without an accelerator
+            assert "skipped" not in hf or "pin" in hf["skipped"]
+        for r in model["runs"]:
+            assert "skipped" not in r or len(r["skipped"]) > 10
+
+
+def test_offloading_lowers_the_measured_peak(suite):
+    _, data, _ = suite
+    for model in data["models"]:
+        runs = by_label(model)
+        base, raw = runs["no offload"], runs["cswap raw"]
+        assert raw["link_bytes"] > 0 and raw["offloaded_bytes"] > 0
+        assert raw["peak_bytes"] < base["peak_bytes"], model["model"]
+        assert runs["activation checkpointing"]["peak_bytes"] < base["peak_bytes"]
+        assert base["link_bytes"] == 0
+        # A budget the step fits in offloads nothing; less memory than that offloads some.
+        assert runs["cswap auto @100%"]["offloaded_bytes"] == 0
+        assert runs["cswap auto @35%"]["offloaded_bytes"] > 0
+
+
+def test_plots_are_written(suite):
+    out, data, report = suite
+    for model in data["models"]:
+        png = out / f"suite-{model['model']}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({png.name})" in report
+
+
+def test_ledger_counts_allocations_not_views_and_not_pack_copies():
+    x = torch.randn(1024)
+    with HookTap() as tap:
+        ledger = tap.ledger = DeviceLedger(tap, iter([x]))
+        with ledger:
+            view = x[:10].view(2, 5)  # shares x's storage: nothing new
+            assert ledger.now == 4096
+            doubled = x * 2  # a new storage
+            assert ledger.now == 8192
+            del doubled  # freed: subtracted
+            assert ledger.now == 4096 and ledger.peak == 8192
+            w = torch.randn(1024, requires_grad=True)
+            before = ledger.now
+            with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                y = (w * 2).sin().sum()  # sin saves w * 2: copied out in the pack hook
+            # w * 2 itself is freed; its copy is the method's host side, not counted
+            assert ledger.now - before < 4096
+            y.backward()  # the copy, handed back by the unpack hook, counts from then on
+    assert tap.moved == 4096
+    assert ledger.peak >= 8192 and view.shape == (2, 5)
+
+
+def test_levels_must_be_fractions(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "suite", "--levels", "0"])
+    assert "expected a fraction in (0, 1]" in capsys.readouterr().err
