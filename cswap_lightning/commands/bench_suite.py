@@ -625,18 +625,31 @@ def _plan(levels: tuple[float, ...]) -> list[tuple[str, float | None]]:
 def run_model(wl: Workload, dev: torch.device, opts: argparse.Namespace, deadline: float,
               save: Callable[[dict], None]) -> dict:
     """Every method on ``wl``, the largest batches, the goals and the verdict."""
-    torch.manual_seed(0)
-    base = wl.build().train()
     levels = tuple(opts.levels)
     result: dict = {"model": wl.key, "label": wl.label, "shape": wl.shape,
-                    "batch": wl.batch_size, "params": sum(p.numel() for p in base.parameters()),
-                    "levels": list(levels), "runs": [], "max_batch": [], "complete": False}
+                    "batch": wl.batch_size, "params": 0, "levels": list(levels), "runs": [],
+                    "max_batch": [], "complete": False}
+    torch.manual_seed(0)
+    try:
+        base = wl.build().train()
+    except Exception as err:  # noqa: BLE001 - e.g. transformers missing: the other models go on
+        result["runs"] = [{"method": m, "budget": None, "label": m,
+                           "skipped": f"the model could not be built: {_reason(err)}"}
+                          for m in METHODS]
+        result |= {"goals": goals(result), "verdict": verdict(result, levels), "complete": True}
+        save(result)
+        return result
+    result["params"] = sum(p.numel() for p in base.parameters())
     began = time.monotonic()
     baseline: dict | None = None
     settings = Settings(dev, opts.steps, opts.warmup, opts.min_bytes, opts.prefetch_bytes)
     for method, level in _plan(levels):
         row_stub = {"method": method, "budget": level}
-        if time.monotonic() > deadline:
+        # No offload runs whatever the time (every figure is relative to it), and methods
+        # that cannot run here say why at no cost.
+        exempt = method == NO_OFFLOAD or (method == HF_OFFLOAD and not wl.hf) or (
+            method == TORCHTUNE and dev.type != "cuda")
+        if time.monotonic() > deadline and not exempt:
             result["runs"].append(row_stub | {"skipped": "time budget used up"})
             continue
         if level is not None and (baseline is None or "skipped" in baseline):
@@ -749,7 +762,9 @@ def goals(result: dict) -> list[dict]:
     lowest = min(cswap_runs, key=lambda r: r["peak_fraction"], default=None)
     nofit = ("no cswap run fits" + (f" (lowest: {lowest['label']} at "
                                     f"{100 * lowest['peak_fraction']:.0f}%)" if lowest else ""))
-    if best is None:
+    if not cswap_runs:
+        add(GOALS[0], "n/a", "no cswap run ran")
+    elif best is None:
         add(GOALS[0], "FAIL", nofit)
     else:
         ratio = best["vs_no_offload"]
@@ -757,8 +772,8 @@ def goals(result: dict) -> list[dict]:
             f"{best['label']}: {ratio:.2f}x no offload at {100 * best['peak_fraction']:.0f}% of "
             "its memory")
     ckpt = _row(result, CHECKPOINTING)
-    if ckpt is None:
-        add(GOALS[1], "n/a", "activation checkpointing did not run")
+    if ckpt is None or not cswap_runs:
+        add(GOALS[1], "n/a", "activation checkpointing or cswap did not run")
     elif best is None:
         add(GOALS[1], "FAIL", nofit)
     else:
@@ -767,9 +782,10 @@ def goals(result: dict) -> list[dict]:
             f"{best['label']}: {ratio:.2f}x activation checkpointing (which peaks at "
             f"{100 * ckpt['peak_fraction']:.0f}%)")
     hf = _row(result, HF_OFFLOAD)
-    if hf is None:
+    if hf is None or not cswap_runs:
         why = next((r.get("skipped") for r in result["runs"] if r["method"] == HF_OFFLOAD), "")
-        add(GOALS[2], "n/a", f"HF built-in offload did not run: {why}")
+        add(GOALS[2], "n/a", f"HF built-in offload did not run: {why}" if hf is None
+            else "cswap did not run")
     else:
         rival = _fastest([r for r in cswap_runs if r["peak_bytes"] <= hf["peak_bytes"]])
         if rival is None:
