@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -31,34 +33,57 @@ class Link:
 _LINKS: dict[torch.device, Link] = {}
 
 
-def measure_link(device: torch.device, nbytes: int = 64 << 20, repeats: int = 3) -> Link:
-    """Copy bandwidths for ``device``, measured once per process (pinned host memory on CUDA;
-    on the CPU every direction is a memory copy)."""
+def measure_link(device: torch.device, nbytes: int = 64 << 20, repeats: int = 3,
+                 barrier: Callable[[], object] | None = None) -> Link:
+    """Copy bandwidths for ``device`` (pinned host memory on CUDA; on the CPU every direction
+    is a memory copy), measured once per process.
+
+    ``barrier`` is for processes that share this host's memory bandwidth and PCIe switches,
+    the ranks of a node under DDP: each calls it before its timed copies, so all of them copy
+    at once and each measures the bandwidth it gets while the others copy too, as in training.
+    Such a figure is measured on every call (a rank that returned a cached one would leave the
+    others waiting at the barrier).
+    """
     device = torch.device(device)
-    if device not in _LINKS:
-        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        if device.type == "cuda":
-            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            d2h = _best_seconds(lambda: host.copy_(src, non_blocking=True), device, repeats)
-            h2d = _best_seconds(lambda: src.copy_(host, non_blocking=True), device, repeats)
-            dst = torch.empty_like(src)
-            d2d = _best_seconds(lambda: dst.copy_(src), device, repeats)
-            _LINKS[device] = Link(nbytes / d2h, nbytes / h2d, nbytes / d2d)
-        else:  # the engine clones into new memory, page faults included: time that
-            copy = nbytes / _best_seconds(src.clone, device, repeats)
-            _LINKS[device] = Link(copy, copy, copy)
-    return _LINKS[device]
+    if barrier is None and device in _LINKS:
+        return _LINKS[device]
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    seconds = partial(_seconds, device=device, repeats=repeats, barrier=barrier)
+    if device.type == "cuda":
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        d2h = seconds(lambda: host.copy_(src, non_blocking=True))
+        h2d = seconds(lambda: src.copy_(host, non_blocking=True))
+        dst = torch.empty_like(src)
+        d2d = seconds(lambda: dst.copy_(src))
+        link = Link(nbytes / d2h, nbytes / h2d, nbytes / d2d)
+    else:  # the engine clones into new memory, page faults included: time that
+        copy = nbytes / seconds(src.clone)
+        link = Link(copy, copy, copy)
+    if barrier is None:
+        _LINKS[device] = link
+    return link
 
 
-def _best_seconds(fn, device: torch.device, repeats: int) -> float:
+def _seconds(fn: Callable[[], object], device: torch.device, repeats: int,
+             barrier: Callable[[], object] | None) -> float:
+    """Seconds one ``fn()`` takes: alone, the best of ``repeats`` (the least disturbed);
+    after a ``barrier``, the mean of ``repeats`` back to back, a window long enough that the
+    other processes' copies overlap it."""
     fn()  # warm-up
+    clock = Clock(device)
+    if barrier is not None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the warm-up is done before the barrier
+        barrier()
+        start = clock.now()
+        for _ in range(repeats):
+            fn()
+        return max(clock.seconds(start, clock.now()) / repeats, 1e-9)
     best = float("inf")
     for _ in range(repeats):
-        clock = Clock(device)
         start = clock.now()
         fn()
-        end = clock.now()
-        best = min(best, clock.seconds(start, end))
+        best = min(best, clock.seconds(start, clock.now()))
     return max(best, 1e-9)
 
 

@@ -8,8 +8,9 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 
@@ -401,18 +402,36 @@ def test_fsdp_by_name_needs_a_gpu_as_lightnings_fsdp_does():
         pl.Trainer(strategy="cswap_fsdp", accelerator="cpu", logger=False)
 
 
-def test_ddp_on_two_cpu_processes_packs_and_probes_on_both_ranks(tmp_path):
-    """Run as a user would: a script with a CSwap DDP strategy, which Lightning relaunches for
-    rank 1 (this file is that script, see the bottom)."""
-    subprocess.run([sys.executable, __file__, str(tmp_path)], check=True, cwd=tmp_path,
+def run_ddp(worker: str, out: Path) -> list[dict]:
+    """Run ``worker`` (below) as a user would run a script with a CSwap DDP strategy, which
+    Lightning relaunches for rank 1 (this file is that script, see the bottom); what each rank
+    wrote."""
+    subprocess.run([sys.executable, __file__, worker, str(out)], check=True, cwd=out,
                    timeout=300)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_ddp_on_two_cpu_processes_packs_and_probes_on_both_ranks(tmp_path):
+    ranks = run_ddp("probes", tmp_path)
     for rank in ranks:
         assert rank["world_size"] == 2
         assert rank["probes"] == 2  # one before each micro-batch of the accumulated step
         assert rank["engine_steps"] == 2 + 2 * 2  # both micro-batches, each probed twice
         assert rank["offloaded_bytes"] > 0
     assert ranks[0]["weights"] == ranks[1]["weights"]  # DDP kept the replicas equal
+
+
+def test_ddp_measures_the_link_with_every_rank_copying_and_plans_with_it(tmp_path):
+    ranks = run_ddp("link", tmp_path)
+    for rank in ranks:
+        before = rank["before_training"]
+        assert before.count("clock") == 2  # the start and end of the timed copies
+        first = before.index("clock")
+        assert before[first - 1:first + 2] == ["barrier", "clock", "clock"]  # right after one
+        assert rank["advised_with"] == [rank["link"]]  # the advisor planned with that link
+    # Both ranks copied at the same time.
+    starts, ends = zip(*(rank["copying"] for rank in ranks))
+    assert max(starts) < min(ends)
 
 
 def _ddp_worker(out: Path) -> None:
@@ -432,5 +451,51 @@ def _ddp_worker(out: Path) -> None:
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
+class MarkTrainingStart(pl.Callback):
+    def __init__(self, events: list[tuple[str, float]]) -> None:
+        self.events = events
+
+    def on_train_start(self, trainer, pl_module):
+        self.events.append(("training", time.perf_counter()))
+
+
+def _link_worker(out: Path) -> None:
+    """Records when the strategy's barrier returns and the profiler's clock is read (the host
+    clock on the CPU), and the link each advisor is built with."""
+    from cswap_lightning.advisor import Advisor
+    from cswap_lightning.profiler import Clock
+
+    events: list[tuple[str, float]] = []
+    advised: list[dict] = []
+    barrier, now, advisor = CSwapDDPStrategy.barrier, Clock.now, Advisor.__init__
+
+    def barrier_spy(self, *args, **kwargs):
+        barrier(self, *args, **kwargs)
+        events.append(("barrier", time.perf_counter()))
+
+    def clock_spy(self):
+        stamp = now(self)
+        events.append(("clock", stamp))
+        return stamp
+
+    def advisor_spy(self, compressor, link, *args, **kwargs):
+        advised.append(asdict(link))
+        advisor(self, compressor, link, *args, **kwargs)
+
+    CSwapDDPStrategy.barrier, Clock.now, Advisor.__init__ = barrier_spy, clock_spy, advisor_spy
+    auto = CSwapConfig(plan="auto", profile_steps=1, min_bytes=0)
+    trainer, _ = train(CSwapDDPStrategy(auto), devices=2, max_steps=2,
+                       callbacks=[MarkTrainingStart(events)])
+    before = events[:[what for what, _ in events].index("training")]
+    link = trainer.strategy.offloader.link
+    result = {
+        "before_training": [what for what, _ in before],
+        "copying": [stamp for what, stamp in before if what == "clock"],
+        "link": None if link is None else asdict(link),
+        "advised_with": advised,
+    }
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
 if __name__ == "__main__":
-    _ddp_worker(Path(sys.argv[1]))
+    {"probes": _ddp_worker, "link": _link_worker}[sys.argv[1]](Path(sys.argv[2]))

@@ -17,7 +17,8 @@ and YAML configs work::
 
 The Trainer-side work lives in :class:`CSwapHooks`, a callback each strategy adds to the
 Trainer it is connected to: metrics after every training batch, re-profiling at each epoch
-start, the learned plan in checkpoints, and the summary at the end of training.
+start, the learned plan in checkpoints, the summary at the end of training and, with several
+processes, the link's bandwidth measured with all of them copying at once.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from ..config import LOSSY_CODECS, CSwapConfig
 from ..engine import Offloader
 from ..guard import AccuracyGuard
 from ..metrics import offload_metrics, step_values, write_summary
+from ..profiler import measure_link
 from ..stats import StepStats
 
 # The default as a value, not None, so LightningCLI's --print_config lists every field.
@@ -258,6 +260,11 @@ class CSwapHooks(Callback):
         self.strategy.offloader.watch(pl_module)  # names sites by module (for `lossy_exclude`)
         self.metrics.to(pl_module.device)  # states where distributed reduction expects them
         config = self.strategy.cswap_config
+        if config.plan == "auto" and trainer.world_size > 1:
+            # The ranks of a host share its memory bandwidth and PCIe switches: the advisor
+            # plans with the link each one gets while all copy at once, as in training.
+            self.strategy.offloader.link = measure_link(pl_module.device,
+                                                        barrier=self.strategy.barrier)
         lossy = config.plan in LOSSY_CODECS or config.lossy != "off"
         if lossy and config.guard_every and not self.strategy.can_probe():
             rank_zero_warn(
