@@ -800,11 +800,14 @@ def goals(result: dict) -> list[dict]:
     # that reason alone; what the goal asks is what compression does to the same swaps.
     at = f"@{round(100 * low)}%"
     raw = _row(result, "cswap raw")
-    compressed = [r for r in (_row(result, f"{c} {at}") for c in BUDGETED)
-                  if r is not None and r.get("offloaded_bytes")]
-    if raw is None or not compressed:
-        add(GOALS[3], "n/a", f"cswap raw or a compressing cswap run did not run, or offloaded "
-            f"nothing, {at}")
+    auto = [r for r in (_row(result, f"{c} {at}") for c in BUDGETED)
+            if r is not None and r.get("offloaded_bytes")]
+    compressed = [r for r in auto if set(r.get("decisions", {})) - {"raw", "keep", "dedup"}]
+    if raw is None or not auto:
+        add(GOALS[3], "n/a", f"cswap raw, or cswap auto {at}, did not run or offloaded nothing")
+    elif not compressed:
+        add(GOALS[3], "n/a", f"cswap auto {at} compressed no tensor (the advisor swapped all "
+            "it offloaded raw): no compression to compare")
     elif raw["exposed_s"] <= 0.0 or not raw.get("offloaded_bytes"):
         add(GOALS[3], "n/a", "cswap raw exposes no swap time")
     else:
