@@ -146,6 +146,9 @@ class GPT2LM(HFModule):
     """``GPT2LMHeadModel`` from a ``GPT2Config`` (defaults: GPT-2 small sizes).
 
     The last token id marks begin and end of text, as GPT-2's 50256 does in its vocabulary.
+    ``activation_checkpointing`` recomputes each transformer block in backward (Hugging Face's
+    checkpointing, without its offload): a block then saves only its input, which the engine
+    moves off the device (and compresses, where the plan says so).
     """
 
     def __init__(
@@ -155,6 +158,7 @@ class GPT2LM(HFModule):
         num_layers: PositiveInt = 12,
         num_heads: PositiveInt = 12,
         max_positions: PositiveInt = 1024,
+        activation_checkpointing: bool = False,
         optimizer: OptimizerCallable = torch.optim.AdamW,
     ) -> None:
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -165,3 +169,5 @@ class GPT2LM(HFModule):
             n_positions=max_positions, bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1,
         )
         self.model = GPT2LMHeadModel(config)
+        if activation_checkpointing:
+            self.model.activation_checkpointing_enable()
