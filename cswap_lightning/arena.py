@@ -18,7 +18,6 @@ import threading
 import warnings
 import weakref
 from collections import Counter, deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -67,8 +66,10 @@ class HostArena:
         self._released: deque[Lease] = deque()
         self.buffer = self._allocate(max(layout.arena_bytes, 1), pin, device)
 
-    def acquire(self, key: int, nbytes: int) -> tuple[torch.Tensor, Lease] | str:
-        """A view of ``nbytes`` at the start of block ``key``'s region and its lease, or the
+    def acquire(self, key: int, nbytes: int, dtype: torch.dtype = torch.uint8
+                ) -> tuple[torch.Tensor, Lease] | str:
+        """A view (as ``dtype``: the region goes back when this very view is collected) of
+        ``nbytes`` at the start of block ``key``'s region and its lease, or the
         reason it cannot be had."""
         while self._released:
             lease = self._released.popleft()
@@ -85,7 +86,7 @@ class HostArena:
             return "busy"
         self._busy.add(key)
         lease = Lease(key, [self._last_use[k] for k in sharing if k in self._last_use])
-        view = self.buffer[at : at + nbytes]
+        view = self.buffer[at : at + nbytes].view(dtype)
         weakref.finalize(view, self._release, lease).atexit = False
         return view, lease
 
@@ -211,9 +212,9 @@ class HostMemory:
     """Host slots for payloads: the planned arena when it can serve, per-tensor otherwise.
 
     Each closed step is accounted for, and re-planned from if its sites changed, a payload
-    did not fit, or the arena is more than ``headroom`` too large, in a thread of its own:
-    allocating and pinning a large arena must not hold up the offload worker, which uses
-    per-tensor memory until the new arena is ready. A site whose payload outgrew its slot
+    did not fit, or the arena is more than ``headroom`` too large, in the transfer's
+    background thread: allocating and pinning a large arena must not hold up forward, which
+    uses per-tensor memory until the new arena is ready. A site whose payload outgrew its slot
     gets twice the headroom from then on, so that one growing tensor (sparsity falls fast
     early in training) does not have the arena planned again at every step."""
 
@@ -222,7 +223,6 @@ class HostMemory:
         self.headroom = headroom
         self.alignment = alignment
         self.arena: HostArena | None = None
-        self._planner = ThreadPoolExecutor(1, thread_name_prefix="cswap-plan")
         self._lock = threading.Lock()
         self._hits = 0
         self._fallbacks: Counter[str] = Counter()
@@ -232,11 +232,12 @@ class HostMemory:
         self._warned = False
         self._report: ArenaReport | None = None
 
-    def acquire(self, site: int, nbytes: int) -> tuple[torch.Tensor, Lease] | None:
-        """The planned region for ``site`` (offload worker only), or None: allocate one."""
-        arena = self.arena
-        taken = arena.acquire(site, nbytes) if arena is not None else "no arena"
-        with self._lock:
+    def acquire(self, site: int, nbytes: int, dtype: torch.dtype = torch.uint8
+                ) -> tuple[torch.Tensor, Lease] | None:
+        """The planned region for ``site`` (as ``dtype``), or None: allocate one."""
+        with self._lock:  # forward and the compression thread both take regions
+            arena = self.arena
+            taken = arena.acquire(site, nbytes, dtype) if arena is not None else "no arena"
             if isinstance(taken, str):
                 self._fallbacks[taken] += 1
                 if taken == "too big":
@@ -246,20 +247,24 @@ class HostMemory:
         return taken
 
     def step_closed(self, step: StepStats, device: torch.device | None = None) -> None:
-        """Account for ``step`` (its offload work finished) and plan from it, in the background;
-        ``device``: where its tensors were (the arena is pinned for a CUDA device only)."""
+        """Account for ``step`` (its offload work finished) and plan from it (call it off
+        the forward thread); ``device``: where its tensors were (the arena is pinned for a
+        CUDA device only)."""
         with self._lock:
             hits, fallbacks, outgrown = self._hits, dict(self._fallbacks), self._outgrown
             self._hits, self._fallbacks, self._outgrown = 0, Counter(), set()
-        self._planner.submit(self._plan_from, step, device, hits, fallbacks, outgrown)
+        self._plan_from(step, device, hits, fallbacks, outgrown)
 
     def report(self) -> ArenaReport | None:
-        """The last closed step's report (waits for its planning to finish)."""
-        self._planner.submit(lambda: None).result()
+        """The last closed step's report."""
         return self._report
 
+    def held_bytes(self) -> int:
+        """Host memory held between steps: the arena."""
+        arena = self.arena
+        return 0 if arena is None else arena.buffer.numel()
+
     def close(self) -> None:
-        self._planner.shutdown(wait=True)
         self.arena = None
 
     def _plan_from(

@@ -18,10 +18,10 @@ from torch import nn
 from .advisor import Advisor
 from .codecs import get_codec
 from .demo import build_cnn
-from .engine import skip_reason
 from .predictor import calibrate
 from .profiler import SiteProfile, measure_link
 from .stats import fmt_bytes
+from .tensors import skip_reason
 from .transfer import Transfer
 
 
@@ -85,8 +85,7 @@ def _swap_seconds(transfer: Transfer, t: torch.Tensor, codec: str, repeats: int 
     for _ in range(repeats):
         start = time.perf_counter()
         stored = transfer.offload(t, get_codec(codec))
-        stored.result()
-        _, ready = transfer.restore(stored).result()
+        _, ready = transfer.restore(stored)
         if ready is not None:
             ready.synchronize()
         best = min(best, time.perf_counter() - start)

@@ -149,6 +149,12 @@ def main(argv: list[str] | None = None) -> int:
         "advisor", help="does the advisor pick the faster of raw and compressed swaps?")
     advisor.add_argument("--device", default="auto")
     advisor.add_argument("--codec", default="zvc", choices=("zvc", "rle"))
+    overhead = bench_kinds.add_parser(
+        "overhead", help="the engine's host time per saved tensor (a chain of tiny ops)")
+    overhead.add_argument("--tensors", type=_whole(1), default=2000,
+                          help="saved tensors per step")
+    overhead.add_argument("--rounds", type=_whole(1), default=7, help="interleaved rounds")
+    overhead.add_argument("--out", default=None, help="write markdown and JSON results here (stem)")
     from .commands.bench_suite import add_parser as add_suite_parser
 
     add_suite_parser(bench_kinds)
@@ -215,6 +221,11 @@ def main(argv: list[str] | None = None) -> int:
 
         run_codec_bench(args.device, args.sizes, args.dtypes, args.codecs, args.sparsities,
                         args.quick, args.warmup, args.repeats, args.relu, args.nvcomp, args.out)
+        return 0
+    if args.bench == "overhead":
+        from .commands.bench_overhead import run_overhead_bench
+
+        run_overhead_bench(args.tensors, rounds=args.rounds, out=args.out)
         return 0
     if args.bench == "suite":
         from .commands.bench_suite import run_suite

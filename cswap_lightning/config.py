@@ -29,6 +29,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "guard_tolerance": (float, int),
     "min_bytes": (int,),
     "prefetch_bytes": (int,),
+    "inflight_bytes": (int,),
     "pin_memory": (bool,),
 }
 
@@ -60,6 +61,9 @@ class CSwapConfig:
             the guard accepts before moving the worst lossy sites back to lossless.
         min_bytes: saved tensors smaller than this stay where they are.
         prefetch_bytes: how many bytes backward may bring back ahead of use.
+        inflight_bytes: how many bytes forward may leave on their way off the device
+            (copies not yet done, tensors not yet compressed) before it waits for the
+            oldest; the wait is reported as ``StepStats.forward_wait_s``.
         pin_memory: use page-locked host memory for CUDA tensors (needed for async copies).
     """
 
@@ -73,6 +77,7 @@ class CSwapConfig:
     guard_tolerance: float = 0.1
     min_bytes: int = 256 * 1024
     prefetch_bytes: int = 512 * MiB
+    inflight_bytes: int = 1024 * MiB
     pin_memory: bool = True
 
     def __post_init__(self) -> None:
@@ -100,7 +105,7 @@ class CSwapConfig:
             )
         if self.profile_steps < 1:
             raise ValueError(f"CSwapConfig.profile_steps must be >= 1, got {self.profile_steps!r}")
-        for name in ("min_bytes", "prefetch_bytes"):
+        for name in ("min_bytes", "prefetch_bytes", "inflight_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(
                     f"CSwapConfig.{name} must be >= 0 bytes, got {getattr(self, name)!r}"

@@ -51,6 +51,25 @@ class SwapWait(_Total):
         self.total = self.total + wait_s
 
 
+class PeakResidentBytes(Metric):
+    """The most bytes of a step's saved tensors that were on the device at once, measured
+    (``StepStats.peak_resident_bytes``): the highest over the steps seen, and across ranks."""
+
+    full_state_update = False
+    is_differentiable = False
+    higher_is_better = False
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.add_state("peak", torch.zeros((), dtype=torch.float64), dist_reduce_fx="max")
+
+    def update(self, peak_resident_bytes: float | Tensor) -> None:
+        self.peak = torch.clamp(self.peak, min=peak_resident_bytes)
+
+    def compute(self) -> Tensor:
+        return self.peak
+
+
 class CompressionRatio(Metric):
     """Bytes offloaded per byte held off the device, over every step seen (a ratio of sums,
     not a mean of per-step ratios); 0 while nothing has been offloaded."""
@@ -103,7 +122,8 @@ class ReconstructionError(Metric):
 def offload_metrics(prefix: str = "cswap/") -> MetricCollection:
     """The metrics a trainer logs after each step; feed them ``**step_values(stats)``."""
     return MetricCollection(
-        {"ratio": CompressionRatio(), "offloaded_bytes": OffloadedBytes(), "wait_s": SwapWait()},
+        {"ratio": CompressionRatio(), "offloaded_bytes": OffloadedBytes(), "wait_s": SwapWait(),
+         "peak_resident_bytes": PeakResidentBytes()},
         prefix=prefix,
         compute_groups=False,
     )
@@ -115,36 +135,25 @@ def step_values(stats: StepStats) -> dict[str, float]:
         "offloaded_bytes": stats.offloaded_bytes,
         "stored_bytes": stats.stored_bytes,
         "wait_s": stats.wait_s,
+        "peak_resident_bytes": stats.peak_resident_bytes,
     }
 
 
 def memory_timeline(stats: StepStats) -> Figure:
-    """Bytes of saved tensors held over one step, on the step clock (one tick per pack, then
-    one per first unpack in backward): all of them, those left on the device, and the
-    host bytes holding the offloaded ones. A tensor lives from its pack to its first unpack;
-    tensors backward never unpacked through the engine (those kept) count until the end."""
-    sites = [s for s in stats.sites if s.decision != "dedup"]
-    end = 1 + max([s.packed_at for s in sites] + [s.unpacked_at or 0 for s in sites], default=0)
-    ticks = range(end + 1)
-    saved = [0.0] * len(ticks)
-    device = [0.0] * len(ticks)
-    host = [0.0] * len(ticks)
-    for s in sites:
-        last = s.unpacked_at if s.unpacked_at is not None else end
-        for t in range(s.packed_at, last):
-            saved[t] += s.nbytes / MiB
-            if s.decision == "keep":
-                device[t] += s.nbytes / MiB
-            else:
-                host[t] += s.stored_bytes / MiB
+    """The measured bytes of the step's saved tensors on the compute device, over the step's
+    time (``StepStats.timeline_bytes``): what the engine kept, originals not yet copied out
+    or held elsewhere, and what backward brought back."""
     figure = Figure(figsize=(8, 4), layout="constrained")
     ax = figure.add_subplot()
-    ax.step(ticks, saved, where="post", label="saved by autograd (no offload)")
-    ax.step(ticks, device, where="post", label="left on the device")
-    ax.step(ticks, host, where="post", label="held in host memory (after compression)")
-    ax.set_xlabel("step clock (packs in forward, then first unpacks in backward)")
+    ms = [1e3 * t for t in stats.timeline_s]
+    ax.step(ms, [b / MiB for b in stats.timeline_bytes], where="post",
+            label="saved tensors on the device (measured)")
+    ax.axhline(stats.peak_resident_bytes / MiB, linestyle=":", color="gray",
+               label=f"peak {stats.peak_resident_bytes / MiB:.1f} MiB")
+    ax.set_xlabel("ms since the step's first saved tensor")
     ax.set_ylabel("MiB")
-    ax.set_title(f"saved tensors during step {stats.step}")
+    ax.set_title(f"saved tensors during step {stats.step}: offloaded "
+                 f"{stats.offloaded_bytes / MiB:.1f} MiB of {stats.saved_bytes / MiB:.1f} MiB")
     ax.legend()
     return figure
 

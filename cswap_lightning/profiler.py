@@ -10,6 +10,7 @@ it is the host clock. Only profiled steps are timed.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -56,9 +57,10 @@ def measure_link(device: torch.device, nbytes: int = 64 << 20, repeats: int = 3,
         dst = torch.empty_like(src)
         d2d = seconds(lambda: dst.copy_(src))
         link = Link(nbytes / d2h, nbytes / h2d, nbytes / d2d)
-    else:  # the engine clones into new memory, page faults included: time that
+    else:  # offloading clones into new memory, page faults included: time that;
+        # restoring a raw payload on the CPU takes it as it is, no copy
         copy = nbytes / seconds(src.clone)
-        link = Link(copy, copy, copy)
+        link = Link(copy, math.inf, copy)
     if barrier is None:
         _LINKS[device] = link
     return link

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class SiteStats:
     """One saved tensor of a step (a *site*: the k-th tensor autograd saved)."""
 
@@ -37,6 +38,15 @@ class StepStats:
 
     step: int
     sites: list[SiteStats] = field(default_factory=list)
+    # Measured: the most bytes of the step's saved tensors on the compute device at once
+    # (kept ones, originals not yet copied out or still held elsewhere, restored and
+    # prefetched ones), each storage counted once; and the bytes (``timeline_bytes``) at each
+    # change, ``timeline_s`` seconds after the step's first saved tensor.
+    peak_resident_bytes: int = 0
+    timeline_s: array = field(default_factory=lambda: array("d"), repr=False)
+    timeline_bytes: array = field(default_factory=lambda: array("q"), repr=False)
+    peak_allocated_bytes: int | None = None  # CUDA: the allocator's peak during the step
+    forward_wait_s: float = 0.0  # forward's waits at the in-flight bound (inflight_bytes)
 
     def _sum(self, attr: str, include: Callable[[str], bool] = lambda decision: True) -> float:
         return sum(getattr(s, attr) for s in self.sites if include(s.decision))
@@ -77,7 +87,10 @@ class StepStats:
             "kept_bytes": self.kept_bytes,
             "ratio": self.ratio,
             "wait_s": self.wait_s,
-            "sites": [vars(s) | {"ratio": s.ratio} for s in self.sites],
+            "forward_wait_s": self.forward_wait_s,
+            "peak_resident_bytes": self.peak_resident_bytes,
+            "peak_allocated_bytes": self.peak_allocated_bytes,
+            "sites": [asdict(s) | {"ratio": s.ratio} for s in self.sites],
         }
 
     def table(self) -> str:
@@ -99,6 +112,12 @@ class StepStats:
             f"{fmt_bytes(self.offloaded_bytes)} stored as {fmt_bytes(self.stored_bytes)} "
             f"(ratio {_ratio(self.ratio)}), kept on device {fmt_bytes(self.kept_bytes)}, "
             f"backward waited {self.wait_s * 1e3:.2f} ms"
+        )
+        allocated = ("" if self.peak_allocated_bytes is None
+                     else f"; allocator peak {fmt_bytes(self.peak_allocated_bytes)}")
+        rows.append(
+            f"peak resident {fmt_bytes(self.peak_resident_bytes)} of saved tensors on the "
+            f"device{allocated}; forward waited {self.forward_wait_s * 1e3:.2f} ms"
         )
         return "\n".join(rows)
 

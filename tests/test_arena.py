@@ -17,7 +17,13 @@ from cswap_lightning.arena import ALIGNMENT, HEADROOM, HostArena
 from cswap_lightning.codecs import get_codec
 from cswap_lightning.memplan import Block, plan
 from cswap_lightning.stats import SiteStats, StepStats
-from cswap_lightning.transfer import Transfer
+from cswap_lightning.transfer import Stored, Transfer
+
+
+@pytest.fixture(autouse=True)
+def arena_on_the_cpu(monkeypatch):
+    """The engine plans an arena for pinned memory only; these tests run it on the CPU."""
+    monkeypatch.setattr(Transfer, "arena_everywhere", True)
 
 
 def forward(model, x, y, off=None):
@@ -100,23 +106,23 @@ def test_training_with_the_arena_is_lossless_and_reuses_regions(name, plan_name)
 
 
 def test_payloads_live_in_their_region_and_get_it_back_once_dropped():
-    transfer = Transfer()
+    transfer = Transfer(arena="always")
     site = SiteStats(0, (1000,), "float32", 4000, "raw", stored_bytes=4000, unpacked_at=1)
     transfer.step_closed(StepStats(0, [site]))
     assert transfer.arena_report().arena_bytes == 4096  # the slot, rounded up to ALIGNMENT
     buffer = transfer.host_memory.arena.buffer
     t = torch.randn(1000)
-    first = transfer.offload(t, get_codec("raw"), site=0)
-    assert first.result().packed.payload.data_ptr() == buffer.data_ptr()
-    second = transfer.offload(t * 2, get_codec("raw"), site=0)
-    assert second.result().lease is None  # the region is held: memory of its own
-    assert torch.equal(transfer.restore(first).result()[0], t)  # not overwritten
-    assert torch.equal(transfer.restore(second).result()[0], t * 2)
+    first = transfer.offload(Stored(t.device), t, get_codec("raw"), site=0)
+    assert first.payload.data_ptr() == buffer.data_ptr()
+    second = transfer.offload(Stored(t.device), t * 2, get_codec("raw"), site=0)
+    assert second.lease is None  # the region is held: memory of its own
+    assert torch.equal(transfer.restore(first)[0], t)  # not overwritten
+    assert torch.equal(transfer.restore(second)[0], t * 2)
     del first
     gc.collect()
-    third = transfer.offload(t * 3, get_codec("raw"), site=0)
-    assert third.result().packed.payload.data_ptr() == buffer.data_ptr()  # given back
-    assert torch.equal(transfer.restore(third).result()[0], t * 3)
+    third = transfer.offload(Stored(t.device), t * 3, get_codec("raw"), site=0)
+    assert third.payload.data_ptr() == buffer.data_ptr()  # given back
+    assert torch.equal(transfer.restore(third)[0], t * 3)
     transfer.step_closed(StepStats(1, [site]))
     report = transfer.arena_report()
     assert (report.hits, report.fallbacks) == (2, {"busy": 1})
@@ -130,13 +136,14 @@ def zvc_step(index, stored_bytes):
 
 
 def test_a_site_that_outgrew_its_slot_gets_twice_the_headroom():
-    transfer = Transfer()
+    transfer = Transfer(arena="always")
     transfer.step_closed(zvc_step(0, 10_000))
     transfer.arena_report()  # waits for the plan
     # 10,000 bytes + 6%, rounded up to the alignment
     assert transfer.host_memory.arena.layout.regions[0][1] == 21 * ALIGNMENT
-    stored = transfer.offload(torch.zeros(2750), get_codec("raw"), site=0)  # 11,000 bytes
-    assert stored.result().lease is None
+    stored = transfer.offload(Stored(torch.device("cpu")), torch.zeros(2750), get_codec("raw"),
+                              site=0)  # 11,000 bytes
+    assert stored.lease is None
     transfer.step_closed(zvc_step(1, 11_000))
     report = transfer.arena_report()
     assert report.fallbacks == {"too big": 1} and report.replanned

@@ -310,17 +310,6 @@ def test_decode_returns_new_memory_and_raw_encode_does_not_copy():
     assert_bit_equal(get_codec("raw").decode(packed), torch.arange(8, dtype=torch.float32))
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.bool])
-def test_raw_decode_owned_is_decode_in_the_payloads_own_memory(dtype):
-    t = torch.randn(3, 5).to(dtype)
-    packed = Packed.from_bytes(get_codec("raw").encode(t).to_bytes())  # a payload of its own
-    shared = get_codec("raw").decode_owned(packed)
-    assert_bit_equal(shared, get_codec("raw").decode(packed))
-    assert shared.shape == t.shape and shared.data_ptr() == packed.payload.data_ptr()
-    with pytest.raises(ValueError, match="expected"):
-        get_codec("raw").decode_owned(Packed(packed.header, packed.payload[:-2]))
-
-
 def test_decode_rejects_foreign_and_damaged_payloads():
     packed = get_codec("zvc").encode(torch.ones(4))
     with pytest.raises(ValueError, match="'rle' cannot decode a 'zvc' payload"):

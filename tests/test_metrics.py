@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cswap_lightning import CSwapConfig, Offloader
 from cswap_lightning.metrics import (
     CompressionRatio,
     ReconstructionError,
@@ -35,6 +36,7 @@ def step(index: int, sites: list[tuple[str, int, int, float]]) -> StepStats:
 FIRST = step(0, [("zvc", 4 * MiB, 1 * MiB, 0.25), ("raw", 2 * MiB, 2 * MiB, 0.5),
                  ("keep", 8 * MiB, 0, 0.0)])
 SECOND = step(1, [("rle", 6 * MiB, 3 * MiB, 0.125), ("keep", 1 * MiB, 0, 0.0)])
+FIRST.peak_resident_bytes, SECOND.peak_resident_bytes = 9 * MiB, 4 * MiB
 
 
 def test_step_and_running_values_are_exact():
@@ -49,6 +51,8 @@ def test_step_and_running_values_are_exact():
     assert total["cswap/offloaded_bytes"].item() == 12 * MiB
     assert total["cswap/ratio"].item() == 2.0  # (6 + 6) / (3 + 3): a ratio of sums
     assert total["cswap/wait_s"].item() == 0.875
+    assert second["cswap/peak_resident_bytes"].item() == 4 * MiB  # this step's
+    assert total["cswap/peak_resident_bytes"].item() == 9 * MiB  # the highest seen
     metrics.reset()
     assert metrics.compute()["cswap/offloaded_bytes"].item() == 0
 
@@ -106,14 +110,23 @@ def test_update_and_compute_never_synchronize_on_cuda():
     assert 0 < relative.item() < 1e-3  # float16 keeps 11 bits: about 3e-4 relative
 
 
-def test_memory_timeline_follows_the_step_clock():
-    figure = memory_timeline(FIRST)
-    saved, device, host = (line.get_ydata() for line in figure.axes[0].get_lines())
-    # Packs at ticks 0, 1, 2; site 1 comes back at 4, site 0 at 5; the kept site 2 counts
-    # until the end of the step (tick 6).
-    assert list(saved) == [4, 6, 14, 14, 12, 8, 0]
-    assert list(device) == [0, 0, 8, 8, 8, 8, 0]
-    assert list(host) == [1, 3, 3, 3, 1, 0, 0]
+def test_memory_timeline_draws_the_measured_residency_over_time():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    off = Offloader(CSwapConfig(plan="raw", min_bytes=0))
+    with off:
+        loss = model(torch.randn(32, 64)).sum()
+    loss.backward()
+    del loss
+    stats = off.last_step()
+    (curve, peak), = [figure.axes[0].get_lines() for figure in [memory_timeline(stats)]]
+    assert list(curve.get_ydata()) == [b / 2**20 for b in stats.timeline_bytes]
+    assert list(curve.get_xdata()) == [1e3 * t for t in stats.timeline_s]
+    assert sorted(curve.get_xdata()) == list(curve.get_xdata())  # a time axis
+    assert max(stats.timeline_bytes) == stats.peak_resident_bytes > 0
+    assert stats.timeline_bytes[-1] == 0  # backward freed everything it brought back
+    assert set(peak.get_ydata()) == {stats.peak_resident_bytes / 2**20}
+    off.close()
 
 
 def test_summary_files(tmp_path):

@@ -80,6 +80,7 @@ to nearest even in the tensor's dtype.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from dataclasses import dataclass
@@ -176,6 +177,13 @@ class Header:
             raise ValueError(f"truncated header: {len(data)} bytes, need {size} for {ndim} dims")
         shape = struct.unpack_from(f"<{ndim}q", data, _FIXED.size)
         return cls(codecs[codec_id], DTYPES[dtype_id], shape, version)
+
+
+@functools.lru_cache(maxsize=4096)
+def header(codec: str, dtype: torch.dtype, shape: tuple[int, ...]) -> Header:
+    """``Header(codec, dtype, shape)``, made once: the engine packs the same few shapes at
+    every step."""
+    return Header(codec, dtype, shape)
 
 
 @dataclass

@@ -11,7 +11,8 @@ import abc
 
 import torch
 
-from .format import Header, Packed, bit_view, bits_dtype
+from .format import Packed, bit_view, bits_dtype
+from .format import header as format_header
 
 _U32_LIMIT = 2**32
 
@@ -27,12 +28,13 @@ class Codec(abc.ABC):
     name: str
     lossless: bool = True
     max_numel: int = 2**63 - 1
+    exact_size: bool = True  # the payload's size follows from the shape: no read-back
 
     def encode(self, t: torch.Tensor) -> Packed:
         """Pack ``t`` (any shape and strides) in logical row-major order; payload on ``t.device``.
 
         The payload may share memory with ``t`` (raw does when ``t`` is contiguous)."""
-        header = Header(self.name, t.dtype, tuple(t.shape))
+        header = format_header(self.name, t.dtype, tuple(t.shape))
         if t.numel() > self.max_numel:
             raise ValueError(
                 f"codec {self.name!r} handles at most {self.max_numel} elements "
@@ -47,11 +49,6 @@ class Codec(abc.ABC):
             raise ValueError(f"codec {self.name!r} cannot decode a {h.codec!r} payload")
         bits = self._decode_bits(packed.payload, h.numel, bits_dtype(h.dtype))
         return bits.view(h.dtype).reshape(h.shape)
-
-    def decode_owned(self, packed: Packed) -> torch.Tensor:
-        """:meth:`decode` for a payload nobody else holds (a restore's fresh device copy): a
-        codec may return the payload's own memory instead of a second copy."""
-        return self.decode(packed)
 
     @abc.abstractmethod
     def payload_nbytes(self, numel: int, nnz: int, elem_size: int, nruns: int = 0) -> int:
@@ -71,6 +68,12 @@ class RawCodec(Codec):
 
     name = "raw"
 
+    def encode(self, t: torch.Tensor) -> Packed:
+        if t.dim() == 1 and t.is_contiguous():  # the engine's storages: a view of the bytes
+            return Packed(format_header(self.name, t.dtype, tuple(t.shape)),
+                          t.detach().view(torch.uint8))
+        return super().encode(t)
+
     def payload_nbytes(self, numel: int, nnz: int, elem_size: int, nruns: int = 0) -> int:
         return numel * elem_size
 
@@ -81,24 +84,17 @@ class RawCodec(Codec):
         return bits.as_strided((bits.numel(),), (1,)).view(torch.uint8)  # size-1 dims: any stride
 
     def _decode_bits(self, payload: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return self._bits(payload, numel, dtype).clone()
-
-    def decode_owned(self, packed: Packed) -> torch.Tensor:
-        """What :meth:`decode` returns, in the payload's own memory."""
-        h = packed.header
-        return self._bits(packed.payload, h.numel, bits_dtype(h.dtype)).view(h.dtype).reshape(h.shape)
-
-    def _bits(self, payload: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
         expected = self.payload_nbytes(numel, numel, dtype.itemsize)
         if payload.numel() != expected:
             raise ValueError(f"raw payload has {payload.numel()} bytes, expected {expected}")
-        return payload.view(dtype)
+        return payload.view(dtype).clone()
 
 
 class ZVCCodec(Codec):
     """Zero-value compression: a 1-bit-per-element mask plus the non-zero elements."""
 
     name = "zvc"
+    exact_size = False
     max_numel = _U32_LIMIT - 1
 
     def payload_nbytes(self, numel: int, nnz: int, elem_size: int, nruns: int = 0) -> int:
@@ -125,6 +121,7 @@ class RLECodec(Codec):
     """Run-length encoding of zero runs: wins over zvc when zeros come in long runs."""
 
     name = "rle"
+    exact_size = False
     max_numel = _U32_LIMIT - 1
 
     def payload_nbytes(self, numel: int, nnz: int, elem_size: int, nruns: int = 0) -> int:

@@ -1,0 +1,337 @@
+"""One step's pack and unpack hooks: the engine's hot path, run for every saved tensor.
+
+A *step* is one forward under ``with offloader:`` and the backward that consumes it. The k-th
+tensor autograd saves in a step is *site* k; steps repeat, so what was learned about site k
+(its sparsity, when backward needed it, whether moving it freed anything) plans the next.
+
+pack: keep the tensor (a weight, too small, planned to stay), or share the entry of a storage
+already moved this step, or start moving its whole storage (``Transfer.offload`` returns at
+once). unpack: check the version, take the prefetched copy or restore it now, then prefetch
+what backward is expected to need next.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from .codecs import get_codec, nonzero_count
+from .codecs.lossy import relative_error
+from .config import LOSSY_CODECS
+from .profiler import StepTimer
+from .residency import Residency
+from .stats import SiteStats, StepStats, fmt_bytes
+from .tensors import (
+    check_version,
+    shares_version_counter,
+    skip_reason,
+    unwrap,
+    version_probe,
+)
+from .transfer import Stored
+
+if TYPE_CHECKING:
+    from .engine import Offloader
+
+
+class _Entry(Stored):
+    """One storage moved off the device: what autograd holds for the site that saved it
+    first, with that site's view; later sites viewing the same bytes hold a ``_View``."""
+
+    __slots__ = ("__weakref__", "consumed", "held", "id", "nbytes", "prefetched", "probe",
+                 "rebuild", "restored", "restored_ready", "stats", "view")
+
+    def __init__(self, stats: SiteStats, source: torch.device, held: weakref.ref,
+                 probe: torch.Tensor, view: _ViewOf) -> None:
+        super().__init__(source)
+        self.id = stats.site
+        self.nbytes = stats.nbytes
+        self.stats = stats
+        self.held = held  # the residency ledger's reference to the original storage
+        self.probe = probe  # shares the version counter of the tensors saved from it
+        self.view = view
+        self.prefetched: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+        self.restored: weakref.ref | None = None  # the device copy, while autograd holds it
+        self.restored_ready: torch.cuda.Event | None = None  # after which that copy is whole
+        self.consumed = False  # unpacked at least once
+
+
+class _ViewOf(NamedTuple):
+    """Which view of its storage a site saved, and at which version."""
+
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+    version: int
+    rebuild: Callable[[torch.Tensor], torch.Tensor] | None  # a DTensor from its local tensor
+
+
+class _View(NamedTuple):
+    """What autograd holds for a site whose storage an earlier site moved."""
+
+    entry: _Entry
+    view: _ViewOf
+
+
+class Step:
+    """Packs and unpacks of one forward and its backward."""
+
+    def __init__(self, offloader: Offloader, index: int, order: list[int] | None,
+                 measure: bool) -> None:
+        self.offloader = offloader
+        self.transfer = offloader.transfer
+        self.min_bytes = offloader.config.min_bytes
+        self.stats = StepStats(index)
+        self.residency = Residency(self.stats)
+        self.measure = measure  # time the windows and count every site's zeros
+        self.timer: StepTimer | None = None
+        self._unpacked: set[int] = set()
+        self.device: torch.device | None = None
+        self.base_bytes = 0  # device memory in use when forward saved its first tensor
+        self.failed = self.closed = False
+        self.probe: str | None = None  # an accuracy-guard probe step (Offloader.probe_next_step)
+        # Autograd runs backward on one thread per device: a model split over several GPUs in
+        # one process unpacks from several threads at once.
+        self._lock = threading.Lock()
+        self._originals: dict[int, torch.Tensor] = {}  # lossy sites' originals, on probes
+        self._by_storage: dict[int, _Entry] = {}  # storage address -> entry, during forward
+        self._entries: dict[int, weakref.ref] = {}  # site -> its entry, while autograd has it
+        self._prev_order = order  # unpack order learned on an earlier step
+        self._order: list[int] | None = None
+        self._position: dict[int, int] = {}
+        self._cursor = 0
+        self._inflight = 0  # prefetched bytes not yet unpacked
+        self.unpack_order: list[int] = []
+        self._counts: list[tuple[SiteStats, int, torch.Tensor]] = []
+        self.clock = 0  # ticks once per pack and once per first unpack of a site
+
+    def tick(self) -> int:
+        self.clock += 1
+        return self.clock - 1
+
+    # forward ----------------------------------------------------------------------------
+    def pack(self, saved: torch.Tensor) -> tuple | _Entry | _View:
+        t, rebuild = unwrap(saved)
+        site = len(self.stats.sites)
+        stats = SiteStats(site, tuple(t.shape), dtype_name(t.dtype),
+                          t.numel() * t.element_size(), "keep", packed_at=self.tick())
+        self.stats.sites.append(stats)
+        if self.device is None:
+            self._first_pack(t.device)
+        if self.offloader.modules is not None:
+            stats.module = self.offloader.modules.current()
+        if self.timer is not None:
+            self.timer.packed(site)
+        stats.reason = skip_reason(t, self.min_bytes)
+        if stats.reason:
+            if stats.reason in ("small", "view of larger storage"):
+                self.residency.hold(t.untyped_storage())
+            return saved, saved._version, site
+        storage = t.untyped_storage()
+        entry = self._by_storage.get(storage._cdata)
+        if (entry is not None and self.residency.ref(storage) is entry.held
+                and entry.stats.dtype == stats.dtype and shares_version_counter(entry.probe, t)):
+            stats.decision, stats.reason = "dedup", f"shares storage with site {entry.id}"
+            return _View(entry, _view_of(t, rebuild))
+        held = self.residency.hold(storage)
+        codec = self.offloader.codec_for(site, stats)
+        if codec == "keep":
+            stats.reason = stats.reason or "plan"
+            if self.measure:
+                self._counts.append((stats, t.numel(), nonzero_count(t)))
+            return saved, saved._version, site
+        entry = _Entry(stats, t.device, held, version_probe(t), _view_of(t, rebuild))
+        self._offload(entry, t, storage, codec)
+        self._by_storage[storage._cdata] = entry
+        return entry
+
+    def _offload(self, entry: _Entry, t: torch.Tensor, storage: torch.UntypedStorage,
+                 codec: str) -> None:
+        """Start moving ``t``'s whole storage: every view of it comes back exactly."""
+        stats = entry.stats
+        elem = t.element_size()
+        flat = t.detach().as_strided((storage.nbytes() // elem,), (1,), 0)
+        stats.decision = codec
+        stats.nbytes = entry.nbytes = flat.nbytes
+        if self.probe == "measure errors" and codec in LOSSY_CODECS:
+            self._originals[stats.site] = flat  # kept alive for the guard's probe step only
+        found = get_codec(codec)
+        on_done = None if found.exact_size else partial(self._record, stats)
+        self.transfer.offload(entry, flat, found, stats.site, self.measure, on_done)
+        if on_done is None:
+            self._record(stats, entry)
+        self._entries[entry.id] = weakref.ref(entry)
+
+    def _first_pack(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            self.base_bytes = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        if self.measure:
+            self.timer = StepTimer(device)
+
+    def end_forward(self) -> None:
+        self._by_storage.clear()
+        self.stats.forward_wait_s += self.transfer.take_waited()
+        if self.timer is not None:
+            self.timer.forward_done()
+
+    # backward ---------------------------------------------------------------------------
+    def unpack(self, saved: tuple | _Entry | _View) -> torch.Tensor:
+        if type(saved) is tuple:  # kept: the tensor, its version when saved, its site
+            t, version, site = saved
+            check_version(t._version, version, t.dtype, tuple(t.shape))
+            if self.timer is not None:
+                with self._lock:
+                    self._time_unpack(site)
+            return t
+        entry, view = (saved, saved.view) if type(saved) is _Entry else saved
+        check_version(entry.probe._version, view.version, entry.probe.dtype, tuple(view.size))
+        start = time.perf_counter()
+        with self._lock:
+            self._time_unpack(entry.id)
+            base, ready = self._device_copy(entry)
+            self._prefetch_after(entry)
+        if ready is not None:  # every unpack: backward may run this op on another stream
+            stream = torch.cuda.current_stream(base.device)
+            stream.wait_event(ready)
+            base.record_stream(stream)
+        entry.stats.wait_s += time.perf_counter() - start
+        out = base.as_strided(view.size, view.stride, view.offset)
+        return out if view.rebuild is None else view.rebuild(out)
+
+    def _time_unpack(self, site: int) -> None:
+        if self.timer is not None and site not in self._unpacked:
+            self._unpacked.add(site)
+            self.timer.unpacked(site)
+
+    def _device_copy(self, entry: _Entry) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """The entry's tensor on its device: prefetched, still held from an earlier unpack,
+        or restored now."""
+        if entry.prefetched is not None:
+            (base, ready), entry.prefetched = entry.prefetched, None
+            self._inflight -= entry.nbytes
+        else:
+            base = entry.restored() if entry.restored is not None else None
+            ready = entry.restored_ready
+            if base is None:
+                base, ready = self._restore(entry)
+        entry.restored, entry.restored_ready = weakref.ref(base), ready
+        if not entry.consumed:
+            self._first_unpack(entry, base)
+        return base, ready
+
+    def _first_unpack(self, entry: _Entry, base: torch.Tensor) -> None:
+        entry.consumed = True
+        entry.stats.unpacked_at = self.tick()
+        self.unpack_order.append(entry.id)
+        original = self._originals.pop(entry.id, None)
+        if original is not None:
+            entry.stats.error = relative_error(original, base).item()
+        elif entry.held() is not None and self.probe is None and (
+                entry.ready is None or entry.ready.is_set()):
+            # Still alive although copied out: something else holds it (the training loop,
+            # the user's code), so moving it freed nothing. Later steps keep it.
+            self.offloader.held_elsewhere.add(entry.id)
+
+    def _restore(self, entry: _Entry) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Restore now; short of memory, give back what was prefetched and try once more."""
+        try:
+            out = self.transfer.restore(entry)
+        except Exception:  # noqa: BLE001 - retried below, and reported if it fails again
+            self._drop_prefetched()
+            try:
+                out = self.transfer.restore(entry)
+            except Exception as err:
+                raise RuntimeError(
+                    f"cswap could not bring back saved tensor {entry.id} "
+                    f"({fmt_bytes(entry.nbytes)}) for backward: {type(err).__name__}: {err}. "
+                    "Its payload is intact in host memory; lower CSwapConfig.prefetch_bytes or "
+                    "the batch size to leave room."
+                ) from err
+        self.residency.hold(out[0].untyped_storage())
+        return out
+
+    def _drop_prefetched(self) -> None:
+        for ref in self._entries.values():
+            entry = ref()
+            if entry is not None:
+                entry.prefetched = None
+        self._inflight = 0
+
+    def _prefetch_after(self, entry: _Entry) -> None:
+        """Bring back the sites expected next, within the bytes-in-flight budget."""
+        budget = self.offloader.config.prefetch_bytes
+        if budget == 0:
+            return
+        if self._order is None:
+            self._order = self._prev_order or sorted(self._entries, reverse=True)
+            self._position = {site: i for i, site in enumerate(self._order)}
+        position = self._position.get(entry.id)
+        if position is not None and position >= self._cursor:
+            self._cursor = position + 1
+        order, entries = self._order, self._entries
+        while self._cursor < len(order):
+            ref = entries.get(order[self._cursor])
+            nxt = ref() if ref is not None else None
+            if nxt is not None and not nxt.consumed and nxt.prefetched is None:
+                if self._inflight and self._inflight + nxt.nbytes > budget:
+                    return
+                try:
+                    nxt.prefetched = self.transfer.restore(nxt)
+                except Exception:  # noqa: BLE001 - restored on demand instead, or reported then
+                    return
+                self.residency.hold(nxt.prefetched[0].untyped_storage())
+                nxt.stats.prefetched = True
+                self._inflight += nxt.nbytes
+            self._cursor += 1
+
+    def live_entries(self) -> list[_Entry]:
+        """The step's entries autograd still holds."""
+        return [entry for entry in (ref() for ref in list(self._entries.values()))
+                if entry is not None]
+
+    # statistics -------------------------------------------------------------------------
+    def _record(self, stats: SiteStats, stored: Stored) -> None:
+        """A site's offload is done (in the compression thread for compressed ones)."""
+        if stored.kept is not None:
+            stats.decision, stats.reason = "keep", "offload failed"
+            return
+        stats.stored_bytes, stats.offload_s = stored.stored_bytes, stored.seconds
+        if stored.codec != stats.decision:
+            stats.reason = f"{stats.decision} out of device memory"
+            stats.decision = stored.codec
+        if stored.nonzero is not None:
+            self._counts.append((stats, stats.nbytes // stored.payload.element_size()
+                                 if stored.header is None else stored.header.numel,
+                                 stored.nonzero))
+
+    def close(self) -> None:
+        """Turn the zero counts of finished offloads into sparsities (call after a drain),
+        and read the allocator's peak."""
+        counts, self._counts = self._counts, []
+        for stats, numel, nonzero in counts:
+            stats.sparsity = 1.0 - nonzero.item() / numel if numel else 0.0
+        if self.device is not None and self.device.type == "cuda":
+            self.stats.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device)
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``"float32"`` for ``torch.float32``, made once per dtype."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+def _view_of(t: torch.Tensor, rebuild: Callable | None) -> _ViewOf:
+    return _ViewOf(t.size(), t.stride(), t.storage_offset(), t._version, rebuild)

@@ -1,0 +1,107 @@
+"""What the engine needs to know of a saved tensor: may it move, and is it still as saved?"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from .codecs import DTYPES
+
+# A view whose storage is this many times larger than itself is kept: offloading it would
+# move (and free) nothing but the whole storage.
+MAX_STORAGE_TO_VIEW_RATIO = 4
+_SUPPORTED_DTYPES = frozenset(DTYPES)
+
+# Reasons to keep a tensor that something outside autograd holds anyway (the module, the
+# training loop): moving it would copy bytes and free nothing.
+HELD_ELSEWHERE = ("parameter", "leaf", "view of a leaf", "held elsewhere")
+
+
+def unwrap(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor] | None]:
+    """The plain tensor that holds ``t``'s memory, and how to wrap it again: a DTensor (tensor
+    or sequence parallelism) moves as its local shard; any other tensor as itself."""
+    dtensor = sys.modules.get("torch.distributed.tensor")  # imported where DTensors exist
+    if dtensor is None or type(t) is not dtensor.DTensor or _of_a_leaf(t):
+        return t, None
+    return t._local_tensor, partial(dtensor.DTensor.from_local, device_mesh=t.device_mesh,
+                                    placements=t.placements, shape=t.shape, stride=t.stride())
+
+
+def _of_a_leaf(t: torch.Tensor) -> bool:
+    """A weight (trained or frozen) or a leaf that requires grad, or a view of one."""
+    base = t if t._base is None else t._base
+    return base.is_leaf and (base.requires_grad or isinstance(base, torch.nn.Parameter))
+
+
+def skip_reason(t: torch.Tensor, min_bytes: int) -> str:
+    """Why ``t`` must stay where it is, or ``""`` if it can be offloaded (cheap checks
+    first: this runs for every saved tensor)."""
+    plain = type(t) is torch.Tensor
+    if not plain and isinstance(t, torch.nn.Parameter):
+        return "parameter"
+    if t.layout != torch.strided or t.is_nested:
+        return "sparse/nested"
+    if t.dtype not in _SUPPORTED_DTYPES or t.is_quantized:
+        return f"dtype {str(t.dtype).removeprefix('torch.')}"
+    if not (t.is_cuda or t.is_cpu):
+        return f"device {t.device.type}"
+    if _of_a_leaf(t):
+        return "leaf" if t._base is None else "view of a leaf"
+    if not plain:
+        return f"subclass {type(t).__name__}"
+    nbytes = t.numel() * t.element_size()
+    if nbytes < max(min_bytes, 1):
+        return "small"
+    if t.untyped_storage().nbytes() > MAX_STORAGE_TO_VIEW_RATIO * nbytes:
+        return "view of larger storage"
+    return ""
+
+
+def version_probe(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor sharing ``t``'s version counter: it sees later in-place writes to ``t``
+    (or any view of its storage that shares the counter) without keeping ``t``'s memory."""
+    version = t._version
+    probe = t.detach()
+    probe.set_()  # drops the storage, and bumps the shared counter: undo that
+    set_version(probe, version)
+    return probe
+
+
+def shares_version_counter(probe: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether ``t`` and ``probe`` count versions with one counter, at the same version.
+
+    Views made by ``unsafe_chunk``/``unsafe_split`` (LSTM and GRU gates) share a storage but
+    each has a counter of its own, so an in-place write to one piece is invisible to the
+    others: only a shared counter proves the bytes are as they were when ``probe`` was made.
+    Tested by setting ``t``'s counter and reading ``probe``'s, then setting it back."""
+    version = t._version
+    if probe._version != version:
+        return False
+    set_version(t, version + 1)
+    shared = probe._version == version + 1
+    set_version(t, version)
+    return shared
+
+
+def set_version(t: torch.Tensor, version: int) -> None:
+    torch._C._autograd._unsafe_set_version_counter((t,), (version,))
+
+
+try:  # chosen once here, not on every pack: older torch releases take one tensor, one version
+    set_version(torch.empty(0), 0)
+except TypeError:
+    def set_version(t: torch.Tensor, version: int) -> None:
+        torch._C._autograd._unsafe_set_version_counter(t, version)
+
+
+def check_version(current: int, saved: int, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """PyTorch skips this check for tensors that pass through saved-tensor hooks; we do it."""
+    if current != saved:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{dtype} {list(shape)}] is at version {current}; expected "
+            f"version {saved} instead. (cswap keeps PyTorch's check for saved tensors.)"
+        )
