@@ -22,7 +22,7 @@ from .predictor import calibrate
 from .profiler import SiteProfile, measure_link
 from .stats import fmt_bytes
 from .tensors import skip_reason
-from .transfer import Transfer
+from .transfer import Stored, Transfer
 
 
 @dataclass
@@ -84,7 +84,7 @@ def _swap_seconds(transfer: Transfer, t: torch.Tensor, codec: str, repeats: int 
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        stored = transfer.offload(t, get_codec(codec))
+        stored = transfer.offload(Stored(t.device), t, get_codec(codec))
         _, ready = transfer.restore(stored)
         if ready is not None:
             ready.synchronize()

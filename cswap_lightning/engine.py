@@ -215,6 +215,7 @@ class Offloader:
         self.transfer.drain(device=device)
         if device:
             self._step.close()
+        self._step.stats.host_held_bytes = self.transfer.held_bytes()
         return self._step.stats
 
     def live_host_bytes(self) -> int:

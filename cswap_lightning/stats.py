@@ -47,6 +47,7 @@ class StepStats:
     timeline_bytes: array = field(default_factory=lambda: array("q"), repr=False)
     peak_allocated_bytes: int | None = None  # CUDA: the allocator's peak during the step
     forward_wait_s: float = 0.0  # forward's waits at the in-flight bound (inflight_bytes)
+    host_held_bytes: int = 0  # host memory the engine keeps between steps (the pinned arena)
 
     def _sum(self, attr: str, include: Callable[[str], bool] = lambda decision: True) -> float:
         return sum(getattr(s, attr) for s in self.sites if include(s.decision))
@@ -90,6 +91,7 @@ class StepStats:
             "forward_wait_s": self.forward_wait_s,
             "peak_resident_bytes": self.peak_resident_bytes,
             "peak_allocated_bytes": self.peak_allocated_bytes,
+            "host_held_bytes": self.host_held_bytes,
             "sites": [asdict(s) | {"ratio": s.ratio} for s in self.sites],
         }
 
@@ -117,7 +119,8 @@ class StepStats:
                      else f"; allocator peak {fmt_bytes(self.peak_allocated_bytes)}")
         rows.append(
             f"peak resident {fmt_bytes(self.peak_resident_bytes)} of saved tensors on the "
-            f"device{allocated}; forward waited {self.forward_wait_s * 1e3:.2f} ms"
+            f"device{allocated}; forward waited {self.forward_wait_s * 1e3:.2f} ms; host "
+            f"memory held between steps {fmt_bytes(self.host_held_bytes)}"
         )
         return "\n".join(rows)
 

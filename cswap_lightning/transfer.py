@@ -234,7 +234,8 @@ class Transfer:
 
     def _to_host(self, payload: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         if not payload.is_cuda:  # memory of its own: a new payload, or a copy of the source
-            return payload.clone() if payload is source or payload._base is not None else payload
+            shares = payload.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
+            return payload.clone() if shares else payload
         try:
             host = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=self.pin_memory)
         except RuntimeError as err:
@@ -307,6 +308,13 @@ class Transfer:
         if self.host_memory is not None and (self.arena_everywhere or (
                 device is not None and device.type == "cuda")):
             self._compressor.submit(partial(self.host_memory.step_closed, step, device))
+
+    def held_bytes(self) -> int:
+        """Host memory kept between steps: the arena (once the work queued so far is done)."""
+        if self.host_memory is None:
+            return 0
+        self._compressor.drain()
+        return self.host_memory.held_bytes()
 
     def arena_report(self) -> ArenaReport | None:
         """Arena against lower bound and per-tensor bytes for the last closed step (None

@@ -353,3 +353,90 @@ def test_dataloader_workers_forked_after_use_run_steps():
                                          multiprocessing_context="fork")
     assert all(int(b) > 0 for b in loader)
     cswap.offload(config).close()
+
+
+# Loaded state, and memory pressure ----------------------------------------------------------
+
+def planned_offloader(config, model, x, steps=2):
+    from cswap_lightning.profiler import Link
+
+    off = Offloader(config, link=Link(1e6, 1e6, 1e9))  # so slow that shrinking always pays
+    for _ in range(steps):
+        run(mlp_step(model, x), off)
+    return off
+
+
+def test_the_config_wins_over_a_loaded_lossy_plan(mlp):
+    model, x = mlp
+    lossy = planned_offloader(CSwapConfig(min_bytes=0, profile_steps=1, lossy="int8"), model, x)
+    state = lossy.state_dict()
+    assert "int8" in {d["decision"] for d in state["plan"]["decisions"]}
+    lossless = Offloader(CSwapConfig(min_bytes=0, profile_steps=1))  # lossy="off"
+    lossless.load_state_dict(state)
+    assert_bitwise(run(mlp_step(model, x)), run(mlp_step(model, x), lossless))
+    assert "int8" not in {s.decision for s in lossless.last_step().sites}
+    lossy.close()
+    lossless.close()
+
+
+@pytest.mark.parametrize("field, value", [("order", 5), ("order", {"a": 1}), ("order", [-1]),
+                                          ("order", [True]), ("reverted", "x"), ("version", 2)])
+def test_bad_loaded_state_is_refused_at_load_naming_the_field(field, value):
+    off = Offloader()
+    state = off.state_dict() | {field: value}
+    with pytest.raises(ValueError, match=field):
+        off.load_state_dict(state)
+    assert off.state_dict() == Offloader().state_dict()  # nothing was taken
+    off.close()
+
+
+def test_a_failed_restore_gives_back_the_prefetched_memory_and_tries_again(mlp, monkeypatch):
+    model, x = mlp
+    off = Offloader(CSwapConfig(plan="raw", min_bytes=0))
+    restore, failures = off.transfer.restore, []
+
+    def short_of_memory(stored):
+        if len(failures) < 1:
+            failures.append(stored)
+            raise RuntimeError("DefaultCPUAllocator: not enough memory (injected)")
+        return restore(stored)
+
+    monkeypatch.setattr(off.transfer, "restore", short_of_memory)
+    assert_bitwise(run(mlp_step(model, x)), run(mlp_step(model, x), off))
+    assert failures  # it failed once, and backward went on
+    off.close()
+
+
+def test_a_restore_that_keeps_failing_says_what_and_how_to_fix_it(mlp, monkeypatch):
+    model, x = mlp
+    off = Offloader(CSwapConfig(plan="raw", min_bytes=0))
+
+    def never(stored):
+        raise RuntimeError("DefaultCPUAllocator: not enough memory (injected)")
+
+    monkeypatch.setattr(off.transfer, "restore", never)
+    with pytest.raises(RuntimeError, match="cswap could not bring back saved tensor .* "
+                       "intact in host memory; lower CSwapConfig.prefetch_bytes"):
+        run(mlp_step(model, x), off)
+    off.close()
+
+
+def test_host_memory_held_between_steps_is_reported_and_none_on_the_cpu(mlp, monkeypatch):
+    """On the CPU no arena is kept between steps (it saves pinning, which the CPU does not
+    need); where there is one, its size is in every step's statistics."""
+    model, x = mlp
+    off = Offloader(CSwapConfig(plan="raw", min_bytes=0))
+    for _ in range(3):
+        run(mlp_step(model, x), off)
+    assert off.last_step().host_held_bytes == 0
+    off.close()
+    from cswap_lightning.transfer import Transfer
+
+    monkeypatch.setattr(Transfer, "arena_everywhere", True)
+    off = Offloader(CSwapConfig(plan="raw", min_bytes=0))
+    for _ in range(3):
+        run(mlp_step(model, x), off)
+    step = off.last_step()
+    assert 0 < step.host_held_bytes <= 2 * step.stored_bytes
+    assert "host memory held between steps" in step.table()
+    off.close()

@@ -68,12 +68,6 @@ class RawCodec(Codec):
 
     name = "raw"
 
-    def encode(self, t: torch.Tensor) -> Packed:
-        if t.dim() == 1 and t.is_contiguous():  # the engine's storages: a view of the bytes
-            return Packed(format_header(self.name, t.dtype, tuple(t.shape)),
-                          t.detach().view(torch.uint8))
-        return super().encode(t)
-
     def payload_nbytes(self, numel: int, nnz: int, elem_size: int, nruns: int = 0) -> int:
         return numel * elem_size
 
