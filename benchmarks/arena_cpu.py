@@ -16,8 +16,8 @@ import torch
 from torch.nn import functional as F
 
 from cswap_lightning import CSwapConfig, Offloader
-from cswap_lightning.bench import build_model
-from cswap_lightning.demo import build_cnn
+from cswap_lightning.commands.bench_step import build_model
+from cswap_lightning.recipes.nets import build_cnn
 
 
 def demo_model() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:

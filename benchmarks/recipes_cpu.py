@@ -17,7 +17,7 @@ from collections import Counter
 
 import torch
 
-from cswap_lightning.fit import main as fit
+from cswap_lightning.commands.fit import main as fit
 
 SMALL_IMAGES = ["--model.width", "8", "--data.image_size", "32", "--data.num_samples", "256",
                 "--data.batch_size", "32", "--trainer.max_steps", "8"]

@@ -17,7 +17,7 @@ import torch
 from transformers import BertConfig, BertForSequenceClassification
 
 from cswap_lightning import CSwapConfig, Offloader
-from cswap_lightning.bench import result_meta, write_results
+from cswap_lightning.commands.bench_step import result_meta, write_results
 
 
 def seconds_per_forward(model: torch.nn.Module, x: torch.Tensor, n: int = 300) -> float:

@@ -1,8 +1,8 @@
 """cswap-lightning: swap autograd's saved activations to host memory, compressed when it pays."""
 
 from .config import CSwapConfig
-from .engine import Offloader, offload
-from .stats import SiteStats, StepStats
+from .core.engine import Offloader, offload
+from .core.stats import SiteStats, StepStats
 
 # Imported on first use, so that `import cswap_lightning` loads neither Lightning nor
 # transformers; importing the Lightning strategies registers "cswap", "cswap_ddp", "cswap_fsdp"

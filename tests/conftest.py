@@ -5,7 +5,7 @@ from torch.nn import functional as F
 
 from cswap_lightning.codecs import codec_names, get_codec, register
 from cswap_lightning.codecs.reference import RawCodec
-from cswap_lightning.demo import build_cnn
+from cswap_lightning.recipes.nets import build_cnn
 
 
 def pytest_collection_modifyitems(config, items):

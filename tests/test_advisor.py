@@ -10,12 +10,13 @@ from conftest import grads, model_and_batch
 from torch import nn
 from torch.nn import functional as F
 
-from cswap_lightning import CSwapConfig, Offloader, predictor
-from cswap_lightning.advisor import Advisor, Plan, exposed_s, predicted_stored_bytes
-from cswap_lightning.bench_advisor import accuracy, report, run_advisor_check
+from cswap_lightning import CSwapConfig, Offloader
 from cswap_lightning.codecs import get_codec
-from cswap_lightning.predictor import CodecTimeModel, KernelRun, calibrate, record_runs
-from cswap_lightning.profiler import Link, SiteProfile
+from cswap_lightning.commands.bench_advisor import accuracy, report, run_advisor_check
+from cswap_lightning.planning import predictor
+from cswap_lightning.planning.advisor import Advisor, Plan, exposed_s, predicted_stored_bytes
+from cswap_lightning.planning.predictor import CodecTimeModel, KernelRun, calibrate, record_runs
+from cswap_lightning.planning.profiler import Link, SiteProfile
 
 MiB = 1 << 20
 GB = 1e9

@@ -12,12 +12,12 @@ from conftest import model_and_batch
 from torch.nn import functional as F
 
 from cswap_lightning import CSwapConfig, Offloader
-from cswap_lightning import arena as arena_module
-from cswap_lightning.arena import ALIGNMENT, HEADROOM, HostArena
 from cswap_lightning.codecs import get_codec
-from cswap_lightning.memplan import Block, plan
-from cswap_lightning.stats import SiteStats, StepStats
-from cswap_lightning.transfer import Stored, Transfer
+from cswap_lightning.core import arena as arena_module
+from cswap_lightning.core.arena import ALIGNMENT, HEADROOM, HostArena
+from cswap_lightning.core.stats import SiteStats, StepStats
+from cswap_lightning.core.transfer import Stored, Transfer
+from cswap_lightning.planning.memplan import Block, plan
 
 
 @pytest.fixture(autouse=True)

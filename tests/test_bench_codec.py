@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from cswap_lightning.bench_codec import (
+from cswap_lightning.codecs import Header, get_codec
+from cswap_lightning.commands.bench_codec import (
     Contender,
     measure,
     nvcomp_lines,
@@ -13,8 +14,7 @@ from cswap_lightning.bench_codec import (
     relu_activations,
     run_codec_bench,
 )
-from cswap_lightning.cli import main
-from cswap_lightning.codecs import Header, get_codec
+from cswap_lightning.commands.cli import main
 
 KIB = 1024
 

@@ -6,7 +6,6 @@ import math
 import pytest
 import torch
 
-from cswap_lightning.cli import main
 from cswap_lightning.commands.bench_suite import (
     GOALS,
     METHODS,
@@ -14,6 +13,7 @@ from cswap_lightning.commands.bench_suite import (
     DeviceLedger,
     HookTap,
 )
+from cswap_lightning.commands.cli import main
 
 
 @pytest.fixture(scope="module")

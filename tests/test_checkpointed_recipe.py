@@ -3,7 +3,7 @@ keep for backward (their inputs), never what they recompute."""
 
 from test_recipes import ROOT, SMALL, no_command_line, small_args  # noqa: F401 (autouse)
 
-from cswap_lightning.fit import main as fit
+from cswap_lightning.commands.fit import main as fit
 
 
 def test_checkpointed_gpt2_leaves_the_engine_only_what_blocks_do_not_recompute(tmp_path):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from cswap_lightning import cli
-from cswap_lightning.demo import TRAIN_IMAGES, load_digits
+from cswap_lightning.commands import cli
+from cswap_lightning.commands.demo import TRAIN_IMAGES, load_digits
 
 FAST_CODEC = ["--quick", "--no-relu", "--no-nvcomp", "--codecs", "zvc", "--dtypes", "float32",
               "--sparsities", "0"]

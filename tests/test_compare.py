@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from cswap_lightning import compare as compare_module
-from cswap_lightning.cli import main
-from cswap_lightning.compare import compare
+from cswap_lightning.commands import compare as compare_module
+from cswap_lightning.commands.cli import main
+from cswap_lightning.commands.compare import compare
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from cswap_lightning import cli
 from cswap_lightning.codecs import CODEC_IDS, Packed, bit_view, cuda_build, get_codec
 from cswap_lightning.codecs import cuda as cuda_codecs
 from cswap_lightning.codecs.cuda import (
@@ -27,6 +26,7 @@ from cswap_lightning.codecs.cuda import (
     load_extension,
 )
 from cswap_lightning.codecs.lossy import FP8Codec, Int4Codec, Int8Codec
+from cswap_lightning.commands import cli
 
 NVCC = cuda_build.find_nvcc()
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason=f"no nvcc: {cuda_build.NVCC_MISSING}")

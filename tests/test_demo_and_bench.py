@@ -6,10 +6,10 @@ import sys
 
 import pytest
 
-from cswap_lightning.bench import run_step_bench
-from cswap_lightning.cli import main
+from cswap_lightning.commands.bench_step import run_step_bench
+from cswap_lightning.commands.cli import main
+from cswap_lightning.commands.demo import run_demo
 from cswap_lightning.config import CSwapConfig
-from cswap_lightning.demo import run_demo
 
 
 def test_demo_trains_with_the_advisor_and_keeps_gradients(capsys):

@@ -18,8 +18,9 @@ from conftest import MODELS, grads, model_and_batch
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from cswap_lightning import CSwapConfig, Offloader, offload, step
+from cswap_lightning import CSwapConfig, Offloader, offload
 from cswap_lightning.codecs import ZVCCodec, register
+from cswap_lightning.core import step
 
 LOSSLESS = ("raw", "zvc", "rle", "auto")
 

@@ -10,7 +10,7 @@ from conftest import Destructive, Faithful, model_and_batch
 from torch.nn import functional as F
 
 from cswap_lightning import CSwapConfig, Offloader
-from cswap_lightning.guard import AccuracyGuard, GuardReport, compare_gradients
+from cswap_lightning.core.guard import AccuracyGuard, GuardReport, compare_gradients
 
 
 def guarded(name="mlp", **config):

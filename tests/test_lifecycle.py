@@ -277,7 +277,7 @@ def test_two_models_alternating_on_one_offloader_are_told_once():
 
 
 def cswap_link():
-    from cswap_lightning.profiler import Link
+    from cswap_lightning.planning.profiler import Link
 
     return Link(1e9, 1e9, 1e11)
 
@@ -358,7 +358,7 @@ def test_dataloader_workers_forked_after_use_run_steps():
 # Loaded state, and memory pressure ----------------------------------------------------------
 
 def planned_offloader(config, model, x, steps=2):
-    from cswap_lightning.profiler import Link
+    from cswap_lightning.planning.profiler import Link
 
     off = Offloader(config, link=Link(1e6, 1e6, 1e9))  # so slow that shrinking always pays
     for _ in range(steps):
@@ -430,7 +430,7 @@ def test_host_memory_held_between_steps_is_reported_and_none_on_the_cpu(mlp, mon
         run(mlp_step(model, x), off)
     assert off.last_step().host_held_bytes == 0
     off.close()
-    from cswap_lightning.transfer import Transfer
+    from cswap_lightning.core.transfer import Transfer
 
     monkeypatch.setattr(Transfer, "arena_everywhere", True)
     off = Offloader(CSwapConfig(plan="raw", min_bytes=0))

@@ -470,8 +470,8 @@ class MarkTrainingStart(pl.Callback):
 def _link_worker(out: Path) -> None:
     """Records when the strategy's barrier returns and the profiler's clock is read (the host
     clock on the CPU), and the link each advisor is built with."""
-    from cswap_lightning.advisor import Advisor
-    from cswap_lightning.profiler import Clock
+    from cswap_lightning.planning.advisor import Advisor
+    from cswap_lightning.planning.profiler import Clock
 
     events: list[tuple[str, float]] = []
     advised: list[dict] = []

@@ -7,10 +7,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn import functional as F
 
-from cswap_lightning import CSwapConfig, Offloader, memplan
-from cswap_lightning.arena import payload_blocks
-from cswap_lightning.demo import build_cnn
-from cswap_lightning.memplan import Block
+from cswap_lightning import CSwapConfig, Offloader
+from cswap_lightning.core.arena import payload_blocks
+from cswap_lightning.planning import memplan
+from cswap_lightning.planning.memplan import Block
+from cswap_lightning.recipes.nets import build_cnn
 
 
 @st.composite

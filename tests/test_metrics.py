@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from cswap_lightning import CSwapConfig, Offloader
-from cswap_lightning.metrics import (
+from cswap_lightning.core.stats import SiteStats, StepStats
+from cswap_lightning.integrations.metrics import (
     CompressionRatio,
     ReconstructionError,
     memory_timeline,
@@ -15,7 +16,6 @@ from cswap_lightning.metrics import (
     step_values,
     write_summary,
 )
-from cswap_lightning.stats import SiteStats, StepStats
 
 MiB = 1 << 20
 

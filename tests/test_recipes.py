@@ -15,8 +15,8 @@ import yaml
 from torch import nn
 
 from cswap_lightning import CSwapConfig
-from cswap_lightning.cli import main
-from cswap_lightning.fit import main as fit
+from cswap_lightning.commands.cli import main
+from cswap_lightning.commands.fit import main as fit
 from cswap_lightning.integrations.lightning import CSwapStrategy
 from cswap_lightning.recipes import describe, resolve_configs, shipped
 from cswap_lightning.recipes.models import ImageClassifier

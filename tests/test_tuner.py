@@ -18,7 +18,6 @@ import pytest
 import torch
 from hyperopt import fmin, rand
 
-from cswap_lightning import cli, tuner
 from cswap_lightning.codecs import bit_view, cuda_build, get_codec, register
 from cswap_lightning.codecs.cuda import (
     CudaRLECodec,
@@ -27,7 +26,10 @@ from cswap_lightning.codecs.cuda import (
     load_extension,
 )
 from cswap_lightning.codecs.reference import RLECodec, ZVCCodec
-from cswap_lightning.tuner import (
+from cswap_lightning.commands import cli
+from cswap_lightning.commands import tune as tune_command
+from cswap_lightning.planning import tuner
+from cswap_lightning.planning.tuner import (
     BLOCKS,
     GRID_SEARCH_GRIDS,
     MAX_GRID,
@@ -366,7 +368,7 @@ def test_cache_path_names_gpu_capability_and_build(monkeypatch, tmp_path):
 
 def test_report_files(tmp_path):
     result = tuner.tune(KEY, CountingObjectives(), tuner.all_kernels(["float32"]), SMALL)
-    tuner.write_report(result, str(tmp_path / "out" / "tune"))
+    tune_command.write_report(result, str(tmp_path / "out" / "tune"))
     table = (tmp_path / "out" / "tune.md").read_text()
     assert "- device: NVIDIA Test GPU 80GB" in table
     for t in result.kernels:

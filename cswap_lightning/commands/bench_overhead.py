@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 import torch
 
-from ..bench import result_meta, write_results
 from ..config import CSwapConfig
-from ..engine import Offloader
+from ..core.engine import Offloader
+from .bench_step import result_meta, write_results
 
 
 def _chain(x: torch.Tensor, length: int) -> torch.Tensor:

@@ -39,10 +39,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from typing_extensions import Self
 
-from ..bench import _Counted, result_meta, write_results
 from ..config import CSwapConfig
-from ..engine import Offloader
-from ..stats import fmt_bytes
+from ..core.engine import Offloader
+from ..core.stats import fmt_bytes
+from .bench_step import _Counted, result_meta, write_results
 
 NO_OFFLOAD = "no offload"
 CHECKPOINTING = "activation checkpointing"
@@ -989,7 +989,7 @@ def plot(result: dict, path: Path) -> bool:
 # -- the command ------------------------------------------------------------------------------
 def add_parser(bench_kinds) -> argparse.ArgumentParser:
     """Register ``cswap bench suite`` under the ``bench`` subcommands."""
-    from ..cli import _whole
+    from .cli import _whole
 
     suite = bench_kinds.add_parser(
         "suite", help="ResNet-50, VGG-16, BERT-large, GPT-2 medium: every offload method at "

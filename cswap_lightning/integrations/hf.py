@@ -28,10 +28,10 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.utils import logging
 
 from ..config import CSwapConfig
-from ..engine import Offloader
-from ..guard import AccuracyGuard
-from ..metrics import offload_metrics, step_values, write_summary
-from ..stats import StepStats
+from ..core.engine import Offloader
+from ..core.guard import AccuracyGuard
+from ..core.stats import StepStats
+from .metrics import offload_metrics, step_values, write_summary
 
 logger = logging.get_logger(__name__)
 

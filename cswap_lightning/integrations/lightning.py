@@ -43,11 +43,11 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics import Metric
 
 from ..config import LOSSY_CODECS, CSwapConfig
-from ..engine import Offloader
-from ..guard import AccuracyGuard
-from ..metrics import offload_metrics, step_values, write_summary
-from ..profiler import measure_link
-from ..stats import StepStats
+from ..core.engine import Offloader
+from ..core.guard import AccuracyGuard
+from ..core.stats import StepStats
+from ..planning.profiler import measure_link
+from .metrics import offload_metrics, step_values, write_summary
 
 # The default as a value, not None, so LightningCLI's --print_config lists every field.
 DEFAULT_CONFIG = CSwapConfig()

@@ -16,8 +16,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torchmetrics.classification import MulticlassAccuracy
 
-from ..demo import build_cnn
-from .nets import resnet50, vgg16
+from .nets import build_cnn, resnet50, vgg16
 
 Arch = Literal["cnn", "vgg16", "resnet50"]
 

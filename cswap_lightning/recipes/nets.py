@@ -1,4 +1,5 @@
-"""VGG-16 and ResNet-50 as torchvision builds them (in-place ReLUs), with a width knob.
+"""The recipes' networks: the demo's small CNN, and VGG-16 and ResNet-50 as torchvision builds
+them (in-place ReLUs), with a width knob.
 
 torchvision cannot be installed beside every torch, so the two networks are written out here.
 ``width`` is the first convolution's channels: 64 gives torchvision's networks, smaller
@@ -8,6 +9,25 @@ values shrink every layer in proportion (CI runs them at width 8).
 from __future__ import annotations
 
 from torch import Tensor, nn
+
+
+def build_cnn(width: int = 32, num_classes: int = 10) -> nn.Sequential:
+    """A VGG-style ReLU CNN for 8x8 images; in-place ReLUs after BatchNorm, like torchvision's."""
+    return nn.Sequential(
+        nn.Conv2d(1, width, 3, padding=1),
+        nn.BatchNorm2d(width),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(width, 2 * width, 3, padding=1),
+        nn.BatchNorm2d(2 * width),
+        nn.ReLU(inplace=True),
+        nn.MaxPool2d(2),
+        nn.Conv2d(2 * width, 4 * width, 3, padding=1),
+        nn.ReLU(inplace=True),
+        nn.Flatten(),
+        nn.Linear(4 * width * 16, num_classes),
+    )
+
+
 
 VGG16_LAYERS = (1, 1, "M", 2, 2, "M", 4, 4, 4, "M", 8, 8, 8, "M", 8, 8, 8, "M")  # x width
 

@@ -19,7 +19,7 @@ from functools import partial
 
 import torch
 
-from .stats import StepStats
+from ..core.stats import StepStats
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torchmetrics import MaxMetric, MinMetric, SumMetric
 
-from .config import LOSSY_CODECS
+from ..config import LOSSY_CODECS
 from .engine import Offloader
 
 

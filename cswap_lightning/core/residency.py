@@ -21,7 +21,7 @@ from .stats import StepStats
 class _Held(weakref.ref):
     """A weak reference to a counted storage, with what it counts for."""
 
-    __slots__ = ("key", "nbytes")
+    __slots__ = ("key", "nbytes", "unpacked")
 
 
 class Residency:
@@ -29,6 +29,7 @@ class Residency:
 
     def __init__(self, stats: StepStats) -> None:
         self.now = 0
+        self.unpacked_now = self.unpacked_peak = 0  # restored storages backward asked for
         self.stats = stats
         self.start = time.perf_counter()
         self._held: dict[int, _Held] = {}  # storage address -> its reference
@@ -43,7 +44,7 @@ class Residency:
         if ref is not None:
             return ref
         ref = _Held(storage, self._freed_callback)
-        ref.key = key
+        ref.key, ref.unpacked = key, False
         ref.nbytes = nbytes = storage.nbytes()
         with self._lock:
             self._held[key] = ref
@@ -56,11 +57,23 @@ class Residency:
         storage is gone from here, so one found is to this very storage."""
         return self._held.get(storage._cdata)
 
+    def unpacked(self, storage: torch.UntypedStorage) -> None:
+        """Backward asked for this restored storage: count it among those it holds at once
+        until it is freed (a compiled region asks for all of its own together)."""
+        ref = self._held.get(storage._cdata)
+        if ref is not None and not ref.unpacked:
+            with self._lock:
+                ref.unpacked = True
+                self.unpacked_now += ref.nbytes
+                self.unpacked_peak = max(self.unpacked_peak, self.unpacked_now)
+
     def _freed(self, ref: _Held) -> None:
         with self._lock:
             if self._held.get(ref.key) is ref:
                 del self._held[ref.key]
                 self.now -= ref.nbytes
+                if ref.unpacked:
+                    self.unpacked_now -= ref.nbytes
                 self._changed()
 
     def _changed(self) -> None:

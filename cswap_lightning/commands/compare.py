@@ -19,11 +19,11 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 
-from .bench import result_meta, write_results
-from .config import LOSSY_CODECS, CSwapConfig
-from .integrations.lightning import _CSwapMixin
-from .recipes import resolve_configs
-from .stats import StepStats, fmt_bytes
+from ..config import LOSSY_CODECS, CSwapConfig
+from ..core.stats import StepStats, fmt_bytes
+from ..integrations.lightning import _CSwapMixin
+from ..recipes import resolve_configs
+from .bench_step import result_meta, write_results
 
 
 @dataclass

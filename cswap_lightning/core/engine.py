@@ -15,13 +15,13 @@ from fnmatch import fnmatch
 import torch
 from typing_extensions import Self
 
-from .advisor import Advisor, Plan, resolve_budget
-from .codecs.cuda import enable_cuda_codecs_if_requested
-from .codecs.lossy import LOSSY_DTYPES as _LOSSY_TORCH_DTYPES
-from .config import LOSSY_CODECS, CSwapConfig
+from ..codecs.cuda import enable_cuda_codecs_if_requested
+from ..codecs.lossy import LOSSY_DTYPES as _LOSSY_TORCH_DTYPES
+from ..config import LOSSY_CODECS, CSwapConfig
+from ..planning.advisor import Advisor, Plan, resolve_budget
+from ..planning.predictor import CodecTimeModel, calibrate
+from ..planning.profiler import Link, Profiler, measure_link, signature
 from .module_names import ModuleTracker
-from .predictor import CodecTimeModel, calibrate
-from .profiler import Link, Profiler, measure_link, signature
 from .stats import SiteStats, StepStats
 from .step import Step
 from .transfer import Transfer
@@ -75,6 +75,7 @@ class Offloader:
         self._owner: int | None = None  # the thread inside the block
         self._steps = 0
         self._replans = 0
+        self._warned_compiled = False
         self._closed = False
         self._registry: dict[CSwapConfig, Offloader] | None = None  # offload()'s, if from it
 
@@ -254,6 +255,13 @@ class Offloader:
         if step.failed:
             return
         self._order = step.unpack_order or self._order
+        if not self._warned_compiled and step.restored_all_at_once():
+            self._warned_compiled = True
+            warnings.warn(
+                "cswap: backward asked for every offloaded tensor at once, as the backward of "
+                "a torch.compile'd region does (pytorch/pytorch#148222), so offloading lowered "
+                "nothing at the peak. Compile per block instead of the whole model: "
+                "cswap_lightning.compile_blocks(model).", RuntimeWarning, stacklevel=3)
         self.transfer.step_closed(step.stats, step.device)  # plans the host arena from it
         if step.measure and step.device is not None:
             self._measure_left -= 1

@@ -15,7 +15,6 @@ and a cache in folders others can write to (the library loader's rule,
 
 from __future__ import annotations
 
-import datetime
 import functools
 import json
 import math
@@ -23,7 +22,6 @@ import os
 import re
 import stat
 import statistics
-import sys
 import tempfile
 import time
 import warnings
@@ -35,9 +33,8 @@ import numpy as np
 import torch
 from hyperopt import fmin, hp, tpe
 
-from .bench import write_results
-from .codecs import cuda_build
-from .codecs.cuda import CudaRLECodec, CudaZVCCodec, enable_cuda_codecs, load_extension
+from ..codecs import cuda_build
+from ..codecs.cuda import CudaRLECodec, CudaZVCCodec, enable_cuda_codecs, load_extension
 from .predictor import KernelRun, record_runs
 
 CODECS = {"zvc": CudaZVCCodec, "rle": CudaRLECodec}
@@ -441,49 +438,3 @@ def enable_tuned_cuda_codecs(settings: Settings = Settings(),
     result = tune_cuda(settings, dtypes)
     record_runs(torch.device("cuda", torch.cuda.current_device()), result.best_runs())
     return enable_cuda_codecs(tuned={codec: result.launches(codec) for codec in CODECS})
-
-
-# --- reporting ------------------------------------------------------------------------------
-
-
-def markdown(result: TuningResult) -> str:
-    """One row per kernel: each search's best launch and what it cost, then the totals."""
-    columns = ["best (grid, block)", "kernel time", "runs", "wall time"]
-    header = ["kernel"] + [f"{name} {c}" for name in ("TPE", "grid search") for c in columns]
-    lines = ["| " + " | ".join(header) + " |", "|---" + "|---|---:|---:|---:" * 2 + "|"]
-    for t in result.kernels:
-        cells = []
-        for search in (t.tpe, t.grid):
-            if search is None:
-                cells.append("not run | | |")
-                continue
-            grid, block, seconds = search.best
-            cells.append(f"({grid}, {block}) | {seconds * 1e3:.3f} ms | {search.evaluations} | "
-                         f"{search.wall_seconds:.1f} s")
-        lines.append(f"| {t.kernel.name} | {' | '.join(cells)} |")
-    for name in ("tpe", "grid"):
-        searches = [getattr(t, name) for t in result.kernels if getattr(t, name) is not None]
-        if searches:
-            lines.append(f"\n{'TPE' if name == 'tpe' else 'Grid search'} in total: "
-                         f"{sum(s.evaluations for s in searches)} runs, "
-                         f"{sum(s.wall_seconds for s in searches):.1f} s.")
-    return "\n".join(lines)
-
-
-def write_report(result: TuningResult, stem: str) -> None:
-    """``<stem>.md`` and ``<stem>.json``: the table and every timed run, with date and device."""
-    meta = {"date": datetime.date.today().isoformat(), "device": result.key.device,
-            "capability": ".".join(map(str, result.key.capability)), "build": result.key.build,
-            "torch": torch.__version__, "command": " ".join(["cswap", *sys.argv[1:]]),
-            **asdict(result.settings)}
-    write_results(stem, "cswap tune", meta, {"result": result.to_json()}, markdown(result))
-
-
-def run_tune(settings: Settings, dtypes: Sequence[str], out: str | None) -> TuningResult:
-    """``cswap tune``: tune every kernel anew, print progress and the table, cache the result."""
-    result = tune_cuda(settings, dtypes, force=True, log=print)
-    print(markdown(result))
-    print(f"cached in {cache_path(result.key)}")
-    if out:
-        write_report(result, out)
-    return result

@@ -13,32 +13,16 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .advisor import predicted_stored_bytes
-from .config import COMPRESSORS, LOSSY_CODECS, CSwapConfig
-from .engine import Offloader
-from .profiler import measure_link
-from .stats import fmt_bytes
+from ..config import COMPRESSORS, LOSSY_CODECS, CSwapConfig
+from ..core.engine import Offloader
+from ..core.stats import fmt_bytes
+from ..planning.advisor import predicted_stored_bytes
+from ..planning.profiler import measure_link
+from ..recipes.nets import build_cnn
 
 CODECS_THAT_COMPRESS = (*COMPRESSORS, *LOSSY_CODECS)
 TRAIN_FRACTION = 0.8
 TRAIN_IMAGES = int(TRAIN_FRACTION * 1797)  # of scikit-learn's digits: the largest batch size
-
-
-def build_cnn(width: int = 32, num_classes: int = 10) -> nn.Sequential:
-    """A VGG-style ReLU CNN for 8x8 images; in-place ReLUs after BatchNorm, like torchvision's."""
-    return nn.Sequential(
-        nn.Conv2d(1, width, 3, padding=1),
-        nn.BatchNorm2d(width),
-        nn.ReLU(inplace=True),
-        nn.Conv2d(width, 2 * width, 3, padding=1),
-        nn.BatchNorm2d(2 * width),
-        nn.ReLU(inplace=True),
-        nn.MaxPool2d(2),
-        nn.Conv2d(2 * width, 4 * width, 3, padding=1),
-        nn.ReLU(inplace=True),
-        nn.Flatten(),
-        nn.Linear(4 * width * 16, num_classes),
-    )
 
 
 def load_digits(device: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]:

@@ -23,9 +23,9 @@ from functools import partial
 
 import torch
 
-from . import memplan
-from .config import COMPRESSORS
-from .memplan import Block, Layout
+from ..config import COMPRESSORS
+from ..planning import memplan
+from ..planning.memplan import Block, Layout
 from .stats import StepStats, fmt_bytes
 
 # Room added to each zvc or rle payload's region: its size follows the tensor's sparsity,
@@ -48,7 +48,7 @@ class Lease:
 
 
 class HostArena:
-    """One host buffer laid out by a :class:`~cswap_lightning.memplan.Layout`.
+    """One host buffer laid out by a :class:`~cswap_lightning.planning.memplan.Layout`.
 
     ``acquire`` runs in one thread only (the offload worker); payloads are released from
     any thread, through a queue that ``acquire`` empties."""

@@ -7,7 +7,7 @@ import math
 import sys
 from collections.abc import Callable
 
-from .config import LOSSY_CODECS, PLANS, CSwapConfig
+from ..config import LOSSY_CODECS, PLANS, CSwapConfig
 
 # argparse types: a value out of range is a usage error (exit status 2) naming the flag and
 # what it accepts, caught before anything runs rather than as a traceback from deep inside.
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                           help="saved tensors per step")
     overhead.add_argument("--rounds", type=_whole(1), default=7, help="interleaved rounds")
     overhead.add_argument("--out", default=None, help="write markdown and JSON results here (stem)")
-    from .commands.bench_suite import add_parser as add_suite_parser
+    from .bench_suite import add_parser as add_suite_parser
 
     add_suite_parser(bench_kinds)
 
@@ -181,13 +181,13 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "recipes":
-        from .recipes import describe, shipped
+        from ..recipes import describe, shipped
 
         for name, path in shipped().items():
             print(f"{name:10} {describe(path)}\n{'':10} {path}")
         return 0
     if args.command == "build-ext":
-        from .codecs.cuda_build import BuildError, build
+        from ..codecs.cuda_build import BuildError, build
 
         try:
             print(build(force=args.force))
@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
     if args.command == "tune":
-        from .tuner import Settings, TunerUnavailable, run_tune
+        from ..planning.tuner import Settings, TunerUnavailable
+        from .tune import run_tune
 
         try:
             settings = Settings(args.mib << 20, args.sparsity, args.max_evals, args.startup,
@@ -223,16 +224,16 @@ def main(argv: list[str] | None = None) -> int:
                         args.quick, args.warmup, args.repeats, args.relu, args.nvcomp, args.out)
         return 0
     if args.bench == "overhead":
-        from .commands.bench_overhead import run_overhead_bench
+        from .bench_overhead import run_overhead_bench
 
         run_overhead_bench(args.tensors, rounds=args.rounds, out=args.out)
         return 0
     if args.bench == "suite":
-        from .commands.bench_suite import run_suite
+        from .bench_suite import run_suite
 
         run_suite(args, sys.argv[1:] if argv is None else argv)
         return 0
-    from .bench import run_step_bench
+    from .bench_step import run_step_bench
 
     run_step_bench(args.model, args.device, args.batch_size, args.steps, args.warmup, args.out)
     return 0

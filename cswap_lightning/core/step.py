@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from .codecs import get_codec, nonzero_count
-from .codecs.lossy import relative_error
-from .config import LOSSY_CODECS
-from .profiler import StepTimer
+from ..codecs import get_codec, nonzero_count
+from ..codecs.lossy import relative_error
+from ..config import LOSSY_CODECS
+from ..planning.profiler import StepTimer
 from .residency import Residency
 from .stats import SiteStats, StepStats, fmt_bytes
 from .tensors import (
@@ -228,6 +228,7 @@ class Step:
         return base, ready
 
     def _first_unpack(self, entry: _Entry, base: torch.Tensor) -> None:
+        self.residency.unpacked(base.untyped_storage())
         entry.consumed = True
         entry.stats.unpacked_at = self.tick()
         self.unpack_order.append(entry.id)
@@ -291,6 +292,13 @@ class Step:
                 nxt.stats.prefetched = True
                 self._inflight += nxt.nbytes
             self._cursor += 1
+
+    def restored_all_at_once(self) -> bool:
+        """Whether backward held (nearly) every storage moved off the device at once, as a
+        compiled region's backward does when it starts (pytorch/pytorch#148222): then
+        offloading lowered nothing at the peak."""
+        moved = [s.nbytes for s in self.stats.sites if s.decision not in ("keep", "dedup")]
+        return len(moved) >= 4 and self.residency.unpacked_peak >= 0.9 * sum(moved)
 
     def live_entries(self) -> list[_Entry]:
         """The step's entries autograd still holds."""

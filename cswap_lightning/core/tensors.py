@@ -8,7 +8,7 @@ from functools import partial
 
 import torch
 
-from .codecs import DTYPES
+from ..codecs import DTYPES
 
 # A view whose storage is this many times larger than itself is kept: offloading it would
 # move (and free) nothing but the whole storage.

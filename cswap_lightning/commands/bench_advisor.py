@@ -15,14 +15,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .advisor import Advisor
-from .codecs import get_codec
-from .demo import build_cnn
-from .predictor import calibrate
-from .profiler import SiteProfile, measure_link
-from .stats import fmt_bytes
-from .tensors import skip_reason
-from .transfer import Stored, Transfer
+from ..codecs import get_codec
+from ..core.stats import fmt_bytes
+from ..core.tensors import skip_reason
+from ..core.transfer import Stored, Transfer
+from ..planning.advisor import Advisor
+from ..planning.predictor import calibrate
+from ..planning.profiler import SiteProfile, measure_link
+from ..recipes.nets import build_cnn
 
 
 @dataclass
@@ -122,8 +122,8 @@ def profiling_overhead(device: torch.device, steps: int = 20) -> float:
     """Step time while profiling over step time without, same model and batch, interleaved."""
     from torch.nn import functional as F
 
-    from .config import CSwapConfig
-    from .engine import Offloader
+    from ..config import CSwapConfig
+    from ..core.engine import Offloader
 
     torch.manual_seed(0)
     model = build_cnn(32).to(device)

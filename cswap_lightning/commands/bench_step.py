@@ -27,16 +27,16 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .config import CSwapConfig
-from .engine import Offloader
-from .stats import fmt_bytes
+from ..config import CSwapConfig
+from ..core.engine import Offloader
+from ..core.stats import fmt_bytes
 
 
 def build_model(name: str, device: torch.device, batch_size: int | None):
     """The model and one batch of generated data; GPU sizes are larger."""
     gpu = device.type == "cuda"
     if name == "cnn":
-        from .demo import build_cnn
+        from ..recipes.nets import build_cnn
 
         batch = batch_size or (256 if gpu else 32)
         side = 64 if gpu else 32

@@ -15,11 +15,11 @@ from typing import NoReturn
 from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningCLI
 
-from .config import CSwapConfig
+from ..config import CSwapConfig
 
 # Importing it registers the strategy names "cswap", "cswap_ddp" and "cswap_fsdp".
-from .integrations.lightning import _CSwapMixin
-from .recipes import resolve_configs
+from ..integrations.lightning import _CSwapMixin
+from ..recipes import resolve_configs
 
 CSWAP_CONFIG = "trainer.strategy.init_args.config"
 

@@ -26,10 +26,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .bench import result_meta, write_results
-from .codecs import bit_view
-from .codecs.reference import Codec, RLECodec, ZVCCodec
-from .stats import fmt_bytes
+from ..codecs import bit_view
+from ..codecs.reference import Codec, RLECodec, ZVCCodec
+from ..core.stats import fmt_bytes
+from .bench_step import result_meta, write_results
 
 KiB, MiB = 1024, 1024 * 1024
 GPU_SIZES = tuple(256 * KiB * 4**i for i in range(6))  # 256 KiB .. 256 MiB
@@ -74,7 +74,7 @@ def our_contenders(dev: torch.device, names: list[str]) -> tuple[list[Contender]
     codecs: list[Codec] = [CODECS[n]() for n in names]
     impl, notes = "reference (pure torch)", []
     if dev.type == "cuda":
-        from .codecs.cuda import CudaRLECodec, CudaZVCCodec, load_extension
+        from ..codecs.cuda import CudaRLECodec, CudaZVCCodec, load_extension
 
         if load_extension() is None:
             notes.append("the CUDA codec library did not load: the reference codecs were "
@@ -177,7 +177,8 @@ def relu_activations(dev: torch.device, batch: int, width: int,
                      train_steps: int) -> dict[str, torch.Tensor]:
     """Post-ReLU outputs of the demo CNN on scikit-learn digits after a few training steps,
     captured with forward hooks (BatchNorm in training mode, as during a training step)."""
-    from .demo import build_cnn, load_digits
+    from ..recipes.nets import build_cnn
+    from .demo import load_digits
 
     torch.manual_seed(0)
     x, y, _, _ = load_digits(dev)

@@ -22,11 +22,11 @@ from typing import NoReturn
 
 import torch
 
-from .codecs import get_codec
-from .config import COMPRESSORS, LOSSY_CODECS
+from ..codecs import get_codec
+from ..config import COMPRESSORS, LOSSY_CODECS
+from ..core.stats import fmt_bytes
 from .predictor import CodecTimeModel
 from .profiler import Link, SiteProfile
-from .stats import fmt_bytes
 
 # Sites left in place for these reasons are held outside autograd anyway (weights, their
 # views, storages another site already moved): keeping them costs no extra memory.

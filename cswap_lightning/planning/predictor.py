@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .codecs import get_codec
-from .codecs.format import Packed
+from ..codecs import get_codec
+from ..codecs.format import Packed
 from .profiler import Clock
 
 DIRECTIONS = ("encode", "decode")

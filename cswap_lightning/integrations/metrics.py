@@ -15,8 +15,8 @@ from matplotlib.figure import Figure
 from torch import Tensor
 from torchmetrics import Metric, MetricCollection
 
-from .config import MiB
-from .stats import StepStats
+from ..config import MiB
+from ..core.stats import StepStats
 
 
 class _Total(Metric):

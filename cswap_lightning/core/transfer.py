@@ -30,8 +30,8 @@ from functools import partial
 
 import torch
 
+from ..codecs import Codec, Header, Packed, get_codec, nonzero_count
 from .arena import ArenaReport, HostMemory, Lease
-from .codecs import Codec, Header, Packed, get_codec, nonzero_count
 from .stats import StepStats
 
 OFFLOAD, RESTORE, COMPRESS = range(3)  # a device's side streams
