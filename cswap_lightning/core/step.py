@@ -62,18 +62,15 @@ class _Entry(Stored):
         self.consumed = False  # unpacked at least once
 
 
-class _ViewOf(NamedTuple):
-    """Which view of its storage a site saved, and at which version."""
-
-    size: torch.Size
-    stride: tuple[int, ...]
-    offset: int
-    version: int
-    rebuild: Callable[[torch.Tensor], torch.Tensor] | None  # a DTensor from its local tensor
+# Which view of its storage a site saved, at which version: (size, stride, storage offset,
+# version, rebuild), ``rebuild`` making a DTensor from its local tensor (else None). A plain
+# tuple: one is made for every offloaded tensor.
+_ViewOf = tuple
 
 
 class _View(NamedTuple):
-    """What autograd holds for a site whose storage an earlier site moved."""
+    """What autograd holds for a site whose storage an earlier site moved (rare: a tuple
+    class of its own so that unpack tells it apart)."""
 
     entry: _Entry
     view: _ViewOf
@@ -119,7 +116,7 @@ class Step:
     def pack(self, saved: torch.Tensor) -> tuple | _Entry | _View:
         t, rebuild = unwrap(saved)
         site = len(self.stats.sites)
-        stats = SiteStats(site, tuple(t.shape), dtype_name(t.dtype),
+        stats = SiteStats(site, tuple(t.shape), _DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype),
                           t.numel() * t.element_size(), "keep", packed_at=self.tick())
         self.stats.sites.append(stats)
         if self.device is None:
@@ -192,7 +189,8 @@ class Step:
                     self._time_unpack(site)
             return t
         entry, view = (saved, saved.view) if type(saved) is _Entry else saved
-        check_version(entry.probe._version, view.version, entry.probe.dtype, tuple(view.size))
+        size, stride, offset, version, rebuild = view
+        check_version(entry.probe._version, version, entry.probe.dtype, tuple(size))
         start = time.perf_counter()
         with self._lock:
             self._time_unpack(entry.id)
@@ -203,8 +201,8 @@ class Step:
             stream.wait_event(ready)
             base.record_stream(stream)
         entry.stats.wait_s += time.perf_counter() - start
-        out = base.as_strided(view.size, view.stride, view.offset)
-        return out if view.rebuild is None else view.rebuild(out)
+        out = base.as_strided(size, stride, offset)
+        return out if rebuild is None else rebuild(out)
 
     def _time_unpack(self, site: int) -> None:
         if self.timer is not None and site not in self._unpacked:
@@ -342,4 +340,4 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def _view_of(t: torch.Tensor, rebuild: Callable | None) -> _ViewOf:
-    return _ViewOf(t.size(), t.stride(), t.storage_offset(), t._version, rebuild)
+    return t.size(), t.stride(), t.storage_offset(), t._version, rebuild

@@ -146,7 +146,10 @@ class Transfer:
         if count_nonzero:
             stored.nonzero = self._to_host(nonzero_count(flat), flat)
         payload = flat if codec.name == "raw" else self._encode(codec, stored, flat)
-        stored.payload, stored.lease = self._payload_to_host(payload, flat, site)
+        if flat.is_cuda or self.arena_everywhere:
+            stored.payload, stored.lease = self._payload_to_host(payload, flat, site)
+        else:
+            stored.payload = self._to_host(payload, flat)
         if flat.is_cuda:
             stored.done = torch.cuda.current_stream().record_event()
             if stored.lease is not None:
@@ -220,8 +223,7 @@ class Transfer:
         """The payload copied into its site's arena region if it can have it, else to host
         memory of its own."""
         taken = None
-        if (site is not None and self.host_memory is not None
-                and (payload.is_cuda or self.arena_everywhere)):
+        if site is not None and self.host_memory is not None:
             taken = self.host_memory.acquire(site, payload.nbytes, payload.dtype)
         if taken is None:
             return self._to_host(payload, source), None
@@ -234,7 +236,8 @@ class Transfer:
 
     def _to_host(self, payload: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         if not payload.is_cuda:  # memory of its own: a new payload, or a copy of the source
-            shares = payload.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
+            shares = payload is source or (
+                payload.untyped_storage().data_ptr() == source.untyped_storage().data_ptr())
             return payload.clone() if shares else payload
         try:
             host = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=self.pin_memory)
