@@ -56,6 +56,8 @@ def test_step_bench_measures_every_method(tmp_path):
     assert "skipped" in by_name["torchtune OffloadActivations"]  # CPU: torchtune needs CUDA
     raw, zvc = by_name["cswap plan=raw"], by_name["cswap plan=zvc"]
     assert raw["moved_bytes"] > zvc["moved_bytes"] > 0  # ReLU activations compress
+    assert raw["peak_resident_bytes"] > 0 and by_name["no offload"]["peak_resident_bytes"] is None
+    assert "engine's peak resident" in (tmp_path / "step.md").read_text()
     assert all(r["step_s"] > 0 for r in rows if "step_s" in r)
     saved = json.loads((tmp_path / "step.json").read_text())
     assert saved["meta"]["model"] == "mlp" and len(saved["rows"]) == len(rows)

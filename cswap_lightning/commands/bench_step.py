@@ -146,6 +146,9 @@ class _Engine(Offloader):
     def moved_bytes(self) -> int:
         return self.last_step().stored_bytes
 
+    def peak_resident_bytes(self) -> int:
+        return self.last_step().peak_resident_bytes
+
 
 def run_step_bench(model_name: str = "cnn", device: str = "auto", batch_size: int | None = None,
                    steps: int = 10, warmup: int = 3, out: str | None = None) -> list[dict]:
@@ -189,11 +192,12 @@ def run_step_bench(model_name: str = "cnn", device: str = "auto", batch_size: in
             moved.append(ctx.moved_bytes())
             if i >= warmup:
                 times.append(elapsed)
+        resident = ctx.peak_resident_bytes() if isinstance(ctx, _Engine) else None
         if isinstance(ctx, Offloader):
             ctx.close()
         rows.append({"method": name, "step_s": statistics.median(times),
                      "held_bytes": max(held[warmup:]) if held else None,
-                     "moved_bytes": moved[-1]})
+                     "moved_bytes": moved[-1], "peak_resident_bytes": resident})
         del model, optimizer, ctx, loss
     base_row = rows[0]
     for row in rows:
@@ -234,14 +238,16 @@ def device_name(dev: torch.device) -> str:
 
 def _markdown(rows: list[dict], dev: torch.device) -> str:
     held = "peak allocated in step" if dev.type == "cuda" else "heap held after forward"
-    lines = [f"| method | step time | vs no offload | {held} | vs no offload | moved off device |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [f"| method | step time | vs no offload | {held} | vs no offload | moved off device "
+             "| engine's peak resident |", "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['method']} | skipped: {r['skipped']} | | | | |")
+            lines.append(f"| {r['method']} | skipped: {r['skipped']} | | | | | |")
             continue
         held_b = "n/a" if r["held_bytes"] is None else fmt_bytes(r["held_bytes"])
+        resident = "-" if r["peak_resident_bytes"] is None else fmt_bytes(r["peak_resident_bytes"])
         lines.append(
             f"| {r['method']} | {1e3 * r['step_s']:.1f} ms | {r['time_ratio']:.2f}x | {held_b} | "
-            f"{r.get('held_ratio', float('nan')):.2f}x | {fmt_bytes(r['moved_bytes'])} |")
+            f"{r.get('held_ratio', float('nan')):.2f}x | {fmt_bytes(r['moved_bytes'])} | "
+            f"{resident} |")
     return "\n".join(lines)
