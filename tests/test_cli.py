@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cswap_lightning.commands import cli
+from cswap_lightning.commands import args, cli
 from cswap_lightning.commands.demo import TRAIN_IMAGES, load_digits
 
 FAST_CODEC = ["--quick", "--no-relu", "--no-nvcomp", "--codecs", "zvc", "--dtypes", "float32",
@@ -59,7 +59,7 @@ def test_out_of_range_flag_is_a_usage_error_naming_it(argv, flag, accepted, caps
                                          ("1.0", 1.0), ("1", 1), ("2000000000", 2_000_000_000),
                                          ("2e9", 2_000_000_000), ("2.5e9", 2_500_000_000)])
 def test_budget_flag_reads_what_the_config_accepts(text, value):
-    parsed = cli._budget(text)
+    parsed = args.budget(text)
     assert parsed == value and type(parsed) is type(value)
 
 

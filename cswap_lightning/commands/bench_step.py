@@ -238,8 +238,9 @@ def device_name(dev: torch.device) -> str:
 
 def _markdown(rows: list[dict], dev: torch.device) -> str:
     held = "peak allocated in step" if dev.type == "cuda" else "heap held after forward"
-    lines = [f"| method | step time | vs no offload | {held} | vs no offload | moved off device "
-             "| engine's peak resident |", "|---|---:|---:|---:|---:|---:|---:|"]
+    head = (f"| method | step time | vs no offload | {held} | vs no offload | moved off device "
+            "| engine's peak resident |")
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "skipped" in r:
             lines.append(f"| {r['method']} | skipped: {r['skipped']} | | | | | |")

@@ -42,6 +42,7 @@ from typing_extensions import Self
 from ..config import CSwapConfig
 from ..core.engine import Offloader
 from ..core.stats import fmt_bytes
+from .args import number
 from .bench_step import _Counted, result_meta, write_results
 
 NO_OFFLOAD = "no offload"
@@ -989,7 +990,7 @@ def plot(result: dict, path: Path) -> bool:
 # -- the command ------------------------------------------------------------------------------
 def add_parser(bench_kinds) -> argparse.ArgumentParser:
     """Register ``cswap bench suite`` under the ``bench`` subcommands."""
-    from .cli import _whole
+    from .args import whole as _whole
 
     suite = bench_kinds.add_parser(
         "suite", help="ResNet-50, VGG-16, BERT-large, GPT-2 medium: every offload method at "
@@ -1027,24 +1028,8 @@ def add_parser(bench_kinds) -> argparse.ArgumentParser:
     return suite
 
 
-def _level(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not value > 0.0:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
-    return value
+_level = number(lambda v: 0.0 < v <= 1.0, "a fraction in (0, 1]")
+_seconds = number(lambda v: v > 0.0, "a number of seconds > 0")
 
 
 def run_suite(opts: argparse.Namespace, command: list[str] | None = None) -> list[dict]:

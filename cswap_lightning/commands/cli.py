@@ -3,59 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
-from collections.abc import Callable
 
 from ..config import LOSSY_CODECS, PLANS, CSwapConfig
-
-# argparse types: a value out of range is a usage error (exit status 2) naming the flag and
-# what it accepts, caught before anything runs rather than as a traceback from deep inside.
-
-
-def _whole(low: int, high: int | None = None) -> Callable[[str], int]:
-    """A whole number from ``low`` (to ``high``, if given)."""
-    accepted = f">= {low}" if high is None else f"from {low} to {high}"
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"expected a whole number {accepted}, got {text!r}")
-        return value
-
-    return parse
-
-
-def _fraction(text: str) -> float:
-    """A number from 0 to 1."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0.0 <= value <= 1.0:  # NaN fails too
-        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}")
-    return value
-
-
-def _budget(text: str) -> int | float | str | None:
-    """``none``, ``auto``, a fraction like ``0.5`` (written with a point) or a byte count like
-    ``2000000000`` or ``2e9``: what ``CSwapConfig.budget`` accepts."""
-    if text in ("none", "auto"):
-        return None if text == "none" else text
-    try:
-        number = float(text)
-    except ValueError:
-        number = math.nan
-    if "." in text and 0.0 < number <= 1.0:
-        return number
-    if math.isfinite(number) and number >= 1 and number.is_integer():
-        return int(number)
-    raise argparse.ArgumentTypeError(
-        f"expected none, auto, a fraction of device memory in (0, 1] like 0.5, or a number of "
-        f"bytes >= 1 like 2000000000; got {text!r}")
+from .args import budget as _budget
+from .args import fraction as _fraction
+from .args import whole as _whole
 
 
 def _demo_batch_size(text: str) -> int:
