@@ -1,6 +1,7 @@
 """cswap-lightning: swap autograd's saved activations to host memory, compressed when it pays."""
 
 from .config import CSwapConfig
+from .core.compile import compile_blocks
 from .core.engine import Offloader, offload
 from .core.stats import SiteStats, StepStats
 
@@ -34,6 +35,7 @@ __all__ = [
     "Offloader",
     "SiteStats",
     "StepStats",
+    "compile_blocks",
     "offload",
 ]
 __version__ = "0.1.0"
