@@ -13,21 +13,29 @@ training succeeds, so after an exception the next forward finds the loop gone fr
 and removes the hooks instead of entering the engine. The pre-hook also holds the
 micro-batch's inputs, so with a lossy plan it runs the accuracy guard's probe there, through
 the model alone (no Trainer code runs twice).
+
+With ``torch_compile=True`` the Trainer would compile the whole model, and a compiled region's
+backward asks for every tensor it saved at once (pytorch/pytorch#148222): every offloaded
+activation would be back on the device when backward starts. The callback compiles the model
+per block instead (:func:`~cswap_lightning.compile_blocks`), with the Trainer's compile
+settings, before the Trainer gets to it.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from types import CodeType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
+from accelerate.utils import DynamoBackend
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.utils import logging
 
 from ..config import CSwapConfig
+from ..core.compile import blocks, compile_blocks
 from ..core.engine import Offloader
 from ..core.guard import AccuracyGuard
 from ..core.stats import StepStats
@@ -36,15 +44,15 @@ from .metrics import offload_metrics, step_values, write_summary
 logger = logging.get_logger(__name__)
 
 
-def _training_loop() -> CodeType:
-    """The code of the Trainer method that is calling the callbacks: its training loop
-    (whatever a Trainer subclass or a later transformers release names it)."""
+def _trainer_frame() -> FrameType:
+    """The frame of the Trainer method that is calling the callbacks: its ``__init__`` or its
+    training loop (whatever a Trainer subclass or a later transformers release names it)."""
     frame = sys._getframe(1)
     while frame is not None and not isinstance(frame.f_locals.get("self"), Trainer):
         frame = frame.f_back
     if frame is None:
-        raise ValueError("CSwapCallback runs inside a transformers.Trainer's train()")
-    return frame.f_code
+        raise ValueError("CSwapCallback runs inside a transformers.Trainer")
+    return frame
 
 
 def _on_stack(code: CodeType | None) -> bool:
@@ -75,6 +83,21 @@ def _take_over_checkpoint_offload(args: TrainingArguments, model: nn.Module) -> 
                    "torch's synchronous save_on_cpu")
 
 
+def _take_over_compile(trainer: Trainer, model: nn.Module) -> dict[str, Any] | None:
+    """Stop the Trainer compiling the whole model (``torch_compile``: its accelerator does it
+    when ``train()`` prepares the model) and return the settings it would have compiled with,
+    or ``None`` where it compiles nothing."""
+    plugin = trainer.accelerator.state.dynamo_plugin
+    if plugin.backend == DynamoBackend.NO:
+        return None
+    kwargs = plugin.to_kwargs()
+    plugin.backend = DynamoBackend.NO  # this Trainer's accelerator: a new Trainer makes its own
+    logger.warning(f"cswap: torch_compile is on: each of the model's {len(blocks(model))} "
+                   "blocks is compiled instead of the whole model, whose compiled backward "
+                   "would bring back every offloaded tensor at once")
+    return kwargs
+
+
 class CSwapCallback(TrainerCallback):
     """Offload saved activations during ``Trainer.train``; log what it did with the losses.
 
@@ -86,9 +109,12 @@ class CSwapCallback(TrainerCallback):
     included) or, when ``train()`` raised, at the next forward outside it. Each epoch starts
     with the engine measuring and planning again. With activation checkpointing, the engine
     moves the checkpointed layers' inputs; the Trainer's own offload of them
-    (``activation_checkpointing_kwargs={"offload": True}``) is turned off for the run. With lossy sites in the plan, every
-    ``config.guard_every`` micro-batches :attr:`guard` first compares that micro-batch's
-    gradients with and without them (the model must return its loss, i.e. get ``labels``).
+    (``activation_checkpointing_kwargs={"offload": True}``) is turned off for the run. With
+    ``torch_compile=True`` the model is compiled per block instead of whole (give the callback
+    to the Trainer's constructor: ``add_callback`` comes too late). With lossy sites in the
+    plan, every ``config.guard_every`` micro-batches :attr:`guard` first compares that
+    micro-batch's gradients with and without them (the model must return its loss, i.e. get
+    ``labels``).
 
     Each log line gets ``cswap/ratio``, ``cswap/offloaded_bytes`` and ``cswap/wait_s`` over the
     micro-batches since the previous one, and the latest guard probe's figures
@@ -107,6 +133,7 @@ class CSwapCallback(TrainerCallback):
         self._guard: AccuracyGuard | None = None
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._loop: CodeType | None = None  # the code of the Trainer's running training loop
+        self._compile: dict[str, Any] | None = None  # torch.compile kwargs, per block
         self.inside = False  # a forward is running under the engine
         self._probing = False  # the guard is running the model itself
 
@@ -125,8 +152,9 @@ class CSwapCallback(TrainerCallback):
         return self._guard
 
     # the model's forward --------------------------------------------------------------------
-    # With `torch_compile=True` these hooks sit at the edges of the compiled forward: Dynamo
-    # must run them as they are, not trace the engine and the guard into graphs of their own.
+    # On a model compiled whole (given to the Trainer compiled) these hooks sit at the edges of
+    # the compiled forward: Dynamo must run them as they are, not trace the engine and the guard
+    # into graphs of their own.
     @torch.compiler.disable
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         if self._probing or not (module.training and torch.is_grad_enabled()):
@@ -175,6 +203,12 @@ class CSwapCallback(TrainerCallback):
         self._loop = None
 
     # Trainer events -------------------------------------------------------------------------
+    def on_init_end(self, args: TrainingArguments, state: TrainerState,
+                    control: TrainerControl, model: nn.Module | None = None,
+                    **kwargs: Any) -> None:
+        # The Trainer's accelerator is built by now, and compiles only when train() starts.
+        self._compile = _take_over_compile(_trainer_frame().f_locals["self"], model)
+
     def on_train_begin(self, args: TrainingArguments, state: TrainerState,
                        control: TrainerControl, model: nn.Module | None = None,
                        **kwargs: Any) -> None:
@@ -182,7 +216,9 @@ class CSwapCallback(TrainerCallback):
             raise ValueError("CSwapCallback needs the model: the Trainer passes it to callbacks")
         self._remove_hooks()  # a second train() on the same callback
         _take_over_checkpoint_offload(args, model)
-        self._loop = _training_loop()
+        if self._compile is not None:  # here, not at init: `model_init` replaces the model
+            compile_blocks(model, **self._compile)
+        self._loop = _trainer_frame().f_code
         self._hooks = [
             model.register_forward_pre_hook(self._enter, with_kwargs=True),
             model.register_forward_hook(self._exit),
