@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from functools import partial
@@ -28,7 +29,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanMetric
 
-from cswap_lightning import CSwapConfig
+from cswap_lightning import CSwapConfig, compile_blocks
 from cswap_lightning.integrations.lightning import (
     CSwapDDPStrategy,
     CSwapFSDPStrategy,
@@ -160,6 +161,29 @@ def test_a_compiled_network_inside_the_module():
     assert {s.shape for s in zvc if s.module == "net"} == {(8, 32)}  # compiled region
     # the batch, which Lightning holds through the step: moving it freed nothing
     assert {s.reason for s in sites if s.shape == (8, 16)} == {"held elsewhere"}
+
+
+class BlockCompiledReluNet(ReluNet):
+    def __init__(self) -> None:
+        super().__init__()
+        compile_blocks(self.net, backend="aot_eager")
+
+
+@pytest.mark.parametrize(("model", "named"), [
+    (lambda: torch.compile(ReluNet(), backend="aot_eager"), "the model"),  # fit(torch.compile(m))
+    (CompiledReluNet, "net"),
+    (BlockCompiledReluNet, None),
+])
+def test_a_module_compiled_whole_is_told_at_setup_to_compile_per_block(model, named):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(CSwapStrategy(LOSSLESS), model=model)
+    told = [str(w.message) for w in caught if "compiled as a whole" in str(w.message)]
+    if named is None:
+        assert told == [] and not [w for w in caught if "at once" in str(w.message)]
+    else:
+        assert len(told) == 1 and told[0].startswith(f"cswap: {named} is compiled as a whole")
+        assert "cswap_lightning.compile_blocks" in told[0]
 
 
 class ShardedReluNet(ReluNet):

@@ -43,6 +43,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics import Metric
 
 from ..config import LOSSY_CODECS, CSwapConfig
+from ..core.compile import compiled_whole
 from ..core.engine import Offloader
 from ..core.guard import AccuracyGuard
 from ..core.stats import StepStats
@@ -232,6 +233,21 @@ class CSwapModelParallelStrategy(_CSwapMixin, ModelParallelStrategy):
         )
 
 
+def _warn_if_compiled_whole(module: pl.LightningModule) -> None:
+    """Say, before the first step, what the engine would only measure at the end of it: a
+    module compiled whole gets nothing from offloading at the peak. Users compile in their own
+    code, so the strategy cannot compile differently for them."""
+    whole = compiled_whole(module)
+    if whole:
+        rank_zero_warn(
+            f"cswap: {', '.join(whole)} is compiled as a whole, and the backward of a compiled "
+            "region brings back every tensor it saved at once (pytorch/pytorch#148222): "
+            "offloading lowers nothing at the peak. Compile per block instead: "
+            "cswap_lightning.compile_blocks(module) where you call torch.compile(module) (for "
+            "trainer.fit(torch.compile(model)): trainer.fit(compile_blocks(model)))."
+        )
+
+
 class CSwapHooks(Callback):
     """Connects a CSwap strategy's offloader to the Trainer's events.
 
@@ -265,6 +281,7 @@ class CSwapHooks(Callback):
             # plans with the link each one gets while all copy at once, as in training.
             self.strategy.offloader.link = measure_link(pl_module.device,
                                                         barrier=self.strategy.barrier)
+        _warn_if_compiled_whole(pl_module)
         lossy = config.plan in LOSSY_CODECS or config.lossy != "off"
         if lossy and config.guard_every and not self.strategy.can_probe():
             rank_zero_warn(
