@@ -160,3 +160,26 @@ def test_a_hugging_face_model_compiles_each_decoder_layer_and_trains_alike():
     for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), name
     offloader.close()
+
+
+def test_a_module_compiled_with_its_compile_method_trains_under_the_engine():
+    """``module.compile()`` compiles the module's forward; Dynamo must not trace the engine's
+    hooks, which the forward's ops call (it inlined them and failed before)."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    swapped = copy.deepcopy(plain)
+    for module in (plain, swapped):
+        module.compile(backend="aot_eager")
+    x = torch.randn(16, 64)
+    off = Offloader(CSwapConfig(plan="raw", min_bytes=0))
+    for _ in range(2):
+        for module in (plain, swapped):
+            module.zero_grad(set_to_none=True)
+        plain(x).sum().backward()
+        with off:
+            loss = swapped(x).sum()
+        loss.backward()
+        for p, q in zip(plain.parameters(), swapped.parameters()):
+            assert torch.equal(p.grad, q.grad)
+    assert off.last_step().offloaded_bytes > 0
+    off.close()
