@@ -14,7 +14,13 @@ from cswap_lightning import CSwapConfig, Offloader
 from cswap_lightning.codecs import get_codec
 from cswap_lightning.commands.bench_advisor import accuracy, report, run_advisor_check
 from cswap_lightning.planning import predictor
-from cswap_lightning.planning.advisor import Advisor, Plan, exposed_s, predicted_stored_bytes
+from cswap_lightning.planning.advisor import (
+    Advisor,
+    Plan,
+    exposed_s,
+    predicted_stored_bytes,
+    resident_peak,
+)
 from cswap_lightning.planning.predictor import CodecTimeModel, KernelRun, calibrate, record_runs
 from cswap_lightning.planning.profiler import Link, SiteProfile
 
@@ -118,24 +124,44 @@ def test_lossy_is_weighed_only_for_dense_allowed_sites_and_only_where_it_pays():
     assert Advisor("zvc", link, slow, lossy="int8").decide(dense).decision != "int8"
 
 
-def test_budget_offloads_earliest_sites_until_the_peak_fits():
+def test_budget_offloads_the_fewest_earliest_sites_that_make_the_peak_fit():
     link = Link(10 * GB, 10 * GB, 1000 * GB)
-    advisor = Advisor("zvc", link, model())
+    advisor = Advisor("zvc", link, model(), prefetch_bytes=0)
     profiles = [site(0.0, MiB * (i + 1), index=i) for i in range(4)]  # 1, 2, 3, 4 MiB
     profiles.append(SiteProfile(4, (10,), "float32", 40, False, reason="parameter"))
     profiles.append(SiteProfile(5, (10,), "float32", MiB, False, reason="small"))
-    base = 2 * MiB
+    base = 2 * MiB  # what the step holds beside its saved tensors
     no_budget = advisor.plan(profiles, base, None)
     assert [no_budget.decisions[i].decision for i in range(4)] == ["raw"] * 4
-    plan = advisor.plan(profiles, base, 10 * MiB)  # base 2 + small 1 + latest sites 4 + 3
+    plan = advisor.plan(profiles, base, 10 * MiB)  # room for 8: small 1 + latest sites 4 + 3
     assert [plan.decisions[i].decision for i in range(4)] == ["raw", "raw", "keep", "keep"]
-    assert plan.predicted_peak == 10 * MiB and plan.fits
-    assert plan.decisions[4].decision == "keep"  # parameters are not counted twice
+    assert plan.predicted_peak == 8 * MiB and plan.fits
+    assert plan.decisions[4].decision == "keep"  # parameters are not counted
     roomy = advisor.plan(profiles, base, 100 * MiB)
     assert all(d.decision == "keep" for d in roomy.decisions.values())
+    assert roomy.predicted_peak == 11 * MiB
     tight = advisor.plan(profiles, base, 2 * MiB)  # even offloading everything does not fit
     assert not tight.fits and "DOES NOT FIT" in tight.table()
     assert [tight.decisions[i].decision for i in range(4)] == ["raw"] * 4
+    assert tight.predicted_peak == 4 * MiB  # the largest site, in forward and in backward
+
+
+def test_the_replayed_peak_counts_what_backward_brings_back_and_what_one_op_holds():
+    held = SiteProfile(0, (MiB // 4,), "float32", MiB, False, reason="held elsewhere")
+    weight = SiteProfile(5, (MiB // 4,), "float32", MiB, False, reason="view of a leaf")
+    acts = [site(0.0, MiB, index=i) for i in range(1, 5)]
+    profiles = [held, *acts, weight]
+    order = [5, 4, 3, 2, 1, 0]
+    moved = {1, 2, 3, 4}
+    assert resident_peak(profiles, order, (), 0) == 5 * MiB  # the input, held, and all four
+    assert resident_peak(profiles, order, moved, 0) == 2 * MiB  # the input and one
+    # A 2 MiB window: the one restored on demand and the next two.
+    assert resident_peak(profiles, order, moved, 2 * MiB) == 4 * MiB
+    assert resident_peak(profiles, order, moved, 512 * MiB) == 5 * MiB  # all back at once
+    assert resident_peak(profiles, order, {1, 2}, 2 * MiB) == 3 * MiB  # 3, 4 kept, in forward
+    # Sites 2 and 3 saved by one op, which asks for them in the order it saved them: forward
+    # held both originals, backward holds both restored tensors, until the op is done.
+    assert resident_peak(profiles, [5, 4, 2, 3, 1, 0], moved, 0) == 3 * MiB
 
 
 def test_plan_round_trips_through_a_dict():
@@ -165,7 +191,7 @@ def test_plan_changes_when_sparsity_changes_between_epochs():
     net, x = Gate(), torch.randn(512, 64)
     y = torch.randint(0, 10, (512,))
     slow_link = Link(1e6, 1e6, 1e9)  # so slow that fewer bytes always pay
-    off = Offloader(CSwapConfig(min_bytes=64 * 1024, profile_steps=1), link=slow_link,
+    off = Offloader(CSwapConfig(min_bytes=64 * 1024, profile_steps=1, budget=None), link=slow_link,
                     time_model=model(1e-6, 1e-6, 1e-6))
 
     def step():
@@ -197,7 +223,7 @@ def test_lossy_auto_compresses_dense_sites_lossily_except_excluded_modules():
         net.lin.bias += 100.0  # the ReLU output is dense
     x, y = torch.randn(512, 64), torch.randint(0, 10, (512,))
     runs = linear_runs("zvc", 1e-6, 1e-6, 1e-6) + linear_runs("int8", 1e-6, 1e-6, 0.0)
-    config = CSwapConfig(min_bytes=64 * 1024, profile_steps=1, lossy="auto")
+    config = CSwapConfig(min_bytes=64 * 1024, profile_steps=1, lossy="auto", budget=None)
     for exclude, expected in (((), "int8"), (("ac*",), "raw")):
         off = Offloader(replace(config, lossy_exclude=exclude), link=Link(1e6, 1e6, 1e9),
                         time_model=CodecTimeModel().fit(runs)).watch(net)
@@ -258,7 +284,8 @@ def _step(off, net, x, y):
 
 def test_a_step_whose_sites_changed_falls_back_to_raw_and_is_planned_again():
     net, x, y = model_and_batch("mlp")
-    off = Offloader(CSwapConfig(min_bytes=0, profile_steps=1), link=Link(1e6, 1e6, 1e9),
+    off = Offloader(CSwapConfig(min_bytes=0, profile_steps=1, budget=None),
+                    link=Link(1e6, 1e6, 1e9),
                     time_model=model(1e-6, 1e-6, 1e-6))
     _step(off, net, x, y)
     _step(off, net, x, y)
@@ -279,11 +306,11 @@ def test_learned_plan_survives_a_state_dict_round_trip():
 
     net, x, y = model_and_batch("mlp")
     kw = {"link": Link(1e6, 1e6, 1e9), "time_model": model(1e-6, 1e-6, 1e-6)}
-    off = Offloader(CSwapConfig(min_bytes=0, profile_steps=1), **kw)
+    off = Offloader(CSwapConfig(min_bytes=0, profile_steps=1, budget=None), **kw)
     for _ in range(3):
         _step(off, net, x, y)
     state = json.loads(json.dumps(off.state_dict()))
-    restored = Offloader(CSwapConfig(min_bytes=0, profile_steps=1), **kw)
+    restored = Offloader(CSwapConfig(min_bytes=0, profile_steps=1, budget=None), **kw)
     restored.load_state_dict(state)
     assert restored.plan == off.plan
     _step(restored, net, x, y)  # the restored plan applies at once: no profiling step

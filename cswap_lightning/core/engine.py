@@ -7,9 +7,11 @@ measured, the sites whose moving freed nothing) and hands each step to a ``Step`
 
 from __future__ import annotations
 
+import logging
 import threading
 import warnings
 import weakref
+from dataclasses import replace
 from fnmatch import fnmatch
 
 import torch
@@ -18,17 +20,18 @@ from typing_extensions import Self
 from ..codecs.cuda import enable_cuda_codecs_if_requested
 from ..codecs.lossy import LOSSY_DTYPES as _LOSSY_TORCH_DTYPES
 from ..config import LOSSY_CODECS, CSwapConfig
-from ..planning.advisor import Advisor, Plan, resolve_budget
+from ..planning.advisor import HELD_ELSEWHERE, Advisor, Plan, resolve_budget
 from ..planning.predictor import CodecTimeModel, calibrate
 from ..planning.profiler import Link, Profiler, measure_link, signature
 from .module_names import ModuleTracker
-from .stats import SiteStats, StepStats
+from .stats import SiteStats, StepStats, fmt_bytes
 from .step import Step
 from .transfer import Transfer
 
 LOSSY_DTYPES = tuple(str(d).removeprefix("torch.") for d in _LOSSY_TORCH_DTYPES)
 # Re-measuring because the saved tensors changed this many times says something is off.
 _REPLANS_BEFORE_WARNING = 3
+_log = logging.getLogger(__name__)
 
 
 class Offloader:
@@ -36,9 +39,12 @@ class Offloader:
 
     Create it once and enter it around every forward pass; what it learns on one step
     (per-site sparsity, the order backward needs tensors in) plans the next. With
-    ``plan="auto"`` the first ``profile_steps`` steps swap raw and are measured, then the
-    advisor plans every site; call :meth:`new_epoch` at each epoch start to re-measure
-    (sparsity drifts during training)::
+    ``plan="auto"`` the first ``profile_steps`` steps are measured, then the advisor plans
+    every site; call :meth:`new_epoch` at each epoch start to re-measure (sparsity drifts
+    during training), under the plan already made. The first measured step swaps every site
+    raw: nothing says yet whether the step fits the budget, and one that does not must not
+    run out of memory. Once a measured step shows that the budget holds every saved tensor,
+    the remaining measured steps move nothing::
 
         offloader = Offloader(CSwapConfig())
         for batch in loader:
@@ -62,6 +68,7 @@ class Offloader:
         self.transfer = Transfer(pin_memory=self.config.pin_memory,
                                  inflight_bytes=self.config.inflight_bytes)
         self.plan: Plan | None = None  # the advisor's, for plan="auto"
+        self._unchecked: Plan | None = None  # a plan no step has run yet
         self.profiler = Profiler()
         self._measure_left = self.config.profile_steps
         self._order: list[int] | None = None  # backward's order of sites, learned
@@ -201,6 +208,7 @@ class Offloader:
             raise ValueError(f"cswap state 'reverted' must be a list of site numbers (ints "
                              f">= 0), got {reverted!r}")
         self.plan, self._order, self.reverted = plan, order, set(reverted)
+        self._unchecked = plan
         if self.plan is not None:
             self._measure_left = 0
 
@@ -254,6 +262,9 @@ class Offloader:
             step.close()
         if step.failed:
             return
+        if self._unchecked is not None and signature(step.stats) == self._unchecked.signature:
+            self._check(self._unchecked, step.stats)
+        self._unchecked = None
         self._order = step.unpack_order or self._order
         if not self._warned_compiled and step.restored_all_at_once():
             self._warned_compiled = True
@@ -268,11 +279,34 @@ class Offloader:
         if self.config.plan != "auto" or step.device is None:
             return
         if step.measure:
-            self.profiler.observe(step.stats, step.timer.windows() if step.timer else {})
+            timer = step.timer
+            self.profiler.observe(step.stats, timer.windows() if timer else {},
+                                  timer.unpack_order() if timer else None)
             if self._measure_left == 0:
-                self.plan = self._advise(step)
+                self._use(self._advise(step))
+            elif self.plan is None:
+                plan = self._advise(step)
+                if plan.fits and all(d.decision == "keep" for d in plan.decisions.values()):
+                    self._use(plan)  # nothing needs to move: the next measured steps keep all
         elif self.plan is not None and signature(step.stats) != self.plan.signature:
             self._replanning()
+
+    def _use(self, plan: Plan) -> None:
+        self.plan = self._unchecked = plan
+        moved = [d for d in plan.decisions.values() if d.decision != "keep"]
+        budget = "none" if plan.budget_bytes is None else fmt_bytes(plan.budget_bytes)
+        _log.info("cswap: planned to move %d of %d sites (%s); saved tensors on the device at "
+                  "once: predicted %s, budget %s%s", len(moved), len(plan.decisions),
+                  fmt_bytes(sum(d.nbytes for d in moved)), fmt_bytes(plan.predicted_peak),
+                  budget, "" if plan.fits else " (does not fit)")
+
+    @staticmethod
+    def _check(plan: Plan, stats: StepStats) -> None:
+        """Measure the plan on the first step that ran it: the prediction, checked."""
+        plan.measured_peak = stats.peak_resident_bytes
+        _log.info("cswap: step %d ran the plan: saved tensors on the device at once: measured "
+                  "%s, predicted %s", stats.step, fmt_bytes(plan.measured_peak),
+                  fmt_bytes(plan.predicted_peak))
 
     def _replanning(self) -> None:
         """The sites changed (dynamic shapes, or several models under one Offloader): measure
@@ -288,16 +322,24 @@ class Offloader:
         self.new_epoch()
 
     def _advise(self, step: Step) -> Plan:
-        """The advisor's plan from what the profiler measured."""
-        cfg, device = self.config, step.device
+        """The advisor's plan from what the profiler measured.
+
+        The budget counts what the engine measures, the step's saved tensors: on CUDA what
+        the step held beside them at its peak (the allocator's peak less theirs) comes off
+        it first."""
+        cfg, device, stats = self.config, step.device, step.stats
         link = self.link or measure_link(device)
         lossy = {"off": None, "auto": "int8"}.get(cfg.lossy, cfg.lossy)
         codecs = (cfg.compressor,) if lossy is None else (cfg.compressor, lossy)
         model = self.time_model or calibrate(device, codecs).model
         advisor = Advisor(cfg.compressor, link, model, lossy,
-                          lambda p: self.lossy_allowed(p.site, p.dtype, p.module))
-        return advisor.plan(self.profiler.profile(), step.base_bytes,
-                            resolve_budget(cfg.budget, device))
+                          lambda p: self.lossy_allowed(p.site, p.dtype, p.module),
+                          cfg.prefetch_bytes)
+        profiles = [replace(p, offloadable=False, reason=HELD_ELSEWHERE)
+                    if p.site in self.held_elsewhere else p for p in self.profiler.profile()]
+        beside = max((stats.peak_allocated_bytes or 0) - stats.peak_resident_bytes, 0)
+        return advisor.plan(profiles, beside, resolve_budget(cfg.budget, device),
+                            self.profiler.order or None)
 
 
 def _site_list(value: object) -> bool:

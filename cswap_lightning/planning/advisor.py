@@ -9,28 +9,68 @@ Compressing it first to C bytes costs the codec's time and exposes less transfer
     T_c = t_encode + t_decode + max(C / BW_d2h - W_fwd, 0) + max(C / BW_h2d - W_bwd, 0)
 
 A site is compressed iff ``T_c < T_raw``. ``C`` is the codec's exact payload size for the
-measured sparsity (format.py). Under a memory budget, sites are offloaded earliest-forward
-first (backward needs them last, so their transfers hide best) until the predicted peak fits.
+measured sparsity (format.py).
+
+Under a memory budget, sites are offloaded earliest-forward first (backward needs them last,
+so their transfers hide best), the fewest that make the predicted peak fit. The peak is
+predicted the way the engine measures it (``StepStats.peak_resident_bytes``): the bytes of
+the step's saved tensors on the device at once. :func:`resident_peak` replays the step's
+saved tensors, in pack order and then in the order backward first needed them (both
+measured on the profiled steps), for one choice of sites to move:
+
+- a kept site is on the device from its pack until the backward op that used it is done;
+- a moved site is on the device from its pack until the forward op that saved it is done
+  (then forward lets go of the original, whose copy is out), and again from its restore
+  until the backward op that used it is done. Backward restores a moved site when it needs
+  it, or earlier: each unpack of a moved site prefetches the next ones in backward's order
+  while the prefetched bytes not yet unpacked stay within ``prefetch_bytes`` (one always
+  goes), as the engine does;
+- small tensors and views of a larger storage stay like kept sites; tensors the training
+  loop holds (``"held elsewhere"``) stay for the whole step; weights, leaves and second views
+  of a storage already counted are not counted, as the engine does not count them.
+
+The sites one op saved are a run of rising site numbers in backward's order: backward runs
+ops in the reverse of forward's order, and an op asks for its tensors in the order it saved
+them. What the replay cannot see is forward holding a tensor longer than the op that saved
+it (a block's input kept for its residual add) and the whole storage behind a view: there
+it predicts low, by one such tensor.
+
+A restore takes device memory when it is issued (on the CPU a raw restore is the payload
+itself), so a prefetch window as large as the moved bytes brings them all back at once:
+below some budgets no choice fits, and the plan says so (``fits`` false, the lowest peak
+chosen) rather than promising what will not be measured. The engine checks each new plan on
+the first step that runs it (``Plan.measured_peak``).
+
+The budget is device memory for the step: what the step holds beside its saved tensors at
+its peak (on CUDA weights, gradients and temporaries, the allocator's peak less the measured
+residency of a profiled step; on the CPU nothing is known of it) comes off it first
+(``Plan.base_bytes``), and the saved tensors get the rest.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import NoReturn
 
 import torch
 
 from ..codecs import get_codec
-from ..config import COMPRESSORS, LOSSY_CODECS
+from ..config import COMPRESSORS, LOSSY_CODECS, CSwapConfig
 from ..core.stats import fmt_bytes
 from .predictor import CodecTimeModel
 from .profiler import Link, SiteProfile
 
-# Sites left in place for these reasons are held outside autograd anyway (weights, their
-# views, storages another site already moved): keeping them costs no extra memory.
-_HELD_ELSEWHERE = ("parameter", "leaf", "view of a leaf", "shares storage")
+# A site the training loop holds too: moving it frees nothing, it stays for the whole step.
+HELD_ELSEWHERE = "held elsewhere"
+# Sites left in place for these reasons are on the device as kept sites are (the engine
+# counts them); those left for others (weights, leaves, second views of a storage) it does
+# not count.
+_COUNTED_WHEN_LEFT = ("small", "view of larger storage", "offload failed", HELD_ELSEWHERE)
+# budget="auto" leaves this fraction of the device's memory free, for what the engine does
+# not see (temporaries of a plan it has not measured, allocator fragmentation).
+AUTO_MARGIN = 0.1
 
 # What a plan may decide for a site.
 DECISIONS: tuple[str, ...] = ("keep", "raw", *COMPRESSORS, *LOSSY_CODECS)
@@ -64,9 +104,11 @@ class Plan:
     decisions: dict[int, Decision]
     signature: tuple[tuple[tuple[int, ...], str], ...]
     budget_bytes: int | None
-    base_bytes: int
-    predicted_peak: int  # base + saved bytes left on the device
-    fits: bool
+    base_bytes: int  # what the step holds beside its saved tensors, taken off the budget
+    predicted_peak: int  # saved tensors on the device at once (resident_peak)
+    fits: bool  # base_bytes + predicted_peak <= budget_bytes
+    # The peak measured on the first step that ran the plan (the engine fills it in).
+    measured_peak: int | None = field(default=None, compare=False)
 
     def codec(self, site: int, shape: tuple[int, ...], dtype: str) -> str:
         """The decision for a site; ``"raw"`` where this step's site differs from the plan's."""
@@ -94,8 +136,12 @@ class Plan:
             rows.append(f"({len(self.decisions) - len(shown)} sites that cannot be offloaded "
                         "are not shown)")
         budget = "none" if self.budget_bytes is None else fmt_bytes(self.budget_bytes)
-        rows.append(f"budget {budget}: predicted peak {fmt_bytes(self.predicted_peak)} "
-                    f"(base {fmt_bytes(self.base_bytes)}){'' if self.fits else ' DOES NOT FIT'}")
+        if self.base_bytes:
+            budget += f", less {fmt_bytes(self.base_bytes)} the step holds beside them"
+        measured = "-" if self.measured_peak is None else fmt_bytes(self.measured_peak)
+        rows.append(f"saved tensors on the device at once: predicted {fmt_bytes(self.predicted_peak)}"
+                    f", measured {measured} (budget {budget})"
+                    f"{'' if self.fits else ' DOES NOT FIT'}")
         return "\n".join(rows)
 
     def as_dict(self) -> dict:
@@ -229,17 +275,20 @@ LOSSY_MAX_SPARSITY = 0.5
 class Advisor:
     """Turns site profiles into a plan with the cost model above.
 
-    ``lossy`` (a codec name) is weighed too, for dense sites ``lossy_ok`` accepts.
+    ``lossy`` (a codec name) is weighed too, for dense sites ``lossy_ok`` accepts;
+    ``prefetch_bytes`` is the engine's prefetch window (``CSwapConfig.prefetch_bytes``).
     """
 
     def __init__(self, compressor: str, link: Link, model: CodecTimeModel,
                  lossy: str | None = None,
-                 lossy_ok: Callable[[SiteProfile], bool] = lambda p: True) -> None:
+                 lossy_ok: Callable[[SiteProfile], bool] = lambda p: True,
+                 prefetch_bytes: int = CSwapConfig.prefetch_bytes) -> None:
         self.compressor = compressor
         self.link = link
         self.model = model
         self.lossy = lossy
         self.lossy_ok = lossy_ok
+        self.prefetch_bytes = prefetch_bytes
 
     def codec_cost(self, codec: str, p: SiteProfile) -> tuple[float, int]:
         """Predicted exposed time of swapping ``p`` through ``codec``, and its stored bytes."""
@@ -269,43 +318,151 @@ class Advisor:
                         p.nbytes, raw_s, raw_s)
 
     def plan(self, profiles: list[SiteProfile], base_bytes: int = 0,
-             budget_bytes: int | None = None) -> Plan:
-        """Decide every site; with a budget, offload earliest sites first until it fits."""
+             budget_bytes: int | None = None, order: Sequence[int] | None = None) -> Plan:
+        """Decide every site; with a budget, offload the fewest earliest sites that make the
+        peak :func:`resident_peak` predicts fit in ``budget_bytes - base_bytes``.
+
+        ``order``: the sites in the order backward first needed them (default: reverse)."""
         decisions: dict[int, Decision] = {}
-        resident = base_bytes
         for p in profiles:
             if p.offloadable:
                 decisions[p.site] = self.decide(p)
-                continue
-            decisions[p.site] = Decision(p.site, p.shape, p.dtype, p.nbytes, p.sparsity, "keep",
-                                         p.reason or "not offloadable", 0, 0.0, 0.0)
-            if not p.reason.startswith(_HELD_ELSEWHERE):
-                resident += p.nbytes
+            else:
+                decisions[p.site] = Decision(p.site, p.shape, p.dtype, p.nbytes, p.sparsity,
+                                             "keep", p.reason or "not offloadable", 0, 0.0, 0.0)
+        if order is None:
+            order = [p.site for p in reversed(profiles)]
+        movable = [d.site for d in decisions.values() if d.decision != "keep"]
+        moved = len(movable)
         if budget_bytes is not None:
-            # Offloading from the earliest site on until the peak fits is keeping the longest
-            # run of latest sites that fits: backward needs those first.
-            room = budget_bytes - resident
-            for d in reversed([d for d in decisions.values() if d.decision != "keep"]):
-                if d.nbytes > room:
-                    break
-                room -= d.nbytes
-                resident += d.nbytes
-                d.decision, d.reason, d.stored_bytes, d.chosen_s = "keep", "fits the budget", 0, 0.0
-        fits = budget_bytes is None or resident <= budget_bytes
+            moved = self._fewest_moved(profiles, order, movable, budget_bytes - base_bytes)
+        predicted = resident_peak(profiles, order, set(movable[:moved]), self.prefetch_bytes)
+        fits = budget_bytes is None or base_bytes + predicted <= budget_bytes
+        for site in movable[moved:]:
+            d = decisions[site]
+            d.decision, d.stored_bytes, d.chosen_s = "keep", 0, 0.0
+            d.reason = "fits the budget" if fits else "keeps the peak lowest"
         signature = tuple((p.shape, p.dtype) for p in profiles)
-        return Plan(decisions, signature, budget_bytes, base_bytes, resident, fits)
+        return Plan(decisions, signature, budget_bytes, base_bytes, predicted, fits)
+
+
+    def _fewest_moved(self, profiles: list[SiteProfile], order: Sequence[int],
+                      movable: list[int], room: int) -> int:
+        """How many of the earliest ``movable`` sites to offload: the fewest whose predicted
+        peak fits in ``room``; if none fit, those with the lowest peak.
+
+        Moving one more site never raises forward's peak, so the fewest that fit forward
+        are found by bisection. Backward's peak once restores begin grows with the sites
+        moved (one more restore, the window filled sooner), so if those do not fit, none
+        do, and the lowest peak is where forward's falling peak meets backward's rising
+        one."""
+        peaks: dict[int, tuple[int, int]] = {}
+
+        def peak(k: int) -> tuple[int, int]:
+            if k not in peaks:
+                peaks[k] = _replay(profiles, order, set(movable[:k]), self.prefetch_bytes)
+            return peaks[k]
+
+        fewest = _first(lambda k: peak(k)[0] <= room, len(movable))
+        if max(peak(fewest)) <= room:
+            return fewest
+        meet = _first(lambda k: peak(k)[0] <= peak(k)[1], len(movable))
+        return min({max(meet - 1, 0), meet}, key=lambda k: (max(peak(k)), k))
+
+
+def _first(holds: Callable[[int], bool], n: int) -> int:
+    """The smallest ``k`` in [0, n] for which ``holds`` (false, then true, as ``k`` grows),
+    or ``n``."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if holds(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def resident_peak(profiles: Sequence[SiteProfile], order: Sequence[int],
+                  moved: Collection[int], prefetch_bytes: int) -> int:
+    """The most bytes of the step's saved tensors on the device at once if the sites in
+    ``moved`` are offloaded, as the engine's ledger would measure it (module docstring):
+    the step replayed, packs in site order, then unpacks in ``order``."""
+    return max(_replay(profiles, order, moved, prefetch_bytes))
+
+
+def _replay(profiles: Sequence[SiteProfile], order: Sequence[int],
+            moved: Collection[int], prefetch_bytes: int) -> tuple[int, int]:
+    """:func:`resident_peak` in forward, and in backward once restores begin (before, it
+    only falls from where forward ended)."""
+    counted = {p.site: p.nbytes if p.offloadable or p.reason in _COUNTED_WHEN_LEFT else 0
+               for p in profiles}
+    stays = {p.site for p in profiles if p.reason == HELD_ELSEWHERE}
+    ops = _backward_ops(order)
+    last_of_op = {site: max(op) for op in ops for site in op}
+    now = forward = 0
+    let_go: dict[int, int] = {}  # site -> moved originals forward lets go of after its pack
+    for p in profiles:
+        now += counted[p.site]
+        forward = max(forward, now)
+        if p.site in moved:
+            end = last_of_op.get(p.site, p.site)
+            let_go[end] = let_go.get(end, 0) + counted[p.site]
+        now -= let_go.pop(p.site, 0)
+    restores = [site for site in order if site in moved]  # prefetch order
+    position = {site: i for i, site in enumerate(restores)}
+    prefetched: set[int] = set()
+    ahead = cursor = backward = 0  # bytes prefetched not yet unpacked; next to prefetch
+    restoring = False
+    for op in ops:
+        for site in op:
+            if site in moved:
+                restoring = True
+                if site in prefetched:
+                    ahead -= counted[site]
+                else:
+                    now += counted[site]  # restored on demand
+                cursor = max(cursor, position[site] + 1)
+                while prefetch_bytes and cursor < len(restores):
+                    nxt = counted[restores[cursor]]
+                    if ahead and ahead + nxt > prefetch_bytes:
+                        break
+                    prefetched.add(restores[cursor])
+                    ahead, now, cursor = ahead + nxt, now + nxt, cursor + 1
+            if restoring:
+                backward = max(backward, now)
+        now -= sum(counted.get(site, 0) for site in op if site not in stays)
+    return forward, backward
+
+
+def _backward_ops(order: Sequence[int]) -> list[list[int]]:
+    """``order`` cut into the sites of one op each: runs of rising site numbers (module
+    docstring). Autograd frees them together, after the op; forward held them together too,
+    while the op ran."""
+    ops: list[list[int]] = []
+    for site in order:
+        if ops and site > ops[-1][-1]:
+            ops[-1].append(site)
+        else:
+            ops.append([site])
+    return ops
 
 
 def resolve_budget(budget: float | str | None, device: torch.device) -> int | None:
-    """The configured budget in bytes for ``device`` (None: no budget)."""
+    """The configured budget in bytes for ``device`` (None: no budget).
+
+    ``"auto"`` is what the process can still have when the plan is made, less
+    ``AUTO_MARGIN`` of the device's memory: on CUDA the free memory plus what the caching
+    allocator holds (the last step's saved tensors, freed by now, among it); on the CPU
+    the free RAM, usually far more than a step saves, so that nothing moves there."""
     if budget is None or isinstance(budget, int):
         return budget
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        available = free + torch.cuda.memory_allocated(device)
+        available = free + torch.cuda.memory_reserved(device)
     else:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     if budget == "auto":
-        return int(available)
+        return max(int(available - AUTO_MARGIN * total), 0)
     return int(budget * total)

@@ -130,6 +130,10 @@ class StepTimer:
     def unpacked(self, site: int) -> None:
         self.unpacks.append((site, self.clock.now()))
 
+    def unpack_order(self) -> list[int]:
+        """The sites in the order backward first needed them, kept ones included."""
+        return [site for site, _ in self.unpacks]
+
     def windows(self) -> dict[int, tuple[float, float]]:
         """site -> (forward window, backward window) in seconds."""
         if self.forward_end is None or not self.packs:
@@ -168,19 +172,28 @@ class Profiler:
 
     def __init__(self) -> None:
         self.sites: dict[int, SiteProfile] = {}
+        self.order: list[int] = []  # backward's order of first unpacks, last profiled step
         self._windows: dict[int, list[tuple[float, float]]] = {}
 
-    def observe(self, step: StepStats, windows: dict[int, tuple[float, float]]) -> None:
-        """Fold one profiled step in (call after the step's statistics are closed)."""
+    def observe(self, step: StepStats, windows: dict[int, tuple[float, float]],
+                order: list[int] | None = None) -> None:
+        """Fold one profiled step in (call after the step's statistics are closed), with
+        the order backward first needed its sites (``StepTimer.unpack_order``)."""
+        if order:
+            self.order = order
         for s in step.sites:
             offloadable = not s.reason or s.reason == "plan"
             profile = self.sites.get(s.site)
-            if profile is None or (profile.shape, profile.dtype) != (s.shape, s.dtype):
+            new = profile is None or (profile.shape, profile.dtype) != (s.shape, s.dtype)
+            if new:
                 profile = SiteProfile(s.site, s.shape, s.dtype, s.nbytes, offloadable)
                 self.sites[s.site] = profile
                 self._windows[s.site] = []
-            profile.nbytes, profile.offloadable = s.nbytes, offloadable
-            profile.reason = "" if offloadable else s.reason
+            # A site the plan kept tells only its view's size, and not whether it shares its
+            # storage with an earlier site: what a swap of it measured stands.
+            if new or s.reason != "plan":
+                profile.nbytes, profile.offloadable = s.nbytes, offloadable
+                profile.reason = "" if offloadable else s.reason
             profile.module = s.module
             if s.sparsity is not None:
                 profile.sparsity = s.sparsity
