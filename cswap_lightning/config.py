@@ -46,10 +46,15 @@ class CSwapConfig:
             force that lossy codec for floating tensors (others are swapped raw);
             ``"keep"`` offloads nothing (the engine only measures).
         compressor: the codec ``"auto"`` weighs against swapping raw.
-        budget: device memory the step may use (``"auto"`` only): ``None`` offloads every
-            tensor that can be; bytes (int), a fraction of the device's memory (float in
-            (0, 1]) or ``"auto"`` (what is free when the plan is made) offloads the earliest
-            saved tensors until the predicted peak fits.
+        budget: device memory for the step (``plan="auto"`` only): bytes (int), a fraction
+            of the device's memory (float in (0, 1]) or ``"auto"``, what the process can
+            still have when the plan is made less a tenth of the device's memory. What the
+            step holds beside its saved tensors (on CUDA the allocator's peak less theirs;
+            on the CPU nothing is known of it) comes off it; the saved tensors get the rest,
+            as ``StepStats.peak_resident_bytes`` measures them. The advisor keeps the latest
+            saved tensors and offloads the fewest earliest ones that make the predicted peak
+            fit, so a run that fits moves nothing (with ``"auto"`` on the CPU's RAM, nearly
+            always). ``None`` offloads every tensor that can be.
         profile_steps: steps measured before ``"auto"`` plans (and again at each epoch start).
         lossy: ``"off"``; a lossy codec name (``"int8"``, ``"fp8"``, ``"int4"``) the advisor may
             pick for dense floating tensors where it pays; ``"auto"`` lets it weigh ``"int8"``.
@@ -69,7 +74,7 @@ class CSwapConfig:
 
     plan: PlanName = "auto"
     compressor: Compressor = "zvc"
-    budget: int | float | str | None = None
+    budget: int | float | str | None = "auto"
     profile_steps: int = 2
     lossy: Lossy = "off"
     lossy_exclude: tuple[str, ...] = ()

@@ -35,7 +35,7 @@ def test_bad_values_fail_at_construction_naming_the_field(kwargs, error, pattern
 def test_defaults_and_valid_values():
     cfg = CSwapConfig()
     assert (cfg.plan, cfg.compressor, cfg.min_bytes) == ("auto", "zvc", 256 * 1024)
-    assert cfg.budget is None and cfg.lossy == "off"
+    assert cfg.budget == "auto" and cfg.lossy == "off"
     assert CSwapConfig(lossy_exclude=["head*"]).lossy_exclude == ("head*",)
     for budget in (None, "auto", 1 << 30, 0.5, 1.0):
         assert CSwapConfig(budget=budget).budget == budget

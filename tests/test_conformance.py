@@ -3,16 +3,17 @@
 Every case builds a tiny model (random init, nothing downloaded) from one initial state, then
 trains two deep copies of it for a few SGD steps, seeding torch, numpy and random alike before
 each forward: one plainly, one under ``Offloader(CSwapConfig(plan=P, min_bytes=0,
-profile_steps=1))``. Dropout stays on (``model.train()``, nonzero dropout, drop-path, LayerDrop,
-SpecAugment masks and router jitter wherever the config has them), so both runs must draw the
-same masks. At every step the loss, every parameter's gradient (and which ones are None), every
-input's gradient, every buffer after the step (BatchNorm's running statistics) and the global
-RNG state after backward must be BITWISE equal (the bits are compared, so NaNs and signed zeros
-count), and under ``raw``/``zvc``/``rle`` every step must have moved bytes
-(``last_step().offloaded_bytes > 0`` and ``stored_bytes > 0``). Steps: ``raw``/``zvc``/``rle`` 2
-(the second reuses what the first learned), ``auto`` 3 (one measured, two planned by the
-advisor); the PyTorch modules run 2 more. The negative control, ``plan="int8"`` on BERT, Llama
-and an LSTM, must DIFFER from the plain run: the comparison can fail.
+profile_steps=1, budget=None))`` (no budget: ``auto`` moves every site it can). Dropout stays
+on (``model.train()``, nonzero dropout, drop-path, LayerDrop, SpecAugment masks and router
+jitter wherever the config has them), so both runs must draw the same masks. At every step the
+loss, every parameter's gradient (and which ones are None), every input's gradient, every
+buffer after the step (BatchNorm's running statistics) and the global RNG state after backward
+must be BITWISE equal (the bits are compared, so NaNs and signed zeros count), and under
+``raw``/``zvc``/``rle`` every step must have moved bytes (``last_step().offloaded_bytes > 0``
+and ``stored_bytes > 0``). Steps: ``raw``/``zvc``/``rle`` 2 (the second reuses what the first
+learned), ``auto`` 3 (one measured, two planned by the advisor); the PyTorch modules run 2
+more. The negative control, ``plan="int8"`` on BERT, Llama and an LSTM, must DIFFER from the
+plain run: the comparison can fail.
 
 Covered:
   * Hugging Face transformers (37 architectures), built from configs: hidden 32, 2 layers,
@@ -526,7 +527,7 @@ def reference(kind: str, name: str, attn: str | None, steps: int) -> tuple[Built
 
 
 def offloaded(built: Built, plan: str, steps: int) -> list[Step]:
-    config = cswap.CSwapConfig(plan=plan, min_bytes=0, profile_steps=1)
+    config = cswap.CSwapConfig(plan=plan, min_bytes=0, profile_steps=1, budget=None)
     offloader = cswap.Offloader(config)
     try:
         return train(built, steps, offloader)

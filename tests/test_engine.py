@@ -34,7 +34,7 @@ def assert_bitwise_equal(a, b):
 def assert_lossless(name, plan, device):
     model, x, y = model_and_batch(name, device)
     ref = grads(copy.deepcopy(model), x, y, steps=2)
-    off = Offloader(CSwapConfig(plan=plan, min_bytes=0))
+    off = Offloader(CSwapConfig(plan=plan, min_bytes=0, budget=None))
     got = grads(copy.deepcopy(model), x, y, off, steps=2)
     assert_bitwise_equal(ref, got)
     step = off.last_step()
@@ -75,7 +75,7 @@ def test_offload_in_a_loop_reuses_one_session_and_learns():
 
 def test_auto_plan_swaps_raw_while_profiling_then_follows_the_advisor():
     model, x, y = model_and_batch("mlp")
-    off = Offloader(CSwapConfig(plan="auto", min_bytes=0, profile_steps=2))
+    off = Offloader(CSwapConfig(plan="auto", min_bytes=0, profile_steps=2, budget=None))
     for _ in range(2):
         grads(model, x, y, off, steps=1)
         assert {s.decision for s in off.last_step().sites} - {"keep", "dedup"} == {"raw"}
@@ -162,7 +162,7 @@ def test_retain_graph_allows_two_backward_passes():
 def test_gradient_accumulation_over_micro_batches():
     model, x, y = model_and_batch("cnn")
     ref_model, off_model = copy.deepcopy(model), copy.deepcopy(model)
-    off = Offloader(CSwapConfig(plan="auto", min_bytes=0))
+    off = Offloader(CSwapConfig(plan="auto", min_bytes=0, budget=None))
     for xb, yb in zip(x.chunk(4), y.chunk(4)):
         F.cross_entropy(ref_model(xb), yb).backward()
         with off:
@@ -395,7 +395,7 @@ def test_statistics_table_and_dict():
 
 def test_entering_a_step_waits_only_after_a_profiled_one(monkeypatch):
     model, x, y = model_and_batch("mlp")
-    off = Offloader(CSwapConfig(plan="auto", min_bytes=0, profile_steps=1))
+    off = Offloader(CSwapConfig(plan="auto", min_bytes=0, profile_steps=1, budget=None))
     off.transfer.arena_everywhere = True  # plan an arena on the CPU too
     waits, drain = [], off.transfer.drain
 

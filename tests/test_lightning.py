@@ -359,7 +359,7 @@ def test_each_epoch_is_profiled_and_planned_again():
 
 
 def test_checkpoint_restores_the_learned_plan_and_training_resumes(tmp_path):
-    config = CSwapConfig(plan="auto", profile_steps=1, min_bytes=0)
+    config = CSwapConfig(plan="auto", profile_steps=1, min_bytes=0, budget=None)
     trainer, _ = train(CSwapStrategy(config), max_epochs=1, max_steps=-1)
     saved = trainer.strategy.offloader.state_dict()
     assert saved["plan"] is not None  # the advisor planned from the profiled step

@@ -63,7 +63,8 @@ def run_demo(
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     torch.manual_seed(seed)
-    config = config or CSwapConfig(min_bytes=64 * 1024)
+    # No budget: the whole model fits in memory, and the default ("auto") would move nothing.
+    config = config or CSwapConfig(min_bytes=64 * 1024, budget=None)
     x_train, y_train, x_val, y_val = load_digits(dev, seed)
     model = build_cnn(width).to(dev)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)

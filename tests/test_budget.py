@@ -1,0 +1,122 @@
+"""Budgets are met by measurement, and the default budget moves nothing on a run that fits.
+
+The model is 8 x (Linear(1024) + GELU) at batch 512: every activation is 2 MiB, and GELU
+outputs are dense, so what the engine keeps or moves is plain to count. On the CPU a raw
+restore costs nothing, so backward brings back everything the prefetch window allows at once:
+the worst case for a budget.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from cswap_lightning import CSwapConfig, Offloader
+from cswap_lightning.planning.advisor import AUTO_MARGIN, resolve_budget
+
+MiB = 1 << 20
+
+
+def gelu_mlp() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(8):
+        layers += [nn.Linear(1024, 1024), nn.GELU()]
+    return nn.Sequential(*layers), torch.randn(512, 1024)
+
+
+def train(config: CSwapConfig, steps: int, epochs: int = 1) -> tuple[Offloader, list]:
+    """``steps`` steps per epoch; the offloader and every step's statistics."""
+    model, x = gelu_mlp()
+    off = Offloader(config)
+    stats = []
+    for _ in range(epochs):
+        off.new_epoch()
+        for _ in range(steps):
+            with off:
+                loss = model(x).square().mean()
+            loss.backward()
+            del loss
+            stats.append(off.last_step())
+    with off:  # closes the last step, which checks the plan against it
+        pass
+    off.close()
+    return off, stats
+
+
+def keep_peak(prefetch_bytes: int) -> int:
+    _, stats = train(CSwapConfig(plan="keep", prefetch_bytes=prefetch_bytes), steps=1)
+    return stats[-1].peak_resident_bytes
+
+
+def test_the_default_budget_is_auto_and_none_still_means_everything():
+    assert CSwapConfig().budget == "auto"
+    _, stats = train(CSwapConfig(budget=None, profile_steps=1), steps=3)
+    # Every activation inside; the input, which the loop holds, is found to stay.
+    assert [s.offloaded_bytes for s in stats[1:]] == [16 * 2 * MiB] * 2
+
+
+# A window of two activations: backward holds the one in use and the next two.
+SMALL_WINDOW = 4 * MiB
+
+
+def test_a_budget_between_keeping_and_moving_everything_is_met_by_measurement():
+    keep = keep_peak(SMALL_WINDOW)
+    assert keep == 17 * 2 * MiB  # the input and the 16 activations inside
+    _, everything = train(CSwapConfig(budget=None, profile_steps=1,
+                                      prefetch_bytes=SMALL_WINDOW), steps=2)
+    budget = int(0.4 * keep)
+    off, stats = train(CSwapConfig(budget=budget, profile_steps=1,
+                                   prefetch_bytes=SMALL_WINDOW), steps=3)
+    planned = stats[-1]
+    assert off.plan.fits
+    assert planned.peak_resident_bytes <= 1.15 * budget, off.plan.table()
+    assert planned.offloaded_bytes <= 0.85 * everything[-1].offloaded_bytes
+    assert planned.offloaded_bytes > 0
+    # The plan says what it predicted and what the step that ran it measured.
+    assert off.plan.measured_peak == stats[1].peak_resident_bytes
+    assert off.plan.predicted_peak == pytest.approx(off.plan.measured_peak, rel=0.15)
+    assert "predicted" in off.plan.table() and "measured" in off.plan.table()
+
+
+@pytest.mark.parametrize("fraction", [0.4, 0.6])
+def test_the_predicted_peak_counts_what_backward_brings_back(fraction):
+    """With the default window backward brings back every moved tensor at once on the CPU:
+    no plan meets 40% of keeping everything, and the plan says so instead of promising it."""
+    default_window = CSwapConfig().prefetch_bytes
+    budget = int(fraction * keep_peak(default_window))
+    off, stats = train(CSwapConfig(budget=budget, profile_steps=1), steps=2)
+    measured = stats[-1].peak_resident_bytes
+    assert off.plan.predicted_peak == pytest.approx(measured, rel=0.15), off.plan.table()
+    assert off.plan.fits == (measured <= 1.15 * budget)
+
+
+def test_room_to_spare_moves_nothing_even_while_profiling():
+    budget = int(1.5 * keep_peak(SMALL_WINDOW))
+    off, stats = train(CSwapConfig(budget=budget, profile_steps=3,
+                                   prefetch_bytes=SMALL_WINDOW), steps=5)
+    # The first step cannot know the run fits: it swaps, and measures what would stay.
+    assert stats[0].offloaded_bytes > 0
+    assert [s.offloaded_bytes for s in stats[1:]] == [0] * 4
+    assert all(d.decision == "keep" for d in off.plan.decisions.values())
+    assert off.plan.predicted_peak == pytest.approx(off.plan.measured_peak, rel=0.15)
+
+
+def test_the_default_moves_nothing_on_a_run_that_fits_not_even_at_a_new_epoch():
+    off, stats = train(CSwapConfig(), steps=3, epochs=2)
+    assert stats[0].offloaded_bytes > 0  # the very first step measures by swapping
+    assert [s.offloaded_bytes for s in stats[1:]] == [0] * 5
+    assert off.plan.fits and off.plan.budget_bytes > 17 * 2 * MiB
+
+
+def test_auto_is_what_the_process_can_still_have_less_a_margin(monkeypatch):
+    cpu = torch.device("cpu")
+    assert 0 < resolve_budget("auto", cpu) < resolve_budget(1.0, cpu)
+    assert resolve_budget(1 << 20, cpu) == 1 << 20
+    assert resolve_budget(None, cpu) is None
+    # CUDA: free memory plus what the caching allocator holds (the step's own tensors,
+    # freed by now, among it), less the margin.
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (30 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 40 << 30)
+    assert resolve_budget("auto", gpu) == (70 << 30) - int(AUTO_MARGIN * (80 << 30))
+    assert resolve_budget(0.5, gpu) == 40 << 30
