@@ -4,6 +4,7 @@ pieces of one storage, frozen weights, nesting, threads, failures, closing, fork
 import copy
 import multiprocessing
 import os
+import sys
 import threading
 import warnings
 
@@ -442,3 +443,65 @@ def test_host_memory_held_between_steps_is_reported_and_none_on_the_cpu(mlp, mon
     assert 0 < step.host_held_bytes <= 2 * step.stored_bytes
     assert "host memory held between steps" in step.table()
     off.close()
+
+
+def test_a_tensor_saved_by_two_threads_at_once_keeps_its_version():
+    """Making the engine's version probe must not touch the tensor's version counter: another
+    thread saving the same tensor at that moment would record a version that never was, and
+    its backward would fail with PyTorch's in-place error."""
+    torch.manual_seed(0)
+    h = torch.randn(256, 256, requires_grad=True).relu()  # shared, not a leaf: it is probed
+    errors = []
+    barrier = threading.Barrier(2)
+
+    def train(seed):
+        try:
+            w = torch.randn(256, 256, generator=torch.Generator().manual_seed(seed),
+                            requires_grad=True)
+            off = Offloader(CSwapConfig(plan="raw", min_bytes=0))
+            barrier.wait()
+            for _ in range(200):
+                with off:
+                    loss = (h * w).sum()
+                torch.autograd.grad(loss, [w])
+            off.close()
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=train, args=(i,)) for i in range(2)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as Python can: make races show
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors[0]
+
+
+def test_making_a_version_probe_runs_no_in_place_op_on_the_tensor():
+    """The deterministic side of the test above: an in-place op (``set_`` on a view sharing
+    the counter) bumps the counter, however briefly; the probe must be made without one."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cswap_lightning.core.tensors import version_probe
+
+    class InPlaceOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.name.endswith("_") or "set_" in func._schema.name:
+                self.seen.append(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    t = torch.randn(64, requires_grad=True).relu()
+    with InPlaceOps() as mode:
+        probe = version_probe(t)
+    assert mode.seen == [] and probe._version == t._version
+    with torch.no_grad():
+        t.add_(1)
+    assert probe._version == t._version  # it still shares the counter

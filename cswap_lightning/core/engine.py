@@ -110,7 +110,10 @@ class Offloader:
         return self
 
     def _push_hooks(self, step: Step) -> None:
-        hooks = torch.autograd.graph.saved_tensors_hooks(step.pack, step.unpack)
+        # Dynamo must not trace the hooks: compiling a module's forward (``module.compile()``)
+        # would inline them into the graph and fail. A disabled function costs ~0.5 us a call.
+        hooks = torch.autograd.graph.saved_tensors_hooks(
+            torch.compiler.disable(step.pack), torch.compiler.disable(step.unpack))
         hooks.__enter__()
         self._hooks.append(hooks)
 

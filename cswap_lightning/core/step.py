@@ -29,7 +29,7 @@ from .residency import Residency
 from .stats import SiteStats, StepStats, fmt_bytes
 from .tensors import (
     check_version,
-    shares_version_counter,
+    counter_owner,
     skip_reason,
     unwrap,
     version_probe,
@@ -44,17 +44,19 @@ class _Entry(Stored):
     """One storage moved off the device: what autograd holds for the site that saved it
     first, with that site's view; later sites viewing the same bytes hold a ``_View``."""
 
-    __slots__ = ("__weakref__", "consumed", "held", "id", "nbytes", "prefetched", "probe",
-                 "rebuild", "restored", "restored_ready", "stats", "view")
+    __slots__ = ("__weakref__", "consumed", "held", "id", "nbytes", "owner", "prefetched",
+                 "probe", "restored", "restored_ready", "stats", "version", "view")
 
     def __init__(self, stats: SiteStats, source: torch.device, held: weakref.ref,
-                 probe: torch.Tensor, view: _ViewOf) -> None:
+                 probe: torch.Tensor, owner: weakref.ref, view: _ViewOf) -> None:
         super().__init__(source)
         self.id = stats.site
         self.nbytes = stats.nbytes
         self.stats = stats
         self.held = held  # the residency ledger's reference to the original storage
         self.probe = probe  # shares the version counter of the tensors saved from it
+        self.owner = owner  # the tensor owning that counter (tensors.counter_owner), while alive
+        self.version = view[3]  # the counter's value at the save
         self.view = view
         self.prefetched: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
         self.restored: weakref.ref | None = None  # the device copy, while autograd holds it
@@ -133,7 +135,8 @@ class Step:
         storage = t.untyped_storage()
         entry = self._by_storage.get(storage._cdata)
         if (entry is not None and self.residency.ref(storage) is entry.held
-                and entry.stats.dtype == stats.dtype and shares_version_counter(entry.probe, t)):
+                and entry.stats.dtype == stats.dtype and entry.owner() is counter_owner(t)
+                and entry.version == t._version):
             stats.decision, stats.reason = "dedup", f"shares storage with site {entry.id}"
             return _View(entry, _view_of(t, rebuild))
         held = self.residency.hold(storage)
@@ -143,7 +146,8 @@ class Step:
             if self.measure:
                 self._counts.append((stats, t.numel(), nonzero_count(t)))
             return saved, saved._version, site
-        entry = _Entry(stats, t.device, held, version_probe(t), _view_of(t, rebuild))
+        entry = _Entry(stats, t.device, held, version_probe(t), weakref.ref(counter_owner(t)),
+                       _view_of(t, rebuild))
         self._offload(entry, t, storage, codec)
         self._by_storage[storage._cdata] = entry
         return entry

@@ -62,39 +62,29 @@ def skip_reason(t: torch.Tensor, min_bytes: int) -> str:
 
 def version_probe(t: torch.Tensor) -> torch.Tensor:
     """An empty tensor sharing ``t``'s version counter: it sees later in-place writes to ``t``
-    (or any view of its storage that shares the counter) without keeping ``t``'s memory."""
-    version = t._version
+    (or any view of its storage that shares the counter) without keeping ``t``'s memory.
+
+    Made by pointing a ``detach()`` of ``t`` (which shares the counter) at an empty tensor
+    through ``.data``, which, unlike ``set_()``, does not bump the shared counter: another
+    thread saving ``t`` at the same moment must not see a version that never was."""
     probe = t.detach()
-    probe.set_()  # drops the storage, and bumps the shared counter: undo that
-    set_version(probe, version)
+    key = (t.dtype, t.device)
+    empty = _EMPTY.get(key)
+    if empty is None:
+        empty = _EMPTY[key] = torch.empty(0, dtype=t.dtype, device=t.device)
+    probe.data = empty
     return probe
 
 
-def shares_version_counter(probe: torch.Tensor, t: torch.Tensor) -> bool:
-    """Whether ``t`` and ``probe`` count versions with one counter, at the same version.
-
-    Views made by ``unsafe_chunk``/``unsafe_split`` (LSTM and GRU gates) share a storage but
-    each has a counter of its own, so an in-place write to one piece is invisible to the
-    others: only a shared counter proves the bytes are as they were when ``probe`` was made.
-    Tested by setting ``t``'s counter and reading ``probe``'s, then setting it back."""
-    version = t._version
-    if probe._version != version:
-        return False
-    set_version(t, version + 1)
-    shared = probe._version == version + 1
-    set_version(t, version)
-    return shared
+_EMPTY: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def set_version(t: torch.Tensor, version: int) -> None:
-    torch._C._autograd._unsafe_set_version_counter((t,), (version,))
-
-
-try:  # chosen once here, not on every pack: older torch releases take one tensor, one version
-    set_version(torch.empty(0), 0)
-except TypeError:
-    def set_version(t: torch.Tensor, version: int) -> None:
-        torch._C._autograd._unsafe_set_version_counter(t, version)
+def counter_owner(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose version counter ``t`` uses: its base if it is a view, else itself.
+    Two tensors with the same owner count versions together; pieces of ``unsafe_chunk`` or
+    ``unsafe_split`` (LSTM and GRU gates) share a storage but each owns its counter, so an
+    in-place write to one is invisible to the others."""
+    return t if t._base is None else t._base
 
 
 def check_version(current: int, saved: int, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
