@@ -92,7 +92,6 @@ class Step:
         self.timer: StepTimer | None = None
         self._unpacked: set[int] = set()
         self.device: torch.device | None = None
-        self.base_bytes = 0  # device memory in use when forward saved its first tensor
         self.failed = self.closed = False
         self.probe: str | None = None  # an accuracy-guard probe step (Offloader.probe_next_step)
         # Autograd runs backward on one thread per device: a model split over several GPUs in
@@ -172,7 +171,6 @@ class Step:
     def _first_pack(self, device: torch.device) -> None:
         self.device = device
         if device.type == "cuda":
-            self.base_bytes = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
         if self.measure:
             self.timer = StepTimer(device)
