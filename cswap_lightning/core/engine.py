@@ -25,7 +25,7 @@ from ..planning.predictor import CodecTimeModel, calibrate
 from ..planning.profiler import Link, Profiler, measure_link, signature
 from .module_names import ModuleTracker
 from .stats import SiteStats, StepStats, fmt_bytes
-from .step import Step
+from .step import Step, hide_from_dynamo
 from .transfer import Transfer
 
 LOSSY_DTYPES = tuple(str(d).removeprefix("torch.") for d in _LOSSY_TORCH_DTYPES)
@@ -110,10 +110,8 @@ class Offloader:
         return self
 
     def _push_hooks(self, step: Step) -> None:
-        # Dynamo must not trace the hooks: compiling a module's forward (``module.compile()``)
-        # would inline them into the graph and fail. A disabled function costs ~0.5 us a call.
-        hooks = torch.autograd.graph.saved_tensors_hooks(
-            torch.compiler.disable(step.pack), torch.compiler.disable(step.unpack))
+        hide_from_dynamo()
+        hooks = torch.autograd.graph.saved_tensors_hooks(step.pack, step.unpack)
         hooks.__enter__()
         self._hooks.append(hooks)
 

@@ -12,6 +12,7 @@ what backward is expected to need next.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import weakref
@@ -115,6 +116,11 @@ class Step:
 
     # forward ----------------------------------------------------------------------------
     def pack(self, saved: torch.Tensor) -> tuple | _Entry | _View:
+        if _dynamo_callback() is not None:  # in a compiled module's eager fallback
+            return torch.compiler.disable(self._pack)(saved)
+        return self._pack(saved)
+
+    def _pack(self, saved: torch.Tensor) -> tuple | _Entry | _View:
         t, rebuild = unwrap(saved)
         site = len(self.stats.sites)
         stats = SiteStats(site, tuple(t.shape), _DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype),
@@ -183,6 +189,11 @@ class Step:
 
     # backward ---------------------------------------------------------------------------
     def unpack(self, saved: tuple | _Entry | _View) -> torch.Tensor:
+        if _dynamo_callback() is not None:
+            return torch.compiler.disable(self._unpack)(saved)
+        return self._unpack(saved)
+
+    def _unpack(self, saved: tuple | _Entry | _View) -> torch.Tensor:
         if type(saved) is tuple:  # kept: the tensor, its version when saved, its site
             t, version, site = saved
             check_version(t._version, version, t.dtype, tuple(t.shape))
@@ -330,6 +341,31 @@ class Step:
             self.stats.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device)
 
 
+# Dynamo compiles every Python frame that starts while its frame callback is set, as it is
+# in the eager parts of a module compiled with ``module.compile()``: there it would compile
+# the hooks (and fail). Their own frames are marked never to compile (``hide_from_dynamo``),
+# and their work runs with the callback off; elsewhere the check costs ~40 ns.
+try:
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _dynamo_callback
+except ImportError:  # a torch without Dynamo
+    def _dynamo_callback() -> None:
+        return None
+
+
+def hide_from_dynamo() -> None:
+    """Mark the hooks' frames never to compile, once Dynamo is loaded (importing it just for
+    this would cost every user a second)."""
+    global _hidden
+    if _hidden or "torch._dynamo" not in sys.modules:
+        return
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(Step.pack.__code__)
+    skip_code(Step.unpack.__code__)
+    _hidden = True
+
+
+_hidden = False
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
