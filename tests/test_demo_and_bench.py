@@ -22,6 +22,9 @@ def test_demo_trains_with_the_advisor_and_keeps_gradients(capsys):
     moved = [s for s in step["sites"] if s["decision"] not in ("keep", "dedup")]
     assert moved and all(s["decision"] in ("raw", "zvc") for s in moved)
     assert "The advisor's plan" in out and "bitwise equal" in out and "Memory:" in out
+    # measured: moving freed memory at the peak (0.61x on the CPU, with its 2 MiB prefetch)
+    assert step["peak_resident_bytes"] < 0.8 * result["keep_peak_bytes"]
+    assert "keeping them all" in out
 
 
 def test_demo_with_zvc_compresses_relu_outputs():

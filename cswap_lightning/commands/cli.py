@@ -34,7 +34,8 @@ def _size(text: str) -> int:
 
 
 def _config(args: argparse.Namespace) -> CSwapConfig:
-    return CSwapConfig(plan=args.plan, min_bytes=args.min_bytes, budget=args.budget)
+    return CSwapConfig(plan=args.plan, min_bytes=args.min_bytes, budget=args.budget,
+                       prefetch_bytes=args.prefetch_bytes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--plan", default="auto", choices=PLANS)
     demo.add_argument("--min-bytes", type=_whole(0), default=64 * 1024,
                       help="saved tensors smaller than this stay on the device")
+    demo.add_argument("--prefetch-bytes", type=_whole(0), default=2 << 20,
+                      help="bytes backward may bring back ahead of use (default 2 MiB: small, "
+                      "so that what moving freed shows in the measured peak)")
     demo.add_argument("--budget", type=_budget, default=None,
                       help="device memory budget for plan auto: none, auto, bytes or a fraction")
 
