@@ -163,6 +163,14 @@ class Offloader:
         return (named and self._step.probe != "lossless"
                 and self.lossy_allowed(site, stats.dtype, stats.module))
 
+    def prefetch_window(self) -> int:
+        """Bytes backward may bring back ahead of use: ``prefetch_bytes``, or less where the
+        plan needed a smaller window to fit its budget."""
+        window = self.config.prefetch_bytes
+        if self.plan is not None and self.config.plan == "auto":
+            window = min(window, self.plan.prefetch_bytes)
+        return window
+
     def probe_next_step(self, kind: str) -> Self:
         """Make the next step a guard probe: ``"lossless"`` swaps lossy sites raw instead;
         ``"measure errors"`` keeps lossy sites' originals to measure their round-trip error."""

@@ -87,6 +87,7 @@ class Step:
         self.offloader = offloader
         self.transfer = offloader.transfer
         self.min_bytes = offloader.config.min_bytes
+        self.prefetch_bytes = offloader.prefetch_window()
         self.stats = StepStats(index)
         self.residency = Residency(self.stats)
         self.measure = measure  # time the windows and count every site's zeros
@@ -279,7 +280,7 @@ class Step:
 
     def _prefetch_after(self, entry: _Entry) -> None:
         """Bring back the sites expected next, within the bytes-in-flight budget."""
-        budget = self.offloader.config.prefetch_bytes
+        budget = self.prefetch_bytes
         if budget == 0:
             return
         if self._order is None:

@@ -36,10 +36,12 @@ it (a block's input kept for its residual add) and the whole storage behind a vi
 it predicts low, by one such tensor.
 
 A restore takes device memory when it is issued (on the CPU a raw restore is the payload
-itself), so a prefetch window as large as the moved bytes brings them all back at once:
-below some budgets no choice fits, and the plan says so (``fits`` false, the lowest peak
-chosen) rather than promising what will not be measured. The engine checks each new plan on
-the first step that runs it (``Plan.measured_peak``).
+itself), so a prefetch window as large as the moved bytes brings them all back at once. Where
+no choice of sites fits under ``prefetch_bytes``, the plan halves the window until one does
+(``Plan.prefetch_bytes``, which the engine then uses: some of backward's overlap traded for
+memory); where none fits even without prefetching, the plan says so (``fits`` false, the
+lowest peak chosen) rather than promising what will not be measured. The engine checks each
+new plan on the first step that runs it (``Plan.measured_peak``).
 
 The budget is device memory for the step: what the step holds beside its saved tensors at
 its peak (on CUDA weights, gradients and temporaries, the allocator's peak less the measured
@@ -107,6 +109,7 @@ class Plan:
     base_bytes: int  # what the step holds beside its saved tensors, taken off the budget
     predicted_peak: int  # saved tensors on the device at once (resident_peak)
     fits: bool  # base_bytes + predicted_peak <= budget_bytes
+    prefetch_bytes: int  # the prefetch window planned with (the engine uses no more)
     # The peak measured on the first step that ran the plan (the engine fills it in).
     measured_peak: int | None = field(default=None, compare=False)
 
@@ -139,7 +142,8 @@ class Plan:
         if self.base_bytes:
             budget += f", less {fmt_bytes(self.base_bytes)} the step holds beside them"
         measured = "-" if self.measured_peak is None else fmt_bytes(self.measured_peak)
-        rows.append(f"saved tensors on the device at once: predicted {fmt_bytes(self.predicted_peak)}"
+        rows.append(f"prefetch window {fmt_bytes(self.prefetch_bytes)}; "
+                    f"saved tensors on the device at once: predicted {fmt_bytes(self.predicted_peak)}"
                     f", measured {measured} (budget {budget})"
                     f"{'' if self.fits else ' DOES NOT FIT'}")
         return "\n".join(rows)
@@ -153,6 +157,7 @@ class Plan:
             "base_bytes": self.base_bytes,
             "predicted_peak": self.predicted_peak,
             "fits": self.fits,
+            "prefetch_bytes": self.prefetch_bytes,
         }
 
     @classmethod
@@ -170,7 +175,7 @@ class Plan:
         signature = tuple(_signature_entry(f"plan['signature'][{i}]", entry)
                           for i, entry in enumerate(data["signature"]))
         return cls(decisions, signature, data["budget_bytes"], data["base_bytes"],
-                   data["predicted_peak"], data["fits"])
+                   data["predicted_peak"], data["fits"], data["prefetch_bytes"])
 
 
 # The type of each field of a saved plan, for Plan.from_dict.
@@ -178,7 +183,7 @@ _SEQUENCE = (list, tuple)
 _NUMBER = (int, float)
 _PLAN_FIELDS: dict[str, tuple[type, ...]] = {
     "decisions": _SEQUENCE, "signature": _SEQUENCE, "budget_bytes": (int, type(None)),
-    "base_bytes": (int,), "predicted_peak": (int,), "fits": (bool,),
+    "base_bytes": (int,), "predicted_peak": (int,), "fits": (bool,), "prefetch_bytes": (int,),
 }
 _DECISION_FIELDS: dict[str, tuple[type, ...]] = {
     "site": (int,), "shape": _SEQUENCE, "dtype": (str,), "nbytes": (int,), "sparsity": _NUMBER,
@@ -333,21 +338,41 @@ class Advisor:
         if order is None:
             order = [p.site for p in reversed(profiles)]
         movable = [d.site for d in decisions.values() if d.decision != "keep"]
+        window = self.prefetch_bytes
         moved = len(movable)
         if budget_bytes is not None:
-            moved = self._fewest_moved(profiles, order, movable, budget_bytes - base_bytes)
-        predicted = resident_peak(profiles, order, set(movable[:moved]), self.prefetch_bytes)
+            room = budget_bytes - base_bytes
+            moved = self._fewest_moved(profiles, order, movable, room, window)
+            window, moved = self._window(profiles, order, movable, room, window, moved)
+        predicted = resident_peak(profiles, order, set(movable[:moved]), window)
         fits = budget_bytes is None or base_bytes + predicted <= budget_bytes
         for site in movable[moved:]:
             d = decisions[site]
             d.decision, d.stored_bytes, d.chosen_s = "keep", 0, 0.0
             d.reason = "fits the budget" if fits else "keeps the peak lowest"
         signature = tuple((p.shape, p.dtype) for p in profiles)
-        return Plan(decisions, signature, budget_bytes, base_bytes, predicted, fits)
+        return Plan(decisions, signature, budget_bytes, base_bytes, predicted, fits, window)
 
+    def _window(self, profiles: list[SiteProfile], order: Sequence[int], movable: list[int],
+                room: int, window: int, moved: int) -> tuple[int, int]:
+        """The largest prefetch window, at most ``window``, under which a plan fits ``room``,
+        and that plan's count of moved sites: a window as large as the moved bytes brings
+        them all back at once, and a smaller one trades some of backward's overlap for
+        memory. Where ``window`` fits already, or no window does, it and ``moved`` as given."""
+        movable_set = set(movable)
+        sizes = [p.nbytes for p in profiles if p.site in movable_set]
+        if not sizes or max(_replay(profiles, order, set(movable[:moved]), window)) <= room:
+            return window, moved
+        tried = min(window, sum(sizes))
+        while tried > 0:
+            tried = tried // 2 if tried // 2 >= min(sizes) else 0
+            candidate = self._fewest_moved(profiles, order, movable, room, tried)
+            if max(_replay(profiles, order, set(movable[:candidate]), tried)) <= room:
+                return tried, candidate
+        return window, moved
 
     def _fewest_moved(self, profiles: list[SiteProfile], order: Sequence[int],
-                      movable: list[int], room: int) -> int:
+                      movable: list[int], room: int, window: int) -> int:
         """How many of the earliest ``movable`` sites to offload: the fewest whose predicted
         peak fits in ``room``; if none fit, those with the lowest peak.
 
@@ -360,7 +385,7 @@ class Advisor:
 
         def peak(k: int) -> tuple[int, int]:
             if k not in peaks:
-                peaks[k] = _replay(profiles, order, set(movable[:k]), self.prefetch_bytes)
+                peaks[k] = _replay(profiles, order, set(movable[:k]), window)
             return peaks[k]
 
         fewest = _first(lambda k: peak(k)[0] <= room, len(movable))
