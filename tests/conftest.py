@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -15,6 +17,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles afresh: Dynamo's recompile limit counts per code object over the
+    whole process, and many tests compile an ``nn.Sequential`` (one ``forward`` code)."""
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
 
 
 def make_mlp() -> nn.Module:
