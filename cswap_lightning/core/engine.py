@@ -231,6 +231,7 @@ class Offloader:
         if self._step is None:
             raise RuntimeError("no step has run yet: enter the Offloader around a forward pass")
         self.transfer.drain(device=device)
+        self._step.residency.fold()
         if device:
             self._step.close()
         self._step.stats.host_held_bytes = self.transfer.held_bytes()
@@ -264,6 +265,7 @@ class Offloader:
         if step is None or step.closed:
             return
         step.closed = True
+        step.residency.fold()
         # Only a measured step's figures (sparsity, windows) need its offload work done;
         # waiting for that otherwise would hold up the forward about to start.
         if step.measure:

@@ -5,13 +5,17 @@ until it is freed, which a weak reference to the storage tells: PyTorch keeps on
 object per storage, and drops it when the storage goes. So kept tensors, originals not yet
 copied out (or still held by the user's code), restored tensors autograd still holds and
 prefetched ones are all counted, each storage once, whatever the device.
+
+Storages are freed on any thread. Rather than take a lock for every change on the hot path,
+each change is appended to a deque (atomic) and the changes are summed, in order, when the
+figures are read (:meth:`Residency.fold`).
 """
 
 from __future__ import annotations
 
-import threading
 import time
 import weakref
+from collections import deque
 
 import torch
 
@@ -25,15 +29,16 @@ class _Held(weakref.ref):
 
 
 class Residency:
-    """The ledger of one step: bytes now, and in ``stats`` their peak and timeline."""
+    """The ledger of one step: its changes, summed into ``stats`` (peak and timeline)."""
 
     def __init__(self, stats: StepStats) -> None:
-        self.now = 0
-        self.unpacked_now = self.unpacked_peak = 0  # restored storages backward asked for
         self.stats = stats
+        self.now = 0  # bytes resident after the changes folded so far
+        self.unpacked_now = self.unpacked_peak = 0  # restored storages backward asked for
         self.start = time.perf_counter()
         self._held: dict[int, _Held] = {}  # storage address -> its reference
-        self._lock = threading.Lock()  # a storage may be freed in any thread
+        # (seconds, change of resident bytes, change of bytes backward asked for)
+        self._changes: deque[tuple[float, int, int]] = deque()
         self._freed_callback = self._freed  # one bound method for every reference
 
     def hold(self, storage: torch.UntypedStorage) -> _Held:
@@ -41,15 +46,10 @@ class Residency:
         reference that counts it."""
         key = storage._cdata
         ref = self._held.get(key)
-        if ref is not None:
-            return ref
-        ref = _Held(storage, self._freed_callback)
-        ref.key, ref.unpacked = key, False
-        ref.nbytes = nbytes = storage.nbytes()
-        with self._lock:
-            self._held[key] = ref
-            self.now += nbytes
-            self._changed()
+        if ref is None:
+            ref = self._held[key] = _Held(storage, self._freed_callback)
+            ref.key, ref.unpacked, ref.nbytes = key, False, storage.nbytes()
+            self._changes.append((time.perf_counter(), ref.nbytes, 0))
         return ref
 
     def ref(self, storage: torch.UntypedStorage) -> _Held | None:
@@ -62,22 +62,28 @@ class Residency:
         until it is freed (a compiled region asks for all of its own together)."""
         ref = self._held.get(storage._cdata)
         if ref is not None and not ref.unpacked:
-            with self._lock:
-                ref.unpacked = True
-                self.unpacked_now += ref.nbytes
-                self.unpacked_peak = max(self.unpacked_peak, self.unpacked_now)
+            ref.unpacked = True
+            self._changes.append((time.perf_counter(), 0, ref.nbytes))
 
     def _freed(self, ref: _Held) -> None:
-        with self._lock:
-            if self._held.get(ref.key) is ref:
-                del self._held[ref.key]
-                self.now -= ref.nbytes
-                if ref.unpacked:
-                    self.unpacked_now -= ref.nbytes
-                self._changed()
+        # A storage's address is reused only after this callback: the key is still ref's.
+        if self._held.get(ref.key) is ref:
+            del self._held[ref.key]
+            self._changes.append(
+                (time.perf_counter(), -ref.nbytes, -ref.nbytes if ref.unpacked else 0))
 
-    def _changed(self) -> None:
-        stats = self.stats
-        stats.peak_resident_bytes = max(stats.peak_resident_bytes, self.now)
-        stats.timeline_s.append(time.perf_counter() - self.start)
-        stats.timeline_bytes.append(self.now)
+    def fold(self) -> None:
+        """Sum the changes so far into ``stats``: the peak and the timeline."""
+        stats, changes = self.stats, self._changes
+        now, peak = self.now, stats.peak_resident_bytes
+        while changes:
+            at, resident, unpacked = changes.popleft()
+            if resident:
+                now += resident
+                peak = max(peak, now)
+                stats.timeline_s.append(at - self.start)
+                stats.timeline_bytes.append(now)
+            if unpacked:
+                self.unpacked_now += unpacked
+                self.unpacked_peak = max(self.unpacked_peak, self.unpacked_now)
+        self.now, stats.peak_resident_bytes = now, peak

@@ -29,10 +29,10 @@ from ..planning.profiler import StepTimer
 from .residency import Residency
 from .stats import SiteStats, StepStats, fmt_bytes
 from .tensors import (
-    check_version,
     counter_owner,
     skip_reason,
     unwrap,
+    version_error,
     version_probe,
 )
 from .transfer import Stored
@@ -43,40 +43,40 @@ if TYPE_CHECKING:
 
 class _Entry(Stored):
     """One storage moved off the device: what autograd holds for the site that saved it
-    first, with that site's view; later sites viewing the same bytes hold a ``_View``."""
+    first, with that site's view of it (size ``stats.shape``, ``stride``, ``offset``); later
+    sites viewing the same bytes hold a ``_View``. One object a tensor, few fields: every
+    object that lives through a step costs Python's garbage collector time."""
 
-    __slots__ = ("__weakref__", "consumed", "held", "id", "nbytes", "owner", "prefetched",
-                 "probe", "restored", "restored_ready", "stats", "version", "view")
+    __slots__ = ("__weakref__", "consumed", "held", "id", "nbytes", "offset", "owner",
+                 "prefetched", "probe", "rebuild", "restored", "restored_ready", "stats",
+                 "stride", "version")
 
-    def __init__(self, stats: SiteStats, source: torch.device, held: weakref.ref,
-                 probe: torch.Tensor, owner: weakref.ref, view: _ViewOf) -> None:
-        super().__init__(source)
+    def __init__(self, stats: SiteStats, t: torch.Tensor, held: weakref.ref,
+                 rebuild: Callable | None) -> None:
+        super().__init__(t.device)
         self.id = stats.site
-        self.nbytes = stats.nbytes
         self.stats = stats
         self.held = held  # the residency ledger's reference to the original storage
-        self.probe = probe  # shares the version counter of the tensors saved from it
-        self.owner = owner  # the tensor owning that counter (tensors.counter_owner), while alive
-        self.version = view[3]  # the counter's value at the save
-        self.view = view
+        self.probe = version_probe(t)  # shares the version counter of the tensors saved from it
+        self.owner = weakref.ref(counter_owner(t))  # the tensor owning that counter, while alive
+        self.version = t._version  # the counter's value at the save
+        self.stride, self.offset, self.rebuild = t.stride(), t.storage_offset(), rebuild
         self.prefetched: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
         self.restored: weakref.ref | None = None  # the device copy, while autograd holds it
         self.restored_ready: torch.cuda.Event | None = None  # after which that copy is whole
         self.consumed = False  # unpacked at least once
 
 
-# Which view of its storage a site saved, at which version: (size, stride, storage offset,
-# version, rebuild), ``rebuild`` making a DTensor from its local tensor (else None). A plain
-# tuple: one is made for every offloaded tensor.
-_ViewOf = tuple
-
-
 class _View(NamedTuple):
     """What autograd holds for a site whose storage an earlier site moved (rare: a tuple
-    class of its own so that unpack tells it apart)."""
+    class of its own so that unpack tells it apart): which view of it, at which version."""
 
     entry: _Entry
-    view: _ViewOf
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    version: int
+    rebuild: Callable | None
 
 
 class Step:
@@ -111,10 +111,6 @@ class Step:
         self._counts: list[tuple[SiteStats, int, torch.Tensor]] = []
         self.clock = 0  # ticks once per pack and once per first unpack of a site
 
-    def tick(self) -> int:
-        self.clock += 1
-        return self.clock - 1
-
     # forward ----------------------------------------------------------------------------
     def pack(self, saved: torch.Tensor) -> tuple | _Entry | _View:
         if _dynamo_callback() is not None:  # in a compiled module's eager fallback
@@ -122,10 +118,11 @@ class Step:
         return self._pack(saved)
 
     def _pack(self, saved: torch.Tensor) -> tuple | _Entry | _View:
-        t, rebuild = unwrap(saved)
+        t, rebuild = (saved, None) if type(saved) is torch.Tensor else unwrap(saved)
         site = len(self.stats.sites)
         stats = SiteStats(site, tuple(t.shape), _DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype),
-                          t.numel() * t.element_size(), "keep", packed_at=self.tick())
+                          t.numel() * t.element_size(), "keep", packed_at=self.clock)
+        self.clock += 1
         self.stats.sites.append(stats)
         if self.device is None:
             self._first_pack(t.device)
@@ -144,7 +141,8 @@ class Step:
                 and entry.stats.dtype == stats.dtype and entry.owner() is counter_owner(t)
                 and entry.version == t._version):
             stats.decision, stats.reason = "dedup", f"shares storage with site {entry.id}"
-            return _View(entry, _view_of(t, rebuild))
+            return _View(entry, stats.shape, t.stride(), t.storage_offset(), t._version,
+                         rebuild)
         held = self.residency.hold(storage)
         codec = self.offloader.codec_for(site, stats)
         if codec == "keep":
@@ -152,25 +150,29 @@ class Step:
             if self.measure:
                 self._counts.append((stats, t.numel(), nonzero_count(t)))
             return saved, saved._version, site
-        entry = _Entry(stats, t.device, held, version_probe(t), weakref.ref(counter_owner(t)),
-                       _view_of(t, rebuild))
+        entry = _Entry(stats, t, held, rebuild)
         self._offload(entry, t, storage, codec)
         self._by_storage[storage._cdata] = entry
         return entry
 
     def _offload(self, entry: _Entry, t: torch.Tensor, storage: torch.UntypedStorage,
                  codec: str) -> None:
-        """Start moving ``t``'s whole storage: every view of it comes back exactly."""
+        """Start moving ``t``'s whole storage: every view of it comes back exactly. A tensor
+        that is all of its storage, in order (most activations), moves as it is; any other
+        view moves its storage as a 1-D tensor."""
         stats = entry.stats
-        elem = t.element_size()
-        flat = t.detach().as_strided((storage.nbytes() // elem,), (1,), 0)
+        nbytes = storage.nbytes()
+        if entry.offset == 0 and stats.nbytes == nbytes and t.is_contiguous():
+            data = t.detach()
+        else:
+            data = t.detach().as_strided((nbytes // t.element_size(),), (1,), 0)
         stats.decision = codec
-        stats.nbytes = entry.nbytes = flat.nbytes
+        stats.nbytes = entry.nbytes = nbytes
         if self.probe == "measure errors" and codec in LOSSY_CODECS:
-            self._originals[stats.site] = flat  # kept alive for the guard's probe step only
+            self._originals[stats.site] = data  # kept alive for the guard's probe step only
         found = get_codec(codec)
         on_done = None if found.exact_size else partial(self._record, stats)
-        self.transfer.offload(entry, flat, found, stats.site, self.measure, on_done)
+        self.transfer.offload(entry, data, found, stats.site, self.measure, on_done)
         if on_done is None:
             self._record(stats, entry)
         self._entries[entry.id] = weakref.ref(entry)
@@ -197,29 +199,38 @@ class Step:
     def _unpack(self, saved: tuple | _Entry | _View) -> torch.Tensor:
         if type(saved) is tuple:  # kept: the tensor, its version when saved, its site
             t, version, site = saved
-            check_version(t._version, version, t.dtype, tuple(t.shape))
+            if t._version != version:
+                version_error(t._version, version, t.dtype, tuple(t.shape))
             if self.timer is not None:
                 with self._lock:
                     self._time_unpack(site)
             return t
-        entry, view = (saved, saved.view) if type(saved) is _Entry else saved
-        size, stride, offset, version, rebuild = view
-        check_version(entry.probe._version, version, entry.probe.dtype, tuple(size))
+        if type(saved) is _Entry:
+            entry, size, stride, offset, version, rebuild = (
+                saved, saved.stats.shape, saved.stride, saved.offset, saved.version,
+                saved.rebuild)
+        else:
+            entry, size, stride, offset, version, rebuild = saved
+        if entry.probe._version != version:
+            version_error(entry.probe._version, version, entry.probe.dtype, size)
         start = time.perf_counter()
         with self._lock:
-            self._time_unpack(entry.id)
+            if self.timer is not None:
+                self._time_unpack(entry.id)
             base, ready = self._device_copy(entry)
-            self._prefetch_after(entry)
+            if self.prefetch_bytes:
+                self._prefetch_after(entry)
         if ready is not None:  # every unpack: backward may run this op on another stream
             stream = torch.cuda.current_stream(base.device)
             stream.wait_event(ready)
             base.record_stream(stream)
         entry.stats.wait_s += time.perf_counter() - start
-        out = base.as_strided(size, stride, offset)
-        return out if rebuild is None else rebuild(out)
+        if offset or base.shape != size or base.stride() != stride:
+            base = base.as_strided(size, stride, offset)
+        return base if rebuild is None else rebuild(base)
 
     def _time_unpack(self, site: int) -> None:
-        if self.timer is not None and site not in self._unpacked:
+        if site not in self._unpacked:
             self._unpacked.add(site)
             self.timer.unpacked(site)
 
@@ -242,7 +253,8 @@ class Step:
     def _first_unpack(self, entry: _Entry, base: torch.Tensor) -> None:
         self.residency.unpacked(base.untyped_storage())
         entry.consumed = True
-        entry.stats.unpacked_at = self.tick()
+        entry.stats.unpacked_at = self.clock
+        self.clock += 1
         self.unpack_order.append(entry.id)
         original = self._originals.pop(entry.id, None)
         if original is not None:
@@ -281,8 +293,6 @@ class Step:
     def _prefetch_after(self, entry: _Entry) -> None:
         """Bring back the sites expected next, within the bytes-in-flight budget."""
         budget = self.prefetch_bytes
-        if budget == 0:
-            return
         if self._order is None:
             self._order = self._prev_order or sorted(self._entries, reverse=True)
             self._position = {site: i for i, site in enumerate(self._order)}
@@ -377,6 +387,3 @@ def dtype_name(dtype: torch.dtype) -> str:
         name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
     return name
 
-
-def _view_of(t: torch.Tensor, rebuild: Callable | None) -> _ViewOf:
-    return t.size(), t.stride(), t.storage_offset(), t._version, rebuild

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from functools import partial
+from typing import NoReturn
 
 import torch
 
@@ -87,11 +88,11 @@ def counter_owner(t: torch.Tensor) -> torch.Tensor:
     return t if t._base is None else t._base
 
 
-def check_version(current: int, saved: int, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-    """PyTorch skips this check for tensors that pass through saved-tensor hooks; we do it."""
-    if current != saved:
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an "
-            f"inplace operation: [{dtype} {list(shape)}] is at version {current}; expected "
-            f"version {saved} instead. (cswap keeps PyTorch's check for saved tensors.)"
-        )
+def version_error(current: int, saved: int, dtype: torch.dtype, shape: tuple[int, ...]) -> NoReturn:
+    """PyTorch skips its version check for tensors that pass through saved-tensor hooks; the
+    engine does it, and raises this where a saved tensor was modified in place."""
+    raise RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an "
+        f"inplace operation: [{dtype} {list(shape)}] is at version {current}; expected "
+        f"version {saved} instead. (cswap keeps PyTorch's check for saved tensors.)"
+    )

@@ -112,8 +112,8 @@ class Transfer:
     def offload(self, stored: Stored, flat: torch.Tensor, codec: Codec, site: int | None = None,
                 count_nonzero: bool = False,
                 on_done: Callable[[Stored], None] | None = None) -> Stored:
-        """Start moving ``flat`` (1-D, contiguous) off its device into ``stored``; never
-        raises.
+        """Start moving ``flat`` (contiguous: the tensor's whole storage) off its device into
+        ``stored``; never raises. It comes back in the same shape, or 1-D.
 
         ``site`` lets the payload use its arena region; ``count_nonzero`` measures its
         sparsity (compressed payloads always do); ``on_done`` is called, in the compression
@@ -231,7 +231,7 @@ class Transfer:
         if payload.is_cuda:
             for event in lease.wait_for:  # earlier holders' copies out of the region
                 torch.cuda.current_stream().wait_event(event)
-        region.copy_(payload, non_blocking=True)
+        region.copy_(payload.view(-1), non_blocking=True)
         return region, lease
 
     def _to_host(self, payload: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
