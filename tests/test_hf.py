@@ -351,3 +351,14 @@ def test_torch_compile_is_done_per_block_so_offloading_lowers_the_peak(tmp_path,
     for (name, p), q in zip(per_block.model.state_dict().items(),
                             plain.model.state_dict().values(), strict=True):
         assert torch.equal(p, q), name
+
+
+def test_the_predicted_peak_is_logged_beside_the_measured_one(tmp_path):
+    cswap = CSwapCallback(CSwapConfig(plan="auto", profile_steps=1, min_bytes=0, budget=0.5))
+    trainer = bert_trainer(tmp_path, [cswap])
+    trainer.train()
+    plan = cswap.offloader.plan
+    assert plan is not None
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert logged[-1]["cswap/predicted_peak_bytes"] == plan.predicted_peak > 0
+    assert logged[-1]["cswap/peak_resident_bytes"] > 0

@@ -531,3 +531,18 @@ def _link_worker(out: Path) -> None:
 
 if __name__ == "__main__":
     {"probes": _ddp_worker, "link": _link_worker}[sys.argv[1]](Path(sys.argv[2]))
+
+
+def test_the_predicted_peak_is_logged_beside_the_measured_one():
+    config = CSwapConfig(plan="auto", profile_steps=1, min_bytes=0, budget=0.5)
+    trainer, _ = train(CSwapStrategy(config))
+    plan = trainer.strategy.offloader.plan
+    assert plan is not None  # planned after the first step
+    logged = trainer.callback_metrics
+    assert logged["cswap/predicted_peak_bytes"].item() == plan.predicted_peak > 0
+    assert "cswap/peak_resident_bytes_step" in logged
+
+
+def test_no_predicted_peak_is_logged_without_a_plan():
+    trainer, _ = train(CSwapStrategy(LOSSLESS))
+    assert "cswap/predicted_peak_bytes" not in trainer.callback_metrics

@@ -39,7 +39,7 @@ from ..core.compile import blocks, compile_blocks
 from ..core.engine import Offloader
 from ..core.guard import AccuracyGuard
 from ..core.stats import StepStats
-from .metrics import offload_metrics, step_values, write_summary
+from .metrics import offload_metrics, plan_values, step_values, write_summary
 
 logger = logging.get_logger(__name__)
 
@@ -250,6 +250,7 @@ class CSwapCallback(TrainerCallback):
         if logs is None or not self.metrics["ratio"].update_called:
             return  # nothing trained since the last log line (e.g. an evaluation's)
         values = {name: value.item() for name, value in self.metrics.compute().items()}
+        values |= plan_values(self.offloader)
         self.metrics.reset()
         report = self.guard.new_report()  # the latest probe since the last log line
         if report is not None:

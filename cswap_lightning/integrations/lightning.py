@@ -48,7 +48,7 @@ from ..core.engine import Offloader
 from ..core.guard import AccuracyGuard
 from ..core.stats import StepStats
 from ..planning.profiler import measure_link
-from .metrics import offload_metrics, step_values, write_summary
+from .metrics import offload_metrics, plan_values, step_values, write_summary
 
 # The default as a value, not None, so LightningCLI's --print_config lists every field.
 DEFAULT_CONFIG = CSwapConfig()
@@ -303,6 +303,8 @@ class CSwapHooks(Callback):
         self.metrics(**step_values(self.last))
         for name, metric in self.metrics.items():
             pl_module.log(name, metric, on_step=True, on_epoch=True, metric_attribute=name)
+        for name, value in plan_values(self.strategy.offloader).items():
+            pl_module.log(name, value, on_step=True, on_epoch=False)
         report = self.strategy.guard.new_report()  # a probe ran before this step
         if report is not None:
             pl_module.log_dict(report.log_values(), on_step=True, on_epoch=False)

@@ -9,6 +9,7 @@ reads a value back to the host.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from matplotlib.figure import Figure
@@ -17,6 +18,9 @@ from torchmetrics import Metric, MetricCollection
 
 from ..config import MiB
 from ..core.stats import StepStats
+
+if TYPE_CHECKING:
+    from ..core.engine import Offloader
 
 
 class _Total(Metric):
@@ -137,6 +141,13 @@ def step_values(stats: StepStats) -> dict[str, float]:
         "wait_s": stats.wait_s,
         "peak_resident_bytes": stats.peak_resident_bytes,
     }
+
+
+def plan_values(offloader: Offloader) -> dict[str, float]:
+    """What the advisor predicted for the plan in use, to log beside the measured peak
+    (``cswap/peak_resident_bytes``): ``cswap/predicted_peak_bytes``. Empty without a plan."""
+    plan = offloader.plan if offloader.config.plan == "auto" else None
+    return {} if plan is None else {"cswap/predicted_peak_bytes": float(plan.predicted_peak)}
 
 
 def memory_timeline(stats: StepStats) -> Figure:
