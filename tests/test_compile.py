@@ -5,13 +5,14 @@ pytorch/pytorch#148222), with gradients as without the engine."""
 from __future__ import annotations
 
 import copy
+import pickle
 import warnings
 
 import pytest
 import torch
 from conftest import make_transformer
 from torch import nn
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig
 
 from cswap_lightning import CSwapConfig, Offloader, compile_blocks
 from cswap_lightning.core.compile import blocks, compiled_whole, is_compiled
@@ -123,6 +124,40 @@ def test_compiling_twice_compiles_nothing_again():
     compiled = [block.forward for block in model]
     compile_blocks(model, backend="inductor")
     assert [block.forward for block in model] == compiled
+
+
+def test_a_copy_or_a_pickle_of_a_compiled_model_runs_its_own_weights():
+    """A compiled bound method, copied, went on running the original block (its weights);
+    pickling it failed (``ddp_spawn`` pickles the model)."""
+    model = compile_blocks(mlp(n=2, width=4), backend="aot_eager")
+    x = torch.randn(3, 4)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.zero_()
+    assert torch.equal(twin(x), torch.zeros(3, 4))
+    assert model(x).abs().sum() > 0
+    back = pickle.loads(pickle.dumps(model))
+    assert torch.equal(back(x), model(x))
+    assert all(is_compiled(block) for block in back) and back[0].forward.block is back[0]
+
+
+def test_every_block_of_a_deep_model_is_compiled_past_dynamos_recompile_limit():
+    """Each GPT-2 block reads its own cache slot, so Dynamo compiles each one again; past its
+    limit of 8 the rest ran eagerly, with only a log line to say so."""
+    graphs = []
+
+    def backend(gm: torch.fx.GraphModule, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    config = GPT2Config(n_layer=12, n_embd=32, n_head=2, n_positions=32, vocab_size=50,
+                        bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = compile_blocks(GPT2LMHeadModel(config).train(), backend=backend)
+    ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert len(graphs) == 12
 
 
 def test_bad_input_is_refused():

@@ -10,6 +10,7 @@ engine restores them block by block.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -31,7 +32,12 @@ def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> nn.Module:
     compiled whole, with a warning.
 
     Each block's ``forward`` is replaced by its compiled version, so module names,
-    ``state_dict`` keys and hooks stay as they were. ``block.compile()`` would not do for
+    ``state_dict`` keys and hooks stay as they were, and a deep copy or a pickle of the model
+    (an EMA copy, ``ddp_spawn``) compiles its own blocks. Blocks of one class share their
+    compiled code; where a block's code reads something of its own (a layer index, a cache
+    slot), Dynamo compiles it again for each block, so its recompile limit is raised to the
+    number of blocks (and some), lest the blocks after the eighth run eagerly.
+    ``block.compile()`` would not do for
     torch's own modules (``nn.Sequential``, ``nn.Linear``): Dynamo skips the frames it starts
     from (``_call_impl``, then their ``forward``), so it compiles nothing of them and, under the
     engine, compiles the engine's hooks instead, which fails (torch 2.13). Blocks already
@@ -56,10 +62,41 @@ def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> nn.Module:
             "it is compiled whole: its backward restores every tensor it saved at once, and "
             "offloading lowers nothing at the peak inside it.", UserWarning, stacklevel=2)
         found = [model]
+    _allow_recompiles(len(found))
     for block in found:
         if not is_compiled(block):
-            block.forward = torch.compile(block.forward, **compile_kwargs)
+            block.forward = CompiledForward(block, compile_kwargs)
     return model
+
+
+class CompiledForward:
+    """A block's ``forward``, compiled: its class's ``forward`` through ``torch.compile``,
+    called with the block. A copy of the block gets one of its own (a compiled bound method
+    would go on running the original block's forward, with the original's weights)."""
+
+    def __init__(self, block: nn.Module, compile_kwargs: dict[str, Any]) -> None:
+        self.block = block
+        self.compile_kwargs = compile_kwargs
+        self.compiled = torch.compile(type(block).forward, **compile_kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.compiled(self.block, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> CompiledForward:
+        return CompiledForward(copy.deepcopy(self.block, memo), self.compile_kwargs)
+
+    def __reduce__(self) -> tuple:
+        return CompiledForward, (self.block, self.compile_kwargs)
+
+
+def _allow_recompiles(blocks: int) -> None:
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    wanted = blocks + 8
+    if getattr(config, name) < wanted:
+        setattr(config, name, wanted)
+    if getattr(config, "accumulated_recompile_limit", wanted) < wanted:
+        config.accumulated_recompile_limit = wanted
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
@@ -92,7 +129,7 @@ def is_compiled(module: nn.Module) -> bool:
     from torch._dynamo.eval_frame import OptimizedModule  # imported only where compile runs
 
     forward = module.__dict__.get("forward")
-    return (isinstance(module, OptimizedModule)
+    return (isinstance(module, OptimizedModule) or isinstance(forward, CompiledForward)
             or getattr(module, "_compiled_call_impl", None) is not None
             or (hasattr(forward, "_torchdynamo_orig_callable")
                 and not getattr(forward, "_torchdynamo_disable", False)))
