@@ -6,6 +6,9 @@ restore costs nothing, so backward brings back everything the prefetch window al
 the worst case for a budget.
 """
 
+import contextlib
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -174,3 +177,61 @@ def test_a_budget_is_met_on_transformers_too(kind):
     assert 0 < stats[-1].offloaded_bytes < stats[0].offloaded_bytes  # some, not everything
     assert measured <= 1.15 * budget, off.plan.table()
     assert off.plan.predicted_peak == pytest.approx(measured, rel=0.15), off.plan.table()
+
+
+def test_a_run_that_fits_is_not_tracked_tensor_by_tensor_once_its_plan_is_checked():
+    """Once a step has checked a plan that moves nothing, later steps only count their saved
+    tensors (as `save_on_cpu`-cheap as the hooks allow) and keep PyTorch's version check;
+    gradients are those of plain training."""
+    model, x = gelu_mlp()
+    plain = copy.deepcopy(model)
+    off = Offloader(CSwapConfig(budget=1 << 40, profile_steps=1))
+    stats = []
+    for _ in range(4):
+        for net, ctx in ((model, off), (plain, contextlib.nullcontext())):
+            net.zero_grad()
+            with ctx:
+                loss = net(x).square().mean()
+            loss.backward()
+        stats.append(off.last_step())
+        for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad)
+    # Measured (swapping), then the plan's first step checks it, then only counted.
+    assert [bool(s.sites) for s in stats] == [True, True, False, False]
+    assert [s.untracked_tensors for s in stats[2:]] == [len(stats[1].sites)] * 2
+    assert stats[3].saved_bytes == stats[1].saved_bytes and stats[3].offloaded_bytes == 0
+    # Its peak is the one measured on the step that checked the plan (and saved the same).
+    assert stats[3].peak_resident_bytes == off.plan.measured_peak == stats[1].peak_resident_bytes
+    assert "the plan moves nothing" in stats[3].table()
+
+    with off:
+        y = model[0](x)
+        z = y.sigmoid()  # saves its output ...
+        z.mul_(2)  # ... which is then modified in place
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()
+    off.close()
+
+
+def test_a_step_that_saves_more_is_measured_and_planned_again():
+    """Counting is enough to see a batch grow: the next step measures, and a plan for the
+    bigger step moves what the budget needs."""
+    model, x = gelu_mlp()
+    budget = int(1.2 * keep_peak(SMALL_WINDOW))
+    off = Offloader(CSwapConfig(budget=budget, profile_steps=1, prefetch_bytes=SMALL_WINDOW))
+    for batch in (x, x, x, torch.cat([x, x])):  # measured, checked, counted, grown
+        with off:
+            loss = model(batch).square().mean()
+        loss.backward()
+        del loss
+    grown = off.last_step()
+    assert grown.untracked_tensors > 0  # counted, and found bigger
+    for _ in range(3):  # measured again, then planned for the bigger batch
+        with off:
+            loss = model(torch.cat([x, x])).square().mean()
+        loss.backward()
+        del loss
+    last = off.last_step()
+    assert last.sites and last.offloaded_bytes > 0
+    assert last.peak_resident_bytes <= 1.15 * budget
+    off.close()

@@ -129,6 +129,16 @@ def test_memory_timeline_draws_the_measured_residency_over_time():
     off.close()
 
 
+def test_a_step_that_was_only_counted_says_so_instead_of_drawing_a_curve():
+    stats = StepStats(7, untracked_tensors=12, untracked_bytes=3 * MiB)
+    figure = memory_timeline(stats)
+    assert figure.axes[0].get_lines() == []
+    assert "moved nothing" in figure.axes[0].get_title() and "12 saved tensors" in \
+        figure.axes[0].get_title()
+    assert "the plan moves nothing: 12 saved tensors (3.0 MiB) kept" in stats.table()
+    assert stats.saved_bytes == stats.kept_bytes == 3 * MiB and stats.offloaded_bytes == 0
+
+
 def test_summary_files(tmp_path):
     table, plot = write_summary(SECOND, tmp_path / "run")
     text = table.read_text()

@@ -76,6 +76,9 @@ class Offloader:
         self.reverted: set[int] = set()  # lossy sites the accuracy guard moved back
         self.held_elsewhere: set[int] = set()  # sites whose moving freed nothing (measured)
         self._next_probe: str | None = None  # "lossless" or "measure errors", for one step
+        # A checked plan that moves nothing: (sites, bytes) of the step that checked it. Later
+        # steps only count their tensors, and measure again if the count or bytes change.
+        self._idle_as: tuple[int, int] | None = None
         self._steps_alive: weakref.WeakSet[Step] = weakref.WeakSet()  # autograd holds them
         self._step: Step | None = None
         self._hooks: list[torch.autograd.graph.saved_tensors_hooks] = []  # nested blocks
@@ -99,7 +102,11 @@ class Offloader:
             return self
         self._close_step()
         measure = self._measure_left > 0
-        step = Step(self, self._steps, self._order, measure)
+        idle = (self._idle_as is not None and not measure and self._next_probe is None
+                and self._unchecked is None)
+        step = Step(self, self._steps, self._order, measure, idle)
+        if idle:  # as measured on the step that checked the plan, which saved the same
+            step.stats.peak_resident_bytes = self.plan.measured_peak
         self._push_hooks(step)  # raises where saved-tensor hooks are disabled: nothing changed
         step.probe, self._next_probe = self._next_probe, None
         self._step, self._owner = step, threading.get_ident()
@@ -190,6 +197,7 @@ class Offloader:
         self.profiler = Profiler()
         self._measure_left = self.config.profile_steps
         self.held_elsewhere = set()
+        self._idle_as = None
 
     def state_dict(self) -> dict:
         """What was learned (plan, backward order), JSON-able, for checkpoints."""
@@ -217,7 +225,7 @@ class Offloader:
             raise ValueError(f"cswap state 'reverted' must be a list of site numbers (ints "
                              f">= 0), got {reverted!r}")
         self.plan, self._order, self.reverted = plan, order, set(reverted)
-        self._unchecked = plan
+        self._unchecked, self._idle_as = plan, None
         if self.plan is not None:
             self._measure_left = 0
 
@@ -273,8 +281,15 @@ class Offloader:
             step.close()
         if step.failed:
             return
+        if step.idle:
+            if (step.stats.untracked_tensors, step.stats.untracked_bytes) != self._idle_as:
+                self._replanning()
+            return
         if self._unchecked is not None and signature(step.stats) == self._unchecked.signature:
             self._check(self._unchecked, step.stats)
+            if self._unchecked.fits and step.stats.offloaded_bytes == 0 and not any(
+                    s.decision == "dedup" for s in step.stats.sites):
+                self._idle_as = (len(step.stats.sites), step.stats.saved_bytes)
         self._unchecked = None
         self._order = step.unpack_order or self._order
         if not self._warned_compiled and step.restored_all_at_once():
@@ -304,6 +319,7 @@ class Offloader:
 
     def _use(self, plan: Plan) -> None:
         self.plan = self._unchecked = plan
+        self._idle_as = None
         moved = [d for d in plan.decisions.values() if d.decision != "keep"]
         budget = "none" if plan.budget_bytes is None else fmt_bytes(plan.budget_bytes)
         _log.info("cswap: planned to move %d of %d sites (%s); saved tensors on the device at "

@@ -48,14 +48,19 @@ class StepStats:
     peak_allocated_bytes: int | None = None  # CUDA: the allocator's peak during the step
     forward_wait_s: float = 0.0  # forward's waits at the in-flight bound (inflight_bytes)
     host_held_bytes: int = 0  # host memory the engine keeps between steps (the pinned arena)
+    # A step whose plan moves nothing (an "auto" plan for a run that fits) keeps every saved
+    # tensor without tracking each: how many, and their bytes. It has no sites, and its
+    # ``peak_resident_bytes`` is the one measured on the step that checked the plan.
+    untracked_tensors: int = 0
+    untracked_bytes: int = 0
 
     def _sum(self, attr: str, include: Callable[[str], bool] = lambda decision: True) -> float:
         return sum(getattr(s, attr) for s in self.sites if include(s.decision))
 
     @property
     def saved_bytes(self) -> int:
-        """Bytes autograd saved (each storage counted once)."""
-        return int(self._sum("nbytes", lambda d: d != "dedup"))
+        """Bytes autograd saved (each storage counted once, where tracked)."""
+        return int(self._sum("nbytes", lambda d: d != "dedup")) + self.untracked_bytes
 
     @property
     def offloaded_bytes(self) -> int:
@@ -69,7 +74,7 @@ class StepStats:
 
     @property
     def kept_bytes(self) -> int:
-        return int(self._sum("nbytes", lambda d: d == "keep"))
+        return int(self._sum("nbytes", lambda d: d == "keep")) + self.untracked_bytes
 
     @property
     def ratio(self) -> float | None:
@@ -92,6 +97,8 @@ class StepStats:
             "peak_resident_bytes": self.peak_resident_bytes,
             "peak_allocated_bytes": self.peak_allocated_bytes,
             "host_held_bytes": self.host_held_bytes,
+            "untracked_tensors": self.untracked_tensors,
+            "untracked_bytes": self.untracked_bytes,
             "sites": [asdict(s) | {"ratio": s.ratio} for s in self.sites],
         }
 
@@ -117,6 +124,13 @@ class StepStats:
         )
         allocated = ("" if self.peak_allocated_bytes is None
                      else f"; allocator peak {fmt_bytes(self.peak_allocated_bytes)}")
+        if self.untracked_tensors:
+            rows.append(
+                f"the plan moves nothing: {self.untracked_tensors} saved tensors "
+                f"({fmt_bytes(self.untracked_bytes)}) kept, not tracked one by one; peak "
+                f"resident {fmt_bytes(self.peak_resident_bytes)} as measured on the step that "
+                f"checked the plan{allocated}")
+            return "\n".join(rows)
         rows.append(
             f"peak resident {fmt_bytes(self.peak_resident_bytes)} of saved tensors on the "
             f"device{allocated}; forward waited {self.forward_wait_s * 1e3:.2f} ms; host "

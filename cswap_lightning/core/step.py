@@ -83,8 +83,11 @@ class Step:
     """Packs and unpacks of one forward and its backward."""
 
     def __init__(self, offloader: Offloader, index: int, order: list[int] | None,
-                 measure: bool) -> None:
+                 measure: bool, idle: bool = False) -> None:
         self.offloader = offloader
+        # The plan moves nothing (and was checked on a step): keep every tensor, counting
+        # them only, so that a run that fits pays next to nothing for the engine.
+        self.idle = idle
         self.transfer = offloader.transfer
         self.min_bytes = offloader.config.min_bytes
         self.prefetch_bytes = offloader.prefetch_window()
@@ -113,6 +116,11 @@ class Step:
 
     # forward ----------------------------------------------------------------------------
     def pack(self, saved: torch.Tensor) -> tuple | _Entry | _View:
+        if self.idle:  # kept as it is, counted as _pack would (a DTensor by its local shard)
+            t = saved if type(saved) is torch.Tensor else unwrap(saved)[0]
+            self.stats.untracked_tensors += 1
+            self.stats.untracked_bytes += t.numel() * t.element_size()
+            return saved, saved._version, -1
         if _dynamo_callback() is not None:  # in a compiled module's eager fallback
             return torch.compiler.disable(self._pack)(saved)
         return self._pack(saved)

@@ -156,6 +156,11 @@ def memory_timeline(stats: StepStats) -> Figure:
     or held elsewhere, and what backward brought back."""
     figure = Figure(figsize=(8, 4), layout="constrained")
     ax = figure.add_subplot()
+    if stats.untracked_tensors:
+        ax.set_title(f"step {stats.step}: the plan moved nothing and kept its "
+                     f"{stats.untracked_tensors} saved tensors ({stats.untracked_bytes / MiB:.1f}"
+                     " MiB) untracked: no curve measured")
+        return figure
     ms = [1e3 * t for t in stats.timeline_s]
     ax.step(ms, [b / MiB for b in stats.timeline_bytes], where="post",
             label="saved tensors on the device (measured)")
