@@ -7,7 +7,8 @@ tensor autograd saves in a step is *site* k; steps repeat, so what was learned a
 pack: keep the tensor (a weight, too small, planned to stay), or share the entry of a storage
 already moved this step, or start moving its whole storage (``Transfer.offload`` returns at
 once). unpack: check the version, take the prefetched copy or restore it now, then prefetch
-what backward is expected to need next.
+what backward is expected to need next. A step of a checked plan that moves nothing (``idle``)
+only counts what it keeps.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ if TYPE_CHECKING:
 class _Entry(Stored):
     """One storage moved off the device: what autograd holds for the site that saved it
     first, with that site's view of it (size ``stats.shape``, ``stride``, ``offset``); later
-    sites viewing the same bytes hold a ``_View``. One object a tensor, few fields: every
-    object that lives through a step costs Python's garbage collector time."""
+    sites viewing the same bytes hold a ``_View``. The view is kept here, not in objects of
+    its own: every object that lives through a step costs the garbage collector time."""
 
     __slots__ = ("__weakref__", "consumed", "held", "id", "nbytes", "offset", "owner",
                  "prefetched", "probe", "rebuild", "restored", "restored_ready", "stats",
