@@ -117,17 +117,22 @@ class Step:
 
     # forward ----------------------------------------------------------------------------
     def pack(self, saved: torch.Tensor) -> tuple | _Entry | _View:
-        if self.idle:  # kept as it is, counted as _pack would (a DTensor by its local shard)
-            t = saved if type(saved) is torch.Tensor else unwrap(saved)[0]
-            self.stats.untracked_tensors += 1
-            self.stats.untracked_bytes += t.numel() * t.element_size()
-            return saved, saved._version, -1
+        if self.idle and type(saved) is torch.Tensor:
+            return self._count(saved, saved)
         if _dynamo_callback() is not None:  # in a compiled module's eager fallback
             return torch.compiler.disable(self._pack)(saved)
         return self._pack(saved)
 
+    def _count(self, saved: torch.Tensor, t: torch.Tensor) -> tuple:
+        """An idle step's pack: keep ``saved``, count ``t`` (its plain tensor) as _pack would."""
+        self.stats.untracked_tensors += 1
+        self.stats.untracked_bytes += t.numel() * t.element_size()
+        return saved, saved._version, -1
+
     def _pack(self, saved: torch.Tensor) -> tuple | _Entry | _View:
         t, rebuild = (saved, None) if type(saved) is torch.Tensor else unwrap(saved)
+        if self.idle:  # a parameter or a DTensor (counted by its local shard)
+            return self._count(saved, t)
         site = len(self.stats.sites)
         stats = SiteStats(site, tuple(t.shape), _DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype),
                           t.numel() * t.element_size(), "keep", packed_at=self.clock)
@@ -381,6 +386,7 @@ def hide_from_dynamo() -> None:
     from torch._dynamo.eval_frame import skip_code
 
     skip_code(Step.pack.__code__)
+    skip_code(Step._count.__code__)
     skip_code(Step.unpack.__code__)
     _hidden = True
 
