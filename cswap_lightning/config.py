@@ -54,9 +54,9 @@ class CSwapConfig:
             as ``StepStats.peak_resident_bytes`` measures them. The advisor keeps the latest
             saved tensors and offloads the fewest earliest ones that make the predicted peak
             fit, so a run that fits moves nothing (with ``"auto"`` on the CPU's RAM, nearly
-            always), and once a step has checked that plan, later steps only count what is
-            saved (measuring again when that changes). ``None`` offloads every tensor that
-            can be.
+            always); once a step has checked a plan, later steps only count the tensors it
+            keeps (measuring again when what is saved changes). ``None`` offloads every
+            tensor that can be.
         profile_steps: steps measured before ``"auto"`` plans (and again at each epoch start).
         lossy: ``"off"``; a lossy codec name (``"int8"``, ``"fp8"``, ``"int4"``) the advisor may
             pick for dense floating tensors where it pays; ``"auto"`` lets it weigh ``"int8"``.

@@ -202,7 +202,7 @@ def test_a_run_that_fits_is_not_tracked_tensor_by_tensor_once_its_plan_is_checke
     assert stats[3].saved_bytes == stats[1].saved_bytes and stats[3].offloaded_bytes == 0
     # Its peak is the one measured on the step that checked the plan (and saved the same).
     assert stats[3].peak_resident_bytes == off.plan.measured_peak == stats[1].peak_resident_bytes
-    assert "the plan moves nothing" in stats[3].table()
+    assert "not tracked one by one" in stats[3].table()
 
     with off:
         y = model[0](x)
@@ -234,4 +234,34 @@ def test_a_step_that_saves_more_is_measured_and_planned_again():
     last = off.last_step()
     assert last.sites and last.offloaded_bytes > 0
     assert last.peak_resident_bytes <= 1.15 * budget
+    off.close()
+
+
+def test_under_a_budget_the_kept_sites_are_only_counted_and_the_moved_ones_still_move():
+    """A plan that moves some sites: once it is checked, the sites it keeps are counted, not
+    tracked; the ones it moves are moved and tracked as before, bitwise."""
+    model, x = gelu_mlp()
+    plain = copy.deepcopy(model)
+    budget = int(0.4 * keep_peak(SMALL_WINDOW))
+    off = Offloader(CSwapConfig(budget=budget, profile_steps=1, prefetch_bytes=SMALL_WINDOW))
+    stats = []
+    for _ in range(4):
+        for net, ctx in ((model, off), (plain, contextlib.nullcontext())):
+            net.zero_grad()
+            with ctx:
+                loss = net(x).square().mean()
+            loss.backward()
+            del loss
+        stats.append(off.last_step())
+        for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad)
+    checked, counted = stats[1], stats[3]
+    kept = [s for s in checked.sites if s.decision == "keep"]
+    moved = [s for s in checked.sites if s.decision != "keep"]
+    assert kept and moved and checked.untracked_tensors == 0
+    assert counted.untracked_tensors == len(kept)
+    assert [s.site for s in counted.sites] == [s.site for s in moved]
+    assert counted.offloaded_bytes == checked.offloaded_bytes > 0
+    assert counted.saved_bytes == checked.saved_bytes
+    assert counted.peak_resident_bytes == off.plan.measured_peak == checked.peak_resident_bytes
     off.close()

@@ -12,7 +12,8 @@ Beside torch's ``save_on_cpu`` (on the CPU it moves nothing: a CPU tensor is alr
 "copy in a pack hook" copies every saved tensor and does nothing else: the floor of any
 engine that moves bytes here, which the engine's raw plan pays too. "cswap default, run
 fits" is the default configuration on a run that fits: once its plan (move nothing) is
-checked, the engine only counts what is saved; ``plan=keep`` measures every tensor.
+checked, the engine only counts what is saved; "cswap budget 50% of keep" moves what half
+of keeping everything needs and counts the rest; ``plan=keep`` tracks every tensor.
 """
 
 from __future__ import annotations
@@ -43,6 +44,14 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _steps(engine: Offloader, x: torch.Tensor, tensors: int, steps: int) -> None:
+    for _ in range(steps):
+        with engine:
+            loss = _chain(x, tensors)
+        loss.backward()
+    x.grad = None
+
+
 def run_overhead_bench(tensors: int = 2000, numel: int = 4096, rounds: int = 7,
                        out: str | None = None) -> list[dict]:
     """Median step time of each method on a ``tensors``-long sin chain, and host time per
@@ -52,11 +61,15 @@ def run_overhead_bench(tensors: int = 2000, numel: int = 4096, rounds: int = 7,
     x = torch.randn(numel, requires_grad=True)
     engines = {plan: Offloader(CSwapConfig(plan=plan, min_bytes=0)) for plan in ("keep", "raw")}
     engines["default"] = Offloader(CSwapConfig(min_bytes=0))  # budget "auto": this run fits
+    _steps(engines["keep"], x, tensors, 1)
+    half = engines["keep"].last_step().peak_resident_bytes // 2
+    engines["budget"] = Offloader(CSwapConfig(min_bytes=0, budget=half, profile_steps=1))
     methods: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
         "no engine": contextlib.nullcontext,
         "torch save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=False),
         "copy in a pack hook": lambda: torch.autograd.graph.saved_tensors_hooks(_copy, _same),
         "cswap default, run fits": lambda: engines["default"],
+        "cswap budget 50% of keep": lambda: engines["budget"],
         "cswap plan=keep": lambda: engines["keep"],
         "cswap plan=raw": lambda: engines["raw"],
     }
@@ -65,11 +78,8 @@ def run_overhead_bench(tensors: int = 2000, numel: int = 4096, rounds: int = 7,
     print(f"cswap bench overhead: {tensors} saved tensors of {numel * 4 // 1024} KiB per step, "
           f"{rounds} interleaved rounds (+1 warm-up), torch on 1 thread")
     try:
-        for _ in range(2):  # the default measures a step, then checks its plan on one
-            with engines["default"]:
-                loss = _chain(x, tensors)
-            loss.backward()
-        x.grad = None
+        for name in ("default", "budget"):  # a measured step, then one that checks the plan
+            _steps(engines[name], x, tensors, 2)
         for round_ in range(rounds + 1):
             for name, context in methods.items():
                 start_cpu, start_wall = time.thread_time(), time.perf_counter()
@@ -82,6 +92,7 @@ def run_overhead_bench(tensors: int = 2000, numel: int = 4096, rounds: int = 7,
                     wall[name].append(time.perf_counter() - start_wall)
         moved = engines["raw"].last_step().offloaded_bytes
         counted = engines["default"].last_step().untracked_tensors
+        budgeted = engines["budget"].last_step()
     finally:
         torch.set_num_threads(threads)
         for engine in engines.values():
@@ -102,10 +113,13 @@ def run_overhead_bench(tensors: int = 2000, numel: int = 4096, rounds: int = 7,
            f"{r['us_per_tensor']:.1f} us | {r['wall_us_per_tensor']:.1f} us |" for r in rows])
     print(table)
     print(f"cswap plan=raw moved {moved / 2**20:.1f} MiB off the device per step; the default's "
-          f"plan moved nothing and its steps only counted their {counted} saved tensors")
+          f"plan moved nothing and its steps only counted their {counted} saved tensors; the "
+          f"budget's moved {len(budgeted.sites)} and counted {budgeted.untracked_tensors}")
     if out:
         meta = result_meta(torch.device("cpu"), tensors=tensors, tensor_bytes=numel * 4,
                            rounds=rounds)
-        results = {"rows": rows, "moved_bytes": moved, "default_counted_tensors": counted}
+        results = {"rows": rows, "moved_bytes": moved, "default_counted_tensors": counted,
+                   "budget_moved_tensors": len(budgeted.sites),
+                   "budget_counted_tensors": budgeted.untracked_tensors}
         write_results(out, "cswap bench overhead", meta, results, table)
     return rows

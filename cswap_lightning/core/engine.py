@@ -76,9 +76,9 @@ class Offloader:
         self.reverted: set[int] = set()  # lossy sites the accuracy guard moved back
         self.held_elsewhere: set[int] = set()  # sites whose moving freed nothing (measured)
         self._next_probe: str | None = None  # "lossless" or "measure errors", for one step
-        # A checked plan that moves nothing: (sites, bytes) of the step that checked it. Later
-        # steps only count their tensors, and measure again if the count or bytes change.
-        self._idle_as: tuple[int, int] | None = None
+        # A plan checked on a step: what that step saved (Step.counted) and the sites it kept.
+        # Later steps keep those sites untracked, and measure again if what they save changes.
+        self._checked: tuple[tuple[int, int], frozenset[int]] | None = None
         self._steps_alive: weakref.WeakSet[Step] = weakref.WeakSet()  # autograd holds them
         self._step: Step | None = None
         self._hooks: list[torch.autograd.graph.saved_tensors_hooks] = []  # nested blocks
@@ -102,10 +102,10 @@ class Offloader:
             return self
         self._close_step()
         measure = self._measure_left > 0
-        idle = (self._idle_as is not None and not measure and self._next_probe is None
-                and self._unchecked is None)
-        step = Step(self, self._steps, self._order, measure, idle)
-        if idle:  # as measured on the step that checked the plan, which saved the same
+        checked = (self._checked if not measure and self._next_probe is None
+                   and self._unchecked is None else None)
+        step = Step(self, self._steps, self._order, measure, checked)
+        if checked is not None:  # as measured on the step that checked the plan
             step.stats.peak_resident_bytes = self.plan.measured_peak
         self._push_hooks(step)  # raises where saved-tensor hooks are disabled: nothing changed
         step.probe, self._next_probe = self._next_probe, None
@@ -197,7 +197,7 @@ class Offloader:
         self.profiler = Profiler()
         self._measure_left = self.config.profile_steps
         self.held_elsewhere = set()
-        self._idle_as = None
+        self._checked = None
 
     def state_dict(self) -> dict:
         """What was learned (plan, backward order), JSON-able, for checkpoints."""
@@ -225,7 +225,7 @@ class Offloader:
             raise ValueError(f"cswap state 'reverted' must be a list of site numbers (ints "
                              f">= 0), got {reverted!r}")
         self.plan, self._order, self.reverted = plan, order, set(reverted)
-        self._unchecked, self._idle_as = plan, None
+        self._unchecked, self._checked = plan, None
         if self.plan is not None:
             self._measure_left = 0
 
@@ -281,15 +281,16 @@ class Offloader:
             step.close()
         if step.failed:
             return
-        if step.idle:
-            if (step.stats.untracked_tensors, step.stats.untracked_bytes) != self._idle_as:
+        if step.expected is not None:
+            if step.counted() != step.expected:
                 self._replanning()
-            return
-        if self._unchecked is not None and signature(step.stats) == self._unchecked.signature:
+                return
+            if step.idle:
+                return
+        elif self._unchecked is not None and signature(step.stats) == self._unchecked.signature:
             self._check(self._unchecked, step.stats)
-            if self._unchecked.fits and step.stats.offloaded_bytes == 0 and not any(
-                    s.decision == "dedup" for s in step.stats.sites):
-                self._idle_as = (len(step.stats.sites), step.stats.saved_bytes)
+            kept = frozenset(s.site for s in step.stats.sites if s.decision == "keep")
+            self._checked = step.counted(), kept
         self._unchecked = None
         self._order = step.unpack_order or self._order
         if not self._warned_compiled and step.restored_all_at_once():
@@ -314,12 +315,13 @@ class Offloader:
                 plan = self._advise(step)
                 if plan.fits and all(d.decision == "keep" for d in plan.decisions.values()):
                     self._use(plan)  # nothing needs to move: the next measured steps keep all
-        elif self.plan is not None and signature(step.stats) != self.plan.signature:
+        elif (step.expected is None and self.plan is not None
+              and signature(step.stats) != self.plan.signature):
             self._replanning()
 
     def _use(self, plan: Plan) -> None:
         self.plan = self._unchecked = plan
-        self._idle_as = None
+        self._checked = None
         moved = [d for d in plan.decisions.values() if d.decision != "keep"]
         budget = "none" if plan.budget_bytes is None else fmt_bytes(plan.budget_bytes)
         _log.info("cswap: planned to move %d of %d sites (%s); saved tensors on the device at "

@@ -48,8 +48,8 @@ class StepStats:
     peak_allocated_bytes: int | None = None  # CUDA: the allocator's peak during the step
     forward_wait_s: float = 0.0  # forward's waits at the in-flight bound (inflight_bytes)
     host_held_bytes: int = 0  # host memory the engine keeps between steps (the pinned arena)
-    # A step whose plan moves nothing (an "auto" plan for a run that fits) keeps every saved
-    # tensor without tracking each: how many, and their bytes. It has no sites, and its
+    # Once a step has checked an "auto" plan, later steps keep the sites it keeps without
+    # tracking each (no rows in ``sites``): how many, and their bytes. Such a step's
     # ``peak_resident_bytes`` is the one measured on the step that checked the plan.
     untracked_tensors: int = 0
     untracked_bytes: int = 0
@@ -124,17 +124,15 @@ class StepStats:
         )
         allocated = ("" if self.peak_allocated_bytes is None
                      else f"; allocator peak {fmt_bytes(self.peak_allocated_bytes)}")
+        measured = ""
         if self.untracked_tensors:
-            rows.append(
-                f"the plan moves nothing: {self.untracked_tensors} saved tensors "
-                f"({fmt_bytes(self.untracked_bytes)}) kept, not tracked one by one; peak "
-                f"resident {fmt_bytes(self.peak_resident_bytes)} as measured on the step that "
-                f"checked the plan{allocated}")
-            return "\n".join(rows)
+            rows.append(f"kept as the plan says, not tracked one by one: {self.untracked_tensors} "
+                        f"saved tensors ({fmt_bytes(self.untracked_bytes)})")
+            measured = " (as measured on the step that checked the plan)"
         rows.append(
             f"peak resident {fmt_bytes(self.peak_resident_bytes)} of saved tensors on the "
-            f"device{allocated}; forward waited {self.forward_wait_s * 1e3:.2f} ms; host "
-            f"memory held between steps {fmt_bytes(self.host_held_bytes)}"
+            f"device{measured}{allocated}; forward waited {self.forward_wait_s * 1e3:.2f} ms; "
+            f"host memory held between steps {fmt_bytes(self.host_held_bytes)}"
         )
         return "\n".join(rows)
 

@@ -7,8 +7,8 @@ tensor autograd saves in a step is *site* k; steps repeat, so what was learned a
 pack: keep the tensor (a weight, too small, planned to stay), or share the entry of a storage
 already moved this step, or start moving its whole storage (``Transfer.offload`` returns at
 once). unpack: check the version, take the prefetched copy or restore it now, then prefetch
-what backward is expected to need next. A step of a checked plan that moves nothing (``idle``)
-only counts what it keeps.
+what backward is expected to need next. Once a plan has been checked on a step, later steps
+keep the sites it keeps without tracking them (``untracked``), only counting them.
 """
 
 from __future__ import annotations
@@ -84,11 +84,15 @@ class Step:
     """Packs and unpacks of one forward and its backward."""
 
     def __init__(self, offloader: Offloader, index: int, order: list[int] | None,
-                 measure: bool, idle: bool = False) -> None:
+                 measure: bool, checked: tuple[tuple[int, int], frozenset[int]] | None = None
+                 ) -> None:
         self.offloader = offloader
-        # The plan moves nothing (and was checked on a step): keep every tensor, counting
-        # them only, so that a run that fits pays next to nothing for the engine.
-        self.idle = idle
+        # With a plan checked on an earlier step: what that step saved (``counted()``) and the
+        # sites it kept, which this step keeps and counts without tracking them one by one
+        # (``idle``: every site, a run that fits), so that keeping costs next to nothing.
+        self.expected, self.untracked = checked if checked is not None else (None, frozenset())
+        self.idle = checked is not None and len(self.untracked) == self.expected[0]
+        self.tensor_bytes = 0  # the tracked sites' own bytes (a view's, not its storage's)
         self.transfer = offloader.transfer
         self.min_bytes = offloader.config.min_bytes
         self.prefetch_bytes = offloader.prefetch_window()
@@ -124,19 +128,26 @@ class Step:
         return self._pack(saved)
 
     def _count(self, saved: torch.Tensor, t: torch.Tensor) -> tuple:
-        """An idle step's pack: keep ``saved``, count ``t`` (its plain tensor) as _pack would."""
+        """Pack an untracked site: keep ``saved``, count ``t`` (its plain tensor)."""
         self.stats.untracked_tensors += 1
         self.stats.untracked_bytes += t.numel() * t.element_size()
         return saved, saved._version, -1
 
+    def counted(self) -> tuple[int, int]:
+        """What the step saved: tensors, and their own bytes (what untracked steps compare)."""
+        stats = self.stats
+        return (stats.untracked_tensors + len(stats.sites),
+                stats.untracked_bytes + self.tensor_bytes)
+
     def _pack(self, saved: torch.Tensor) -> tuple | _Entry | _View:
         t, rebuild = (saved, None) if type(saved) is torch.Tensor else unwrap(saved)
-        if self.idle:  # a parameter or a DTensor (counted by its local shard)
+        site = self.stats.untracked_tensors + len(self.stats.sites)
+        if self.idle or site in self.untracked:  # a DTensor counts by its local shard
             return self._count(saved, t)
-        site = len(self.stats.sites)
         stats = SiteStats(site, tuple(t.shape), _DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype),
                           t.numel() * t.element_size(), "keep", packed_at=self.clock)
         self.clock += 1
+        self.tensor_bytes += stats.nbytes
         self.stats.sites.append(stats)
         if self.device is None:
             self._first_pack(t.device)

@@ -157,9 +157,9 @@ def memory_timeline(stats: StepStats) -> Figure:
     figure = Figure(figsize=(8, 4), layout="constrained")
     ax = figure.add_subplot()
     if stats.untracked_tensors:
-        ax.set_title(f"step {stats.step}: the plan moved nothing and kept its "
-                     f"{stats.untracked_tensors} saved tensors ({stats.untracked_bytes / MiB:.1f}"
-                     " MiB) untracked: no curve measured")
+        ax.set_title(f"step {stats.step}: {stats.untracked_tensors} saved tensors "
+                     f"({stats.untracked_bytes / MiB:.1f} MiB) kept as the plan says, not "
+                     "tracked one by one: no curve measured")
         return figure
     ms = [1e3 * t for t in stats.timeline_s]
     ax.step(ms, [b / MiB for b in stats.timeline_bytes], where="post",
