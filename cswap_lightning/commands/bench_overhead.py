@@ -3,7 +3,8 @@
 Every tensor autograd saves goes through the engine's pack and unpack hooks, on the thread
 that launches the kernels; this measures what they cost. The workload is a chain of ``sin``
 ops on a small vector (each saves its 16 KiB input), so a step is mostly hook time. Methods
-run interleaved (one step of each per round) and the median step of each is taken; the
+run interleaved (one step of each per round, each after a garbage collection, so that none
+pays for collecting what another left) and the median step of each is taken; the
 figure is (median step - median step without the engine) / tensors saved, in CPU time of
 the thread running the step (torch runs on that one thread here), which other processes on
 the machine disturb far less than wall time; wall time is shown beside it.
@@ -19,6 +20,7 @@ of keeping everything needs and counts the rest; ``plan=keep`` tracks every tens
 from __future__ import annotations
 
 import contextlib
+import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -82,6 +84,7 @@ def run_overhead_bench(tensors: int = 2000, numel: int = 4096, rounds: int = 7,
             _steps(engines[name], x, tensors, 2)
         for round_ in range(rounds + 1):
             for name, context in methods.items():
+                gc.collect()  # what the previous method left is not this one's to collect
                 start_cpu, start_wall = time.thread_time(), time.perf_counter()
                 with context():
                     loss = _chain(x, tensors)
