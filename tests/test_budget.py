@@ -179,23 +179,32 @@ def test_a_budget_is_met_on_transformers_too(kind):
     assert off.plan.predicted_peak == pytest.approx(measured, rel=0.15), off.plan.table()
 
 
-def test_a_run_that_fits_is_not_tracked_tensor_by_tensor_once_its_plan_is_checked():
-    """Once a step has checked a plan that moves nothing, later steps only count their saved
-    tensors (as `save_on_cpu`-cheap as the hooks allow) and keep PyTorch's version check;
-    gradients are those of plain training."""
-    model, x = gelu_mlp()
+def train_beside_plain(off: Offloader, model: nn.Module, x: torch.Tensor,
+                       steps: int) -> list:
+    """Train ``model`` under ``off`` and a copy without it; the gradients must be bitwise
+    equal at every step. Each step's statistics."""
     plain = copy.deepcopy(model)
-    off = Offloader(CSwapConfig(budget=1 << 40, profile_steps=1))
     stats = []
-    for _ in range(4):
+    for _ in range(steps):
         for net, ctx in ((model, off), (plain, contextlib.nullcontext())):
             net.zero_grad()
             with ctx:
                 loss = net(x).square().mean()
             loss.backward()
+            del loss
         stats.append(off.last_step())
         for p, q in zip(model.parameters(), plain.parameters(), strict=True):
             assert torch.equal(p.grad, q.grad)
+    return stats
+
+
+def test_a_run_that_fits_is_not_tracked_tensor_by_tensor_once_its_plan_is_checked():
+    """Once a step has checked a plan that moves nothing, later steps only count their saved
+    tensors (as `save_on_cpu`-cheap as the hooks allow) and keep PyTorch's version check;
+    gradients are those of plain training."""
+    model, x = gelu_mlp()
+    off = Offloader(CSwapConfig(budget=1 << 40, profile_steps=1))
+    stats = train_beside_plain(off, model, x, steps=4)
     # Measured (swapping), then the plan's first step checks it, then only counted.
     assert [bool(s.sites) for s in stats] == [True, True, False, False]
     assert [s.untracked_tensors for s in stats[2:]] == [len(stats[1].sites)] * 2
@@ -241,20 +250,9 @@ def test_under_a_budget_the_kept_sites_are_only_counted_and_the_moved_ones_still
     """A plan that moves some sites: once it is checked, the sites it keeps are counted, not
     tracked; the ones it moves are moved and tracked as before, bitwise."""
     model, x = gelu_mlp()
-    plain = copy.deepcopy(model)
     budget = int(0.4 * keep_peak(SMALL_WINDOW))
     off = Offloader(CSwapConfig(budget=budget, profile_steps=1, prefetch_bytes=SMALL_WINDOW))
-    stats = []
-    for _ in range(4):
-        for net, ctx in ((model, off), (plain, contextlib.nullcontext())):
-            net.zero_grad()
-            with ctx:
-                loss = net(x).square().mean()
-            loss.backward()
-            del loss
-        stats.append(off.last_step())
-        for p, q in zip(model.parameters(), plain.parameters(), strict=True):
-            assert torch.equal(p.grad, q.grad)
+    stats = train_beside_plain(off, model, x, steps=4)
     checked, counted = stats[1], stats[3]
     kept = [s for s in checked.sites if s.decision == "keep"]
     moved = [s for s in checked.sites if s.decision != "keep"]
