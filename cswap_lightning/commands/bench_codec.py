@@ -16,8 +16,6 @@ are medians, from CUDA events on a GPU and the host clock on the CPU.
 from __future__ import annotations
 
 import re
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +27,7 @@ from torch.nn import functional as F
 from ..codecs import bit_view
 from ..codecs.reference import Codec, RLECodec, ZVCCodec
 from ..core.stats import fmt_bytes
+from ..planning.profiler import median_seconds
 from .bench_step import result_meta, write_results
 
 KiB, MiB = 1024, 1024 * 1024
@@ -122,27 +121,6 @@ def nvcomp_contenders(dev: torch.device) -> tuple[list[Contender], str | None]:
         contenders.append(Contender(f"nvcomp {name}", f"nvCOMP {nvcomp.__version__}", encode,
                                     decode, lambda packed: int(packed.buffer_size)))
     return contenders, None
-
-
-def median_seconds(fn: Callable[[], object], dev: torch.device, warmup: int,
-                   repeats: int) -> float:
-    """Median time of ``fn`` after ``warmup`` calls: CUDA events on a GPU, the host clock else."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if dev.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            began = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - began)
-    return max(statistics.median(times), 1e-9)
 
 
 def measure_limits(nbytes: int, dev: torch.device, warmup: int, repeats: int) -> dict:

@@ -112,6 +112,20 @@ class Clock:
         return start.elapsed_time(end) / 1e3
 
 
+def median_seconds(fn: Callable[[], object], device: torch.device, warmup: int,
+                   repeats: int) -> float:
+    """Median time of ``fn`` after ``warmup`` calls: CUDA events on a GPU, the host clock
+    else."""
+    for _ in range(warmup):
+        fn()
+    clock, times = Clock(device), []
+    for _ in range(repeats):
+        start = clock.now()
+        fn()
+        times.append(clock.seconds(start, clock.now()))
+    return max(statistics.median(times), 1e-9)
+
+
 class StepTimer:
     """Time stamps of one step's packs, end of forward and first unpacks, per site."""
 

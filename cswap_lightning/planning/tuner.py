@@ -21,7 +21,6 @@ import math
 import os
 import re
 import stat
-import statistics
 import tempfile
 import time
 import warnings
@@ -36,6 +35,7 @@ from hyperopt import fmin, hp, tpe
 from ..codecs import cuda_build
 from ..codecs.cuda import CudaRLECodec, CudaZVCCodec, enable_cuda_codecs, load_extension
 from .predictor import KernelRun, record_runs
+from .profiler import median_seconds
 
 CODECS = {"zvc": CudaZVCCodec, "rle": CudaRLECodec}
 DIRECTIONS = ("encode", "decode")
@@ -403,17 +403,7 @@ def cuda_objective(kernel: Kernel, nbytes: int = 64 << 20, sparsity: float = 0.5
         def run() -> object:
             return codec.encode(t) if packed is None else codec.decode(packed)
 
-        for _ in range(warmup):
-            run()
-        seconds = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            seconds.append(start.elapsed_time(end) / 1e3)
-        return statistics.median(seconds)
+        return median_seconds(run, device, warmup, repeats)
 
     return objective
 
