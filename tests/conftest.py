@@ -27,6 +27,15 @@ def _fresh_dynamo():
         torch._dynamo.reset()
 
 
+def wide_mlp(activation: type[nn.Module]) -> tuple[nn.Module, torch.Tensor]:
+    """8 x (Linear(1024) + activation) and a batch of 512: every activation is 2 MiB."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(8):
+        layers += [nn.Linear(1024, 1024), activation()]
+    return nn.Sequential(*layers), torch.randn(512, 1024)
+
+
 def make_mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
                          nn.Linear(256, 10))

@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from conftest import wide_mlp
 from torch import nn
 
 from cswap_lightning import CSwapConfig, Offloader
@@ -19,17 +20,9 @@ from cswap_lightning.planning.advisor import AUTO_MARGIN, resolve_budget
 MiB = 1 << 20
 
 
-def gelu_mlp() -> tuple[nn.Module, torch.Tensor]:
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(8):
-        layers += [nn.Linear(1024, 1024), nn.GELU()]
-    return nn.Sequential(*layers), torch.randn(512, 1024)
-
-
 def train(config: CSwapConfig, steps: int, epochs: int = 1) -> tuple[Offloader, list]:
     """``steps`` steps per epoch; the offloader and every step's statistics."""
-    model, x = gelu_mlp()
+    model, x = wide_mlp(nn.GELU)
     off = Offloader(config)
     stats = []
     for _ in range(epochs):
@@ -202,7 +195,7 @@ def test_a_run_that_fits_is_not_tracked_tensor_by_tensor_once_its_plan_is_checke
     """Once a step has checked a plan that moves nothing, later steps only count their saved
     tensors (as `save_on_cpu`-cheap as the hooks allow) and keep PyTorch's version check;
     gradients are those of plain training."""
-    model, x = gelu_mlp()
+    model, x = wide_mlp(nn.GELU)
     off = Offloader(CSwapConfig(budget=1 << 40, profile_steps=1))
     stats = train_beside_plain(off, model, x, steps=4)
     # Measured (swapping), then the plan's first step checks it, then only counted.
@@ -225,7 +218,7 @@ def test_a_run_that_fits_is_not_tracked_tensor_by_tensor_once_its_plan_is_checke
 def test_a_step_that_saves_more_is_measured_and_planned_again():
     """Counting is enough to see a batch grow: the next step measures, and a plan for the
     bigger step moves what the budget needs."""
-    model, x = gelu_mlp()
+    model, x = wide_mlp(nn.GELU)
     budget = int(1.2 * keep_peak(SMALL_WINDOW))
     off = Offloader(CSwapConfig(budget=budget, profile_steps=1, prefetch_bytes=SMALL_WINDOW))
     for batch in (x, x, x, torch.cat([x, x])):  # measured, checked, counted, grown
@@ -249,7 +242,7 @@ def test_a_step_that_saves_more_is_measured_and_planned_again():
 def test_under_a_budget_the_kept_sites_are_only_counted_and_the_moved_ones_still_move():
     """A plan that moves some sites: once it is checked, the sites it keeps are counted, not
     tracked; the ones it moves are moved and tracked as before, bitwise."""
-    model, x = gelu_mlp()
+    model, x = wide_mlp(nn.GELU)
     budget = int(0.4 * keep_peak(SMALL_WINDOW))
     off = Offloader(CSwapConfig(budget=budget, profile_steps=1, prefetch_bytes=SMALL_WINDOW))
     stats = train_beside_plain(off, model, x, steps=4)

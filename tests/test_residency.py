@@ -5,6 +5,7 @@ import time
 
 import pytest
 import torch
+from conftest import wide_mlp
 from torch import nn
 
 from cswap_lightning import CSwapConfig, Offloader
@@ -13,16 +14,8 @@ from cswap_lightning.codecs import ZVCCodec, register
 MiB = 1 << 20
 
 
-def deep_mlp() -> tuple[nn.Module, torch.Tensor]:
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(8):
-        layers += [nn.Linear(1024, 1024), nn.ReLU()]
-    return nn.Sequential(*layers), torch.randn(512, 1024)  # 2 MiB per activation
-
-
 def peak(plan: str, prefetch_bytes: int, steps: int = 2) -> int:
-    model, x = deep_mlp()
+    model, x = wide_mlp(nn.ReLU)
     off = Offloader(CSwapConfig(plan=plan, min_bytes=0, prefetch_bytes=prefetch_bytes))
     for _ in range(steps):
         with off:
@@ -45,7 +38,7 @@ def test_offloading_lowers_the_measured_peak_by_what_the_prefetch_window_allows(
 
 
 def test_the_timeline_rises_in_forward_and_returns_to_zero_after_backward():
-    model, x = deep_mlp()
+    model, x = wide_mlp(nn.ReLU)
     off = Offloader(CSwapConfig(plan="keep", min_bytes=0))
     with off:
         loss = model(x).sum()
@@ -61,7 +54,7 @@ def test_the_timeline_rises_in_forward_and_returns_to_zero_after_backward():
 
 
 def test_the_table_and_dict_show_the_measured_peak():
-    model, x = deep_mlp()
+    model, x = wide_mlp(nn.ReLU)
     off = Offloader(CSwapConfig(plan="raw", min_bytes=0))
     with off:
         loss = model(x).sum()
