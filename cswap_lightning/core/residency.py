@@ -39,17 +39,22 @@ class Residency:
         self._held: dict[int, _Held] = {}  # storage address -> its reference
         # (seconds, change of resident bytes, change of bytes backward asked for)
         self._changes: deque[tuple[float, int, int]] = deque()
+        self._append = self._changes.append
         self._freed_callback = self._freed  # one bound method for every reference
 
-    def hold(self, storage: torch.UntypedStorage) -> _Held:
-        """Count ``storage`` until it is freed (once, however often it is held); the weak
-        reference that counts it."""
+    def hold(self, storage: torch.UntypedStorage, unpacked: bool = False) -> _Held:
+        """Count ``storage`` until it is freed (once, however often it is held), among those
+        backward asked for if ``unpacked``; the weak reference that counts it."""
         key = storage._cdata
         ref = self._held.get(key)
         if ref is None:
             ref = self._held[key] = _Held(storage, self._freed_callback)
-            ref.key, ref.unpacked, ref.nbytes = key, False, storage.nbytes()
-            self._changes.append((time.perf_counter(), ref.nbytes, 0))
+            nbytes = ref.nbytes = storage.nbytes()
+            ref.key, ref.unpacked = key, unpacked
+            self._append((time.perf_counter(), nbytes, nbytes if unpacked else 0))
+        elif unpacked and not ref.unpacked:
+            ref.unpacked = True
+            self._append((time.perf_counter(), 0, ref.nbytes))
         return ref
 
     def ref(self, storage: torch.UntypedStorage) -> _Held | None:
@@ -57,33 +62,28 @@ class Residency:
         storage is gone from here, so one found is to this very storage."""
         return self._held.get(storage._cdata)
 
-    def unpacked(self, storage: torch.UntypedStorage) -> None:
-        """Backward asked for this restored storage: count it among those it holds at once
-        until it is freed (a compiled region asks for all of its own together)."""
-        ref = self._held.get(storage._cdata)
-        if ref is not None and not ref.unpacked:
-            ref.unpacked = True
-            self._changes.append((time.perf_counter(), 0, ref.nbytes))
-
     def _freed(self, ref: _Held) -> None:
         # A storage's address is reused only after this callback: the key is still ref's.
         if self._held.get(ref.key) is ref:
             del self._held[ref.key]
-            self._changes.append(
+            self._append(
                 (time.perf_counter(), -ref.nbytes, -ref.nbytes if ref.unpacked else 0))
 
     def fold(self) -> None:
         """Sum the changes so far into ``stats``: the peak and the timeline."""
-        stats, changes = self.stats, self._changes
+        changes, stats, start = self._changes, self.stats, self.start
         now, peak = self.now, stats.peak_resident_bytes
-        while changes:
-            at, resident, unpacked = changes.popleft()
+        asked, asked_peak = self.unpacked_now, self.unpacked_peak
+        times, levels, take = stats.timeline_s.append, stats.timeline_bytes.append, changes.popleft
+        for _ in range(len(changes)):  # appended meanwhile: the next fold's
+            at, resident, unpacked = take()
             if resident:
                 now += resident
                 peak = max(peak, now)
-                stats.timeline_s.append(at - self.start)
-                stats.timeline_bytes.append(now)
+                times(at - start)
+                levels(now)
             if unpacked:
-                self.unpacked_now += unpacked
-                self.unpacked_peak = max(self.unpacked_peak, self.unpacked_now)
+                asked += unpacked
+                asked_peak = max(asked_peak, asked)
         self.now, stats.peak_resident_bytes = now, peak
+        self.unpacked_now, self.unpacked_peak = asked, asked_peak

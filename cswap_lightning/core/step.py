@@ -54,7 +54,7 @@ class _Entry(Stored):
 
     def __init__(self, stats: SiteStats, t: torch.Tensor, held: weakref.ref,
                  rebuild: Callable | None) -> None:
-        super().__init__(t.device)
+        Stored.__init__(self, t.device)
         self.id = stats.site
         self.stats = stats
         self.held = held  # the residency ledger's reference to the original storage
@@ -196,10 +196,12 @@ class Step:
         if self.probe == "measure errors" and codec in LOSSY_CODECS:
             self._originals[stats.site] = data  # kept alive for the guard's probe step only
         found = get_codec(codec)
-        on_done = None if found.exact_size else partial(self._record, stats)
-        self.transfer.offload(entry, data, found, stats.site, self.measure, on_done)
-        if on_done is None:
+        if found.exact_size:  # copied (on CUDA: queued) by the time offload returns
+            self.transfer.offload(entry, data, found, stats.site, self.measure)
             self._record(stats, entry)
+        else:
+            self.transfer.offload(entry, data, found, stats.site, self.measure,
+                                  partial(self._record, stats))
         self._entries[entry.id] = weakref.ref(entry)
 
     def _first_pack(self, device: torch.device) -> None:
@@ -271,17 +273,17 @@ class Step:
             if base is None:
                 base, ready = self._restore(entry)
         entry.restored, entry.restored_ready = weakref.ref(base), ready
+        self.residency.hold(base.untyped_storage(), unpacked=True)
         if not entry.consumed:
             self._first_unpack(entry, base)
         return base, ready
 
     def _first_unpack(self, entry: _Entry, base: torch.Tensor) -> None:
-        self.residency.unpacked(base.untyped_storage())
         entry.consumed = True
         entry.stats.unpacked_at = self.clock
         self.clock += 1
         self.unpack_order.append(entry.id)
-        original = self._originals.pop(entry.id, None)
+        original = self._originals.pop(entry.id, None) if self._originals else None
         if original is not None:
             entry.stats.error = relative_error(original, base).item()
         elif entry.held() is not None and self.probe is None and (
@@ -305,7 +307,6 @@ class Step:
                     "Its payload is intact in host memory; lower CSwapConfig.prefetch_bytes or "
                     "the batch size to leave room."
                 ) from err
-        self.residency.hold(out[0].untyped_storage())
         return out
 
     def _drop_prefetched(self) -> None:

@@ -15,6 +15,7 @@ from ..codecs import DTYPES
 # move (and free) nothing but the whole storage.
 MAX_STORAGE_TO_VIEW_RATIO = 4
 _SUPPORTED_DTYPES = frozenset(DTYPES)
+_STRIDED = torch.strided
 
 # Reasons to keep a tensor that something outside autograd holds anyway (the module, the
 # training loop): moving it would copy bytes and free nothing.
@@ -38,9 +39,20 @@ def _of_a_leaf(t: torch.Tensor) -> bool:
 
 
 def skip_reason(t: torch.Tensor, min_bytes: int) -> str:
-    """Why ``t`` must stay where it is, or ``""`` if it can be offloaded (cheap checks
-    first: this runs for every saved tensor)."""
+    """Why ``t`` must stay where it is, or ``""`` if it can be offloaded (this runs for every
+    saved tensor: the common case, a plain strided activation, takes the fewest checks)."""
     plain = type(t) is torch.Tensor
+    if plain and t.layout is _STRIDED and not t.is_nested and t.dtype in _SUPPORTED_DTYPES:
+        if (t._base is not None or t.is_leaf) and _of_a_leaf(t):  # not an op's output
+            return "leaf" if t._base is None else "view of a leaf"
+        if not (t.is_cuda or t.is_cpu):
+            return f"device {t.device.type}"
+        nbytes = t.numel() * t.element_size()
+        if nbytes < max(min_bytes, 1):
+            return "small"
+        if t.untyped_storage().nbytes() > MAX_STORAGE_TO_VIEW_RATIO * nbytes:
+            return "view of larger storage"
+        return ""
     if not plain and isinstance(t, torch.nn.Parameter):
         return "parameter"
     if t.layout != torch.strided or t.is_nested:
@@ -51,14 +63,7 @@ def skip_reason(t: torch.Tensor, min_bytes: int) -> str:
         return f"device {t.device.type}"
     if _of_a_leaf(t):
         return "leaf" if t._base is None else "view of a leaf"
-    if not plain:
-        return f"subclass {type(t).__name__}"
-    nbytes = t.numel() * t.element_size()
-    if nbytes < max(min_bytes, 1):
-        return "small"
-    if t.untyped_storage().nbytes() > MAX_STORAGE_TO_VIEW_RATIO * nbytes:
-        return "view of larger storage"
-    return ""
+    return f"subclass {type(t).__name__}"
 
 
 def version_probe(t: torch.Tensor) -> torch.Tensor:
@@ -69,7 +74,7 @@ def version_probe(t: torch.Tensor) -> torch.Tensor:
     through ``.data``, which, unlike ``set_()``, does not bump the shared counter: another
     thread saving ``t`` at the same moment must not see a version that never was."""
     probe = t.detach()
-    key = (t.dtype, t.device)
+    key = (t.dtype, t.get_device())
     empty = _EMPTY.get(key)
     if empty is None:
         empty = _EMPTY[key] = torch.empty(0, dtype=t.dtype, device=t.device)
@@ -77,7 +82,7 @@ def version_probe(t: torch.Tensor) -> torch.Tensor:
     return probe
 
 
-_EMPTY: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+_EMPTY: dict[tuple[torch.dtype, int], torch.Tensor] = {}  # by dtype and device index
 
 
 def counter_owner(t: torch.Tensor) -> torch.Tensor:

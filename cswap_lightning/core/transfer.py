@@ -66,12 +66,6 @@ class Stored:
         """Bytes held in host memory for it."""
         return 0 if self.payload is None else self.payload.nbytes
 
-    def wait(self) -> Stored:
-        """Once the compression thread is done with it (at once for the others)."""
-        if self.ready is not None:
-            self.ready.wait()
-        return self
-
 
 @dataclass(slots=True)
 class _Job:
@@ -255,7 +249,9 @@ class Transfer:
     def restore(self, stored: Stored) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Bring a payload back (on CUDA: queued on the restore stream); the tensor, 1-D, and
         the event after which it is complete."""
-        if stored.wait().kept is not None:  # the offload failed: the tensor never left
+        if stored.ready is not None:
+            stored.ready.wait()  # the compression thread is done with it
+        if stored.kept is not None:  # the offload failed: the tensor never left
             return stored.kept, None
         device = stored.source
         if device.type != "cuda":
