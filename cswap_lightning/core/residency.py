@@ -1,9 +1,10 @@
 """Measured residency: the bytes of one step's saved tensors on the compute device, over time.
 
-A storage counts from the moment autograd saves a tensor of it (or a restore brings it back)
-until it is freed, which a weak reference to the storage tells: PyTorch keeps one Python
-object per storage, and drops it when the storage goes. So kept tensors, originals not yet
-copied out (or still held by the user's code), restored tensors autograd still holds and
+A storage counts from the moment autograd saves a tensor of it until it is freed, which a
+weak reference to the storage tells: PyTorch keeps one Python object per storage, and drops
+it when the storage goes. A restored copy, fresh memory of its own, counts from its restore
+until the tensor holding it goes (views of it hold it too). So kept tensors, originals not
+yet copied out (or still held by the user's code), restored tensors autograd still holds and
 prefetched ones are all counted, each storage once, whatever the device.
 
 Storages are freed on any thread. Rather than take a lock for every change on the hot path,
@@ -22,8 +23,9 @@ import torch
 from .stats import StepStats
 
 
-class _Held(weakref.ref):
-    """A weak reference to a counted storage, with what it counts for."""
+class Held(weakref.ref):
+    """A weak reference to a counted storage (``key``: its address) or restored copy
+    (``key`` None), with what it counts for."""
 
     __slots__ = ("key", "nbytes", "unpacked")
 
@@ -36,38 +38,57 @@ class Residency:
         self.now = 0  # bytes resident after the changes folded so far
         self.unpacked_now = self.unpacked_peak = 0  # restored storages backward asked for
         self.start = time.perf_counter()
-        self._held: dict[int, _Held] = {}  # storage address -> its reference
+        self._held: dict[int, Held] = {}  # storage address -> its reference
+        # A weak reference's callback runs only while the reference lives: the ledger holds
+        # those to restored copies (which the entries hold too) until the copies go.
+        self._copies: set[Held] = set()
         # (seconds, change of resident bytes, change of bytes backward asked for)
         self._changes: deque[tuple[float, int, int]] = deque()
         self._append = self._changes.append
         self._freed_callback = self._freed  # one bound method for every reference
 
-    def hold(self, storage: torch.UntypedStorage, unpacked: bool = False) -> _Held:
-        """Count ``storage`` until it is freed (once, however often it is held), among those
-        backward asked for if ``unpacked``; the weak reference that counts it."""
+    def hold(self, storage: torch.UntypedStorage) -> Held:
+        """Count ``storage`` until it is freed (once, however often it is held); the weak
+        reference that counts it."""
         key = storage._cdata
         ref = self._held.get(key)
         if ref is None:
-            ref = self._held[key] = _Held(storage, self._freed_callback)
+            ref = self._held[key] = Held(storage, self._freed_callback)
             nbytes = ref.nbytes = storage.nbytes()
-            ref.key, ref.unpacked = key, unpacked
-            self._append((time.perf_counter(), nbytes, nbytes if unpacked else 0))
-        elif unpacked and not ref.unpacked:
-            ref.unpacked = True
-            self._append((time.perf_counter(), 0, ref.nbytes))
+            ref.key, ref.unpacked = key, False
+            self._append((time.perf_counter(), nbytes, 0))
         return ref
 
-    def ref(self, storage: torch.UntypedStorage) -> _Held | None:
+    def restored(self, copy: torch.Tensor, nbytes: int, unpacked: bool) -> Held:
+        """Count a restored copy of ``nbytes`` until it is freed, among those backward asked
+        for if ``unpacked``; the weak reference to it, which gives it back while it lives."""
+        ref = Held(copy, self._freed_callback)
+        ref.key, ref.nbytes, ref.unpacked = None, nbytes, unpacked
+        self._copies.add(ref)
+        self._append((time.perf_counter(), nbytes, nbytes if unpacked else 0))
+        return ref
+
+    def unpacked(self, ref: Held) -> None:
+        """Backward asked for this prefetched copy: count it among those it holds at once
+        until it is freed (a compiled region asks for all of its own together)."""
+        if not ref.unpacked:
+            ref.unpacked = True
+            self._append((time.perf_counter(), 0, ref.nbytes))
+
+    def ref(self, storage: torch.UntypedStorage) -> Held | None:
         """The reference counting ``storage``, if it is counted: a reference to a freed
         storage is gone from here, so one found is to this very storage."""
         return self._held.get(storage._cdata)
 
-    def _freed(self, ref: _Held) -> None:
+    def _freed(self, ref: Held) -> None:
         # A storage's address is reused only after this callback: the key is still ref's.
-        if self._held.get(ref.key) is ref:
+        if ref.key is None:
+            self._copies.discard(ref)
+        elif self._held.get(ref.key) is ref:
             del self._held[ref.key]
-            self._append(
-                (time.perf_counter(), -ref.nbytes, -ref.nbytes if ref.unpacked else 0))
+        else:
+            return
+        self._append((time.perf_counter(), -ref.nbytes, -ref.nbytes if ref.unpacked else 0))
 
     def fold(self) -> None:
         """Sum the changes so far into ``stats``: the peak and the timeline."""

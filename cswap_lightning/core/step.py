@@ -27,7 +27,7 @@ from ..codecs import get_codec, nonzero_count
 from ..codecs.lossy import relative_error
 from ..config import LOSSY_CODECS
 from ..planning.profiler import StepTimer
-from .residency import Residency
+from .residency import Held, Residency
 from .stats import SiteStats, StepStats, fmt_bytes
 from .tensors import (
     counter_owner,
@@ -62,8 +62,8 @@ class _Entry(Stored):
         self.owner = weakref.ref(counter_owner(t))  # the tensor owning that counter, while alive
         self.version = t._version  # the counter's value at the save
         self.stride, self.offset, self.rebuild = t.stride(), t.storage_offset(), rebuild
-        self.prefetched: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
-        self.restored: weakref.ref | None = None  # the device copy, while autograd holds it
+        self.prefetched: torch.Tensor | None = None  # the device copy, until unpacked
+        self.restored: Held | None = None  # the device copy, while autograd holds it
         self.restored_ready: torch.cuda.Event | None = None  # after which that copy is whole
         self.consumed = False  # unpacked at least once
 
@@ -265,18 +265,17 @@ class Step:
         """The entry's tensor on its device: prefetched, still held from an earlier unpack,
         or restored now."""
         if entry.prefetched is not None:
-            (base, ready), entry.prefetched = entry.prefetched, None
+            base, entry.prefetched = entry.prefetched, None
             self._inflight -= entry.nbytes
+            self.residency.unpacked(entry.restored)
         else:
             base = entry.restored() if entry.restored is not None else None
-            ready = entry.restored_ready
             if base is None:
-                base, ready = self._restore(entry)
-        entry.restored, entry.restored_ready = weakref.ref(base), ready
-        self.residency.hold(base.untyped_storage(), unpacked=True)
+                base, entry.restored_ready = self._restore(entry)
+                entry.restored = self.residency.restored(base, entry.nbytes, unpacked=True)
         if not entry.consumed:
             self._first_unpack(entry, base)
-        return base, ready
+        return base, entry.restored_ready
 
     def _first_unpack(self, entry: _Entry, base: torch.Tensor) -> None:
         entry.consumed = True
@@ -333,10 +332,10 @@ class Step:
                 if self._inflight and self._inflight + nxt.nbytes > budget:
                     return
                 try:
-                    nxt.prefetched = self.transfer.restore(nxt)
+                    nxt.prefetched, nxt.restored_ready = self.transfer.restore(nxt)
                 except Exception:  # noqa: BLE001 - restored on demand instead, or reported then
                     return
-                self.residency.hold(nxt.prefetched[0].untyped_storage())
+                nxt.restored = self.residency.restored(nxt.prefetched, nxt.nbytes, False)
                 nxt.stats.prefetched = True
                 self._inflight += nxt.nbytes
             self._cursor += 1
