@@ -6,16 +6,19 @@ from cswap_lightning.commands.bench_overhead import run_overhead_bench
 
 
 def test_the_overhead_bench_reports_every_method_against_no_engine(tmp_path):
-    rows = run_overhead_bench(tensors=50, rounds=1, out=str(tmp_path / "overhead"))
+    rows = run_overhead_bench(tensors=50, rounds=1, out=str(tmp_path / "overhead"),
+                              steady_steps=2)
     methods = [r["method"] for r in rows]
     assert methods == ["no engine", "torch save_on_cpu", "copy in a pack hook",
                        "cswap default, run fits", "cswap budget 50% of keep",
                        "cswap plan=keep", "cswap plan=raw"]
     assert rows[0]["cpu_ratio"] == 1.0 and rows[0]["us_per_tensor"] == 0.0
-    assert all(r["step_cpu_s"] > 0 for r in rows)
+    assert all(r["step_cpu_s"] > 0 and r["steady_step_cpu_s"] > 0 for r in rows)
+    assert rows[0]["steady_us_per_tensor"] == 0.0
     saved = json.loads((tmp_path / "overhead.json").read_text())
     assert saved["default_counted_tensors"] == 50  # the chain saves 50; the default counted them
     assert saved["budget_moved_tensors"] > 0 and saved["budget_counted_tensors"] > 0
     assert saved["budget_moved_tensors"] + saved["budget_counted_tensors"] == 50
     assert saved["moved_bytes"] == 49 * 16384  # every tensor the chain saved but its leaf input
-    assert "host time per saved tensor" in (tmp_path / "overhead.md").read_text()
+    report = (tmp_path / "overhead.md").read_text()
+    assert "host time per saved tensor" in report and "collections included" in report

@@ -8,6 +8,7 @@ the worst case for a budget.
 
 import contextlib
 import copy
+import warnings
 
 import pytest
 import torch
@@ -255,4 +256,51 @@ def test_under_a_budget_the_kept_sites_are_only_counted_and_the_moved_ones_still
     assert counted.offloaded_bytes == checked.offloaded_bytes > 0
     assert counted.saved_bytes == checked.saved_bytes
     assert counted.peak_resident_bytes == off.plan.measured_peak == checked.peak_resident_bytes
+    off.close()
+
+
+def test_a_fixed_keep_plan_is_only_counted_once_a_step_has_checked_it():
+    """plan="keep": after the measured steps, one step checks what it keeps; later steps
+    only count their saved tensors (version check kept), with plain training's gradients."""
+    model, x = wide_mlp(nn.GELU)
+    off = Offloader(CSwapConfig(plan="keep", profile_steps=1, min_bytes=0))
+    stats = train_beside_plain(off, model, x, steps=4)
+    assert [bool(s.sites) for s in stats] == [True, True, False, False]
+    assert [s.untracked_tensors for s in stats] == [0, 0, len(stats[1].sites), len(stats[1].sites)]
+    assert stats[3].saved_bytes == stats[1].saved_bytes and stats[3].offloaded_bytes == 0
+    assert stats[3].peak_resident_bytes == stats[1].peak_resident_bytes > 0
+
+    with off:
+        z = model[0](x).sigmoid()  # saves its output ...
+        z.mul_(2)  # ... which is then modified in place
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()
+    off.close()
+
+
+def test_a_fixed_plan_tracks_again_without_measuring_when_the_saved_tensors_change():
+    """plan="raw": the kept sites (weights) are counted once checked and the moved ones still
+    move; a bigger batch makes the next step track every site and check again, with no
+    measuring step and no warning (a fixed plan has nothing to plan again)."""
+    model, x = wide_mlp(nn.GELU)
+    off = Offloader(CSwapConfig(plan="raw", profile_steps=1, min_bytes=0))
+    stats = train_beside_plain(off, model, x, steps=3)
+    checked, counted = stats[1], stats[2]
+    kept = [s.site for s in checked.sites if s.decision == "keep"]
+    assert kept and counted.untracked_tensors == len(kept)
+    assert counted.offloaded_bytes == checked.offloaded_bytes > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "changed ... times" warning
+        for batch in (torch.cat([x, x]),) * 3:  # counted and found bigger, checks, counted
+            with off:
+                loss = model(batch).square().mean()
+            loss.backward()
+            del loss
+            stats.append(off.last_step())
+    grown, rechecked, recounted = stats[3:]
+    assert grown.untracked_tensors == len(kept) and grown.offloaded_bytes > 0
+    assert rechecked.untracked_tensors == 0 and rechecked.sites
+    assert recounted.untracked_tensors == len(kept)
+    assert recounted.peak_resident_bytes == rechecked.peak_resident_bytes > 0
+    assert off._measure_left == 0  # nothing was measured again
     off.close()

@@ -9,6 +9,12 @@ figure is (median step - median step without the engine) / tensors saved, in CPU
 the thread running the step (torch runs on that one thread here), which other processes on
 the machine disturb far less than wall time; wall time is shown beside it.
 
+A training loop does not collect before each step: the Python objects a method keeps per
+saved tensor until backward make the garbage collector run, and its full collections walk
+every object of the process. "Steady state" runs ``steady_steps`` steps of each method in a
+row (interleaved by blocks) and takes the mean step, collections included: what a training
+loop pays.
+
 Beside torch's ``save_on_cpu`` (on the CPU it moves nothing: a CPU tensor is already there),
 "copy in a pack hook" copies every saved tensor and does nothing else: the floor of any
 engine that moves bytes here, which the engine's raw plan pays too. "cswap default, run
@@ -54,10 +60,22 @@ def _steps(engine: Offloader, x: torch.Tensor, tensors: int, steps: int) -> None
     x.grad = None
 
 
+def _timed_step(context: Callable[[], contextlib.AbstractContextManager], x: torch.Tensor,
+                tensors: int) -> tuple[float, float]:
+    """CPU and wall seconds of one forward and backward of the chain under ``context``."""
+    start_cpu, start_wall = time.thread_time(), time.perf_counter()
+    with context():
+        loss = _chain(x, tensors)
+    loss.backward()
+    x.grad = None
+    return time.thread_time() - start_cpu, time.perf_counter() - start_wall
+
+
 def run_overhead_bench(tensors: int = 2000, numel: int = 4096, rounds: int = 7,
-                       out: str | None = None) -> list[dict]:
+                       out: str | None = None, steady_steps: int = 8) -> list[dict]:
     """Median step time of each method on a ``tensors``-long sin chain, and host time per
-    saved tensor over no engine; prints a table, optionally writes result files."""
+    saved tensor over no engine, after a collection and in steady state (``steady_steps``
+    steps in a row); prints a table, optionally writes result files."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     x = torch.randn(numel, requires_grad=True)
@@ -77,22 +95,25 @@ def run_overhead_bench(tensors: int = 2000, numel: int = 4096, rounds: int = 7,
     }
     cpu: dict[str, list[float]] = {name: [] for name in methods}
     wall: dict[str, list[float]] = {name: [] for name in methods}
+    steady: dict[str, list[float]] = {name: [] for name in methods}
     print(f"cswap bench overhead: {tensors} saved tensors of {numel * 4 // 1024} KiB per step, "
-          f"{rounds} interleaved rounds (+1 warm-up), torch on 1 thread")
+          f"{rounds} interleaved rounds (+1 warm-up), then {rounds} rounds of {steady_steps} "
+          "steps in a row; torch on 1 thread")
     try:
         for name in ("default", "budget"):  # a measured step, then one that checks the plan
             _steps(engines[name], x, tensors, 2)
         for round_ in range(rounds + 1):
             for name, context in methods.items():
                 gc.collect()  # what the previous method left is not this one's to collect
-                start_cpu, start_wall = time.thread_time(), time.perf_counter()
-                with context():
-                    loss = _chain(x, tensors)
-                loss.backward()
-                x.grad = None
+                step_cpu, step_wall = _timed_step(context, x, tensors)
                 if round_:
-                    cpu[name].append(time.thread_time() - start_cpu)
-                    wall[name].append(time.perf_counter() - start_wall)
+                    cpu[name].append(step_cpu)
+                    wall[name].append(step_wall)
+        for _ in range(rounds):
+            for name, context in methods.items():
+                gc.collect()
+                steady[name].append(statistics.mean(
+                    _timed_step(context, x, tensors)[0] for _ in range(steady_steps)))
         moved = engines["raw"].last_step().offloaded_bytes
         counted = engines["default"].last_step().untracked_tensors
         budgeted = engines["budget"].last_step()
@@ -101,26 +122,32 @@ def run_overhead_bench(tensors: int = 2000, numel: int = 4096, rounds: int = 7,
         for engine in engines.values():
             engine.close()
     base_cpu, base_wall = statistics.median(cpu["no engine"]), statistics.median(wall["no engine"])
+    base_steady = statistics.median(steady["no engine"])
     rows = []
     for name in methods:
         step_cpu, step_wall = statistics.median(cpu[name]), statistics.median(wall[name])
+        step_steady = statistics.median(steady[name])
         rows.append({"method": name, "step_cpu_s": step_cpu, "step_wall_s": step_wall,
                      "cpu_ratio": step_cpu / base_cpu,
                      "us_per_tensor": 1e6 * (step_cpu - base_cpu) / tensors,
-                     "wall_us_per_tensor": 1e6 * (step_wall - base_wall) / tensors})
+                     "wall_us_per_tensor": 1e6 * (step_wall - base_wall) / tensors,
+                     "steady_step_cpu_s": step_steady,
+                     "steady_us_per_tensor": 1e6 * (step_steady - base_steady) / tensors})
     head = ("| method | median step (CPU) | vs no engine | host time per saved tensor "
-            "| same, wall time |")
+            "| same, wall time | steady state, collections included |")
     table = "\n".join(
-        [head, "|---|---:|---:|---:|---:|"]
+        [head, "|---|---:|---:|---:|---:|---:|"]
         + [f"| {r['method']} | {1e3 * r['step_cpu_s']:.1f} ms | {r['cpu_ratio']:.2f}x | "
-           f"{r['us_per_tensor']:.1f} us | {r['wall_us_per_tensor']:.1f} us |" for r in rows])
+           f"{r['us_per_tensor']:.1f} us | {r['wall_us_per_tensor']:.1f} us | "
+           f"{r['steady_us_per_tensor']:.1f} us |" for r in rows])
     print(table)
     print(f"cswap plan=raw moved {moved / 2**20:.1f} MiB off the device per step; the default's "
           f"plan moved nothing and its steps only counted their {counted} saved tensors; the "
           f"budget's moved {len(budgeted.sites)} and counted {budgeted.untracked_tensors}")
     if out:
         meta = result_meta(torch.device("cpu"), tensors=tensors, tensor_bytes=numel * 4,
-                           rounds=rounds)
+                           rounds=rounds, steady_steps=steady_steps,
+                           python_objects=len(gc.get_objects()))
         results = {"rows": rows, "moved_bytes": moved, "default_counted_tensors": counted,
                    "budget_moved_tensors": len(budgeted.sites),
                    "budget_counted_tensors": budgeted.untracked_tensors}

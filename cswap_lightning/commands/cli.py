@@ -111,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     overhead.add_argument("--tensors", type=_whole(1), default=2000,
                           help="saved tensors per step")
     overhead.add_argument("--rounds", type=_whole(1), default=7, help="interleaved rounds")
+    overhead.add_argument("--steady-steps", type=_whole(1), default=8,
+                          help="steps in a row per method for the steady-state figure")
     overhead.add_argument("--out", default=None, help="write markdown and JSON results here (stem)")
     from .bench_suite import add_parser as add_suite_parser
 
@@ -183,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.bench == "overhead":
         from .bench_overhead import run_overhead_bench
 
-        run_overhead_bench(args.tensors, rounds=args.rounds, out=args.out)
+        run_overhead_bench(args.tensors, rounds=args.rounds, out=args.out,
+                           steady_steps=args.steady_steps)
         return 0
     if args.bench == "suite":
         from .bench_suite import run_suite

@@ -76,9 +76,10 @@ class Offloader:
         self.reverted: set[int] = set()  # lossy sites the accuracy guard moved back
         self.held_elsewhere: set[int] = set()  # sites whose moving freed nothing (measured)
         self._next_probe: str | None = None  # "lossless" or "measure errors", for one step
-        # A plan checked on a step: what that step saved (Step.counted) and the sites it kept.
-        # Later steps keep those sites untracked, and measure again if what they save changes.
-        self._checked: tuple[tuple[int, int], frozenset[int]] | None = None
+        # A plan checked on a step: what that step saved (Step.counted), the sites it kept and
+        # its measured peak. Later steps keep those sites untracked, and measure again (or, for
+        # a fixed plan, track again) if what they save changes.
+        self._checked: tuple[tuple[int, int], frozenset[int], int] | None = None
         self._steps_alive: weakref.WeakSet[Step] = weakref.WeakSet()  # autograd holds them
         self._step: Step | None = None
         self._hooks: list[torch.autograd.graph.saved_tensors_hooks] = []  # nested blocks
@@ -104,9 +105,9 @@ class Offloader:
         measure = self._measure_left > 0
         checked = (self._checked if not measure and self._next_probe is None
                    and self._unchecked is None else None)
-        step = Step(self, self._steps, self._order, measure, checked)
+        step = Step(self, self._steps, self._order, measure, checked[:2] if checked else None)
         if checked is not None:  # as measured on the step that checked the plan
-            step.stats.peak_resident_bytes = self.plan.measured_peak
+            step.stats.peak_resident_bytes = checked[2]
         self._push_hooks(step)  # raises where saved-tensor hooks are disabled: nothing changed
         step.probe, self._next_probe = self._next_probe, None
         self._step, self._owner = step, threading.get_ident()
@@ -281,16 +282,20 @@ class Offloader:
             step.close()
         if step.failed:
             return
-        if step.expected is not None:
-            if step.counted() != step.expected:
+        if step.expected is not None and step.counted() != step.expected:
+            if self.config.plan == "auto":
                 self._replanning()
                 return
+            self._checked = None  # a fixed plan: the next step tracks every site, and checks
+        elif step.expected is not None:
             if step.idle:
                 return
         elif self._unchecked is not None and signature(step.stats) == self._unchecked.signature:
             self._check(self._unchecked, step.stats)
-            kept = frozenset(s.site for s in step.stats.sites if s.decision == "keep")
-            self._checked = step.counted(), kept
+            self._checked_by(step)
+        elif (self.config.plan != "auto" and not step.measure and step.probe is None
+              and step.stats.sites):
+            self._checked_by(step)
         self._unchecked = None
         self._order = step.unpack_order or self._order
         if not self._warned_compiled and step.restored_all_at_once():
@@ -328,6 +333,11 @@ class Offloader:
                   "once: predicted %s, budget %s%s", len(moved), len(plan.decisions),
                   fmt_bytes(sum(d.nbytes for d in moved)), fmt_bytes(plan.predicted_peak),
                   budget, "" if plan.fits else " (does not fit)")
+
+    def _checked_by(self, step: Step) -> None:
+        """Later steps keep the sites ``step`` kept without tracking them."""
+        kept = frozenset(s.site for s in step.stats.sites if s.decision == "keep")
+        self._checked = step.counted(), kept, step.stats.peak_resident_bytes
 
     @staticmethod
     def _check(plan: Plan, stats: StepStats) -> None:
