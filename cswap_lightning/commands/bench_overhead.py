@@ -20,7 +20,8 @@ Beside torch's ``save_on_cpu`` (on the CPU it moves nothing: a CPU tensor is alr
 engine that moves bytes here, which the engine's raw plan pays too. "cswap default, run
 fits" is the default configuration on a run that fits: once its plan (move nothing) is
 checked, the engine only counts what is saved; "cswap budget 50% of keep" moves what half
-of keeping everything needs and counts the rest; ``plan=keep`` tracks every tensor.
+of keeping everything needs and counts the rest; ``plan=keep`` and ``plan=raw`` are fixed
+plans (keep counts once a step has checked it; raw moves and tracks every tensor).
 """
 
 from __future__ import annotations
