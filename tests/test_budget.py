@@ -304,3 +304,27 @@ def test_a_fixed_plan_tracks_again_without_measuring_when_the_saved_tensors_chan
     assert recounted.peak_resident_bytes == rechecked.peak_resident_bytes > 0
     assert off._measure_left == 0  # nothing was measured again
     off.close()
+
+
+def test_sites_that_trade_places_are_tracked_again():
+    """The same count and bytes in another order (a data-dependent branch) is a change: a
+    kept weight and a moved activation that trade places make the next step track every
+    site, so the activation moves again, instead of being kept as site 0 was."""
+    p = torch.randn(1000, requires_grad=True)  # sin saves it: a leaf, kept
+    q = torch.randn(3000, requires_grad=True)
+
+    def step(off, weight_first):
+        parts = [lambda: p.sin().sum(), lambda: (q * 2).sin().sum()]  # q * 2: moved
+        with off:
+            loss = sum(f() for f in (parts if weight_first else parts[::-1]))
+        loss.backward()
+        return off.last_step()
+
+    off = Offloader(CSwapConfig(plan="raw", profile_steps=1, min_bytes=0))
+    before = [step(off, True) for _ in range(3)]  # measured, checks, counted
+    assert before[2].untracked_tensors == 1 and before[2].offloaded_bytes == 3000 * 4
+    after = [step(off, False) for _ in range(3)]  # counted (unseen), checks, counted
+    assert after[0].offloaded_bytes == 0  # site 0, the activation now, was kept unseen ...
+    assert after[1].untracked_tensors == 0  # ... but the change was seen: tracked again
+    assert [s.offloaded_bytes for s in after[1:]] == [3000 * 4] * 2
+    off.close()

@@ -92,7 +92,7 @@ class Step:
         # (``idle``: every site, a run that fits), so that keeping costs next to nothing.
         self.expected, self.untracked = checked if checked is not None else (None, frozenset())
         self.idle = checked is not None and len(self.untracked) == self.expected[0]
-        self.tensor_bytes = 0  # the tracked sites' own bytes (a view's, not its storage's)
+        self.sizes = 0  # the saved tensors' own sizes, in order, folded (``counted``)
         self.transfer = offloader.transfer
         self.min_bytes = offloader.config.min_bytes
         self.prefetch_bytes = offloader.prefetch_window()
@@ -129,15 +129,17 @@ class Step:
 
     def _count(self, saved: torch.Tensor, t: torch.Tensor) -> tuple:
         """Pack an untracked site: keep ``saved``, count ``t`` (its plain tensor)."""
+        nbytes = t.numel() * t.element_size()
         self.stats.untracked_tensors += 1
-        self.stats.untracked_bytes += t.numel() * t.element_size()
+        self.stats.untracked_bytes += nbytes
+        self.sizes = (self.sizes * _MIX + nbytes) % _MODULUS
         return saved, saved._version, -1
 
     def counted(self) -> tuple[int, int]:
-        """What the step saved: tensors, and their own bytes (what untracked steps compare)."""
-        stats = self.stats
-        return (stats.untracked_tensors + len(stats.sites),
-                stats.untracked_bytes + self.tensor_bytes)
+        """What the step saved, as untracked steps compare it: how many tensors, and their
+        own sizes (a view's, not its storage's) in order, folded into one number, so that
+        sites that trade places are seen too."""
+        return self.stats.untracked_tensors + len(self.stats.sites), self.sizes
 
     def _pack(self, saved: torch.Tensor) -> tuple | _Entry | _View:
         t, rebuild = (saved, None) if type(saved) is torch.Tensor else unwrap(saved)
@@ -147,7 +149,7 @@ class Step:
         stats = SiteStats(site, tuple(t.shape), _DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype),
                           t.numel() * t.element_size(), "keep", packed_at=self.clock)
         self.clock += 1
-        self.tensor_bytes += stats.nbytes
+        self.sizes = (self.sizes * _MIX + stats.nbytes) % _MODULUS
         self.stats.sites.append(stats)
         if self.device is None:
             self._first_pack(t.device)
@@ -403,6 +405,7 @@ def hide_from_dynamo() -> None:
 
 
 _hidden = False
+_MIX, _MODULUS = 1_000_003, (1 << 61) - 1  # fold sizes in order (a polynomial hash)
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
