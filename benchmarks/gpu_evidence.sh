@@ -2,8 +2,9 @@
 # Collect every piece of GPU evidence in ONE call of the device machine (10-minute limit):
 # the CUDA codec build, `pytest -m gpu`, compute-sanitizer memcheck on a short codec run,
 # `cswap bench codec` (full sizes, with nvCOMP when its wheels were carried),
-# `cswap bench step` for the CNN and the transformer, `cswap bench advisor`, `cswap compare` on
-# BERT-base (lossless against int8), `cswap tune`, and `cswap bench suite` (issue 13: ResNet-50,
+# `cswap bench step` for the CNN and the transformer, `cswap bench advisor`,
+# `cswap bench overhead --device cuda`, `cswap compare` on BERT-base (lossless against int8),
+# `cswap tune`, and `cswap bench suite` (issue 13: ResNet-50,
 # VGG-16, BERT-large, GPT-2 medium against every peer method; two steps, one per model pair).
 # Each step has its own time limit, capped by what is left of the whole budget; a failing or
 # timed-out step is recorded and the script goes on.
@@ -101,6 +102,9 @@ step bench-step-transformer 60 "${CSWAP[@]}" bench step --model transformer \
     --out "$WORK/step-$TAG-transformer"
 
 step bench-advisor 60 "${CSWAP[@]}" bench advisor
+# Issue 12 on a GPU: the engine's host time per saved tensor where it launches the kernels.
+step bench-overhead 60 "${CSWAP[@]}" bench overhead --device cuda --rounds 5 --steady-steps 3 \
+    --out "$WORK/overhead-$TAG"
 # Issue 6 on a GPU: BERT-base, one short epoch lossless then int8; memory, link bytes, step time.
 step compare-bert-base 150 "${CSWAP[@]}" compare --lossy int8 --out "$WORK/compare-bert-base-int8-$TAG" \
     --config recipes/bert.yaml --data.num_samples 640 --trainer.max_epochs 1 \

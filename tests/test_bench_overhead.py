@@ -2,6 +2,9 @@
 
 import json
 
+import pytest
+import torch
+
 from cswap_lightning.commands.bench_overhead import run_overhead_bench
 
 
@@ -22,3 +25,14 @@ def test_the_overhead_bench_reports_every_method_against_no_engine(tmp_path):
     assert saved["moved_bytes"] == 49 * 16384  # every tensor the chain saved but its leaf input
     report = (tmp_path / "overhead.md").read_text()
     assert "host time per saved tensor" in report and "collections included" in report
+
+
+@pytest.mark.gpu
+def test_the_overhead_bench_runs_on_a_gpu(tmp_path):
+    """--device cuda: the same rows, the chain on the GPU, the copy hook through pinned memory."""
+    rows = run_overhead_bench(tensors=50, rounds=1, out=str(tmp_path / "overhead"),
+                              steady_steps=2, device="cuda")
+    assert [r["method"] for r in rows][-1] == "cswap plan=raw"
+    saved = json.loads((tmp_path / "overhead.json").read_text())
+    assert saved["meta"]["device"] == torch.cuda.get_device_name()
+    assert saved["moved_bytes"] == 49 * 16384

@@ -16,8 +16,10 @@ row (interleaved by blocks) and takes the mean step, collections included: what 
 loop pays.
 
 Beside torch's ``save_on_cpu`` (on the CPU it moves nothing: a CPU tensor is already there),
-"copy in a pack hook" copies every saved tensor and does nothing else: the floor of any
-engine that moves bytes here, which the engine's raw plan pays too. "cswap default, run
+"copy in a pack hook" copies every saved tensor and does nothing else (on a GPU, into pinned
+host memory and back, without side streams): the floor of any engine that moves bytes here,
+which the engine's raw plan pays too. ``--device cuda`` runs the chain on a GPU, where the
+host time is what the thread that launches the kernels spends. "cswap default, run
 fits" is the default configuration on a run that fits: once its plan (move nothing) is
 checked, the engine only counts what is saved; "cswap budget 50% of keep" moves what half
 of keeping everything needs and counts the rest; ``plan=keep`` and ``plan=raw`` are fixed
@@ -45,12 +47,19 @@ def _chain(x: torch.Tensor, length: int) -> torch.Tensor:
     return x.sum()
 
 
-def _copy(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().clone()
+def _copy(t: torch.Tensor) -> torch.Tensor | tuple[torch.device, torch.Tensor]:
+    """Copy a saved tensor: on the CPU where it is, from a GPU into pinned host memory."""
+    if not t.is_cuda:
+        return t.detach().clone()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return t.device, host.copy_(t, non_blocking=True)
 
 
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
+def _copy_back(saved: torch.Tensor | tuple[torch.device, torch.Tensor]) -> torch.Tensor:
+    if isinstance(saved, torch.Tensor):
+        return saved
+    device, host = saved
+    return host.to(device, non_blocking=True)
 
 
 def _steps(engine: Offloader, x: torch.Tensor, tensors: int, steps: int) -> None:
@@ -69,17 +78,25 @@ def _timed_step(context: Callable[[], contextlib.AbstractContextManager], x: tor
         loss = _chain(x, tensors)
     loss.backward()
     x.grad = None
-    return time.thread_time() - start_cpu, time.perf_counter() - start_wall
+    seconds = time.thread_time() - start_cpu, time.perf_counter() - start_wall
+    if x.is_cuda:  # the next step starts with the device idle (not timed)
+        torch.cuda.synchronize(x.device)
+    return seconds
 
 
 def run_overhead_bench(tensors: int = 2000, numel: int = 4096, rounds: int = 7,
-                       out: str | None = None, steady_steps: int = 8) -> list[dict]:
-    """Median step time of each method on a ``tensors``-long sin chain, and host time per
-    saved tensor over no engine, after a collection and in steady state (``steady_steps``
-    steps in a row); prints a table, optionally writes result files."""
+                       out: str | None = None, steady_steps: int = 8,
+                       device: str = "cpu") -> list[dict]:
+    """Median step time of each method on a ``tensors``-long sin chain on ``device``, and
+    host time per saved tensor over no engine, after a collection and in steady state
+    (``steady_steps`` steps in a row); prints a table, optionally writes result files."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("cswap bench overhead: --device cuda needs a CUDA device; none is "
+                         "available (use --device cpu)")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    x = torch.randn(numel, requires_grad=True)
+    x = torch.randn(numel, device=dev, requires_grad=True)
     engines = {plan: Offloader(CSwapConfig(plan=plan, min_bytes=0)) for plan in ("keep", "raw")}
     engines["default"] = Offloader(CSwapConfig(min_bytes=0))  # budget "auto": this run fits
     _steps(engines["keep"], x, tensors, 1)
@@ -87,8 +104,9 @@ def run_overhead_bench(tensors: int = 2000, numel: int = 4096, rounds: int = 7,
     engines["budget"] = Offloader(CSwapConfig(min_bytes=0, budget=half, profile_steps=1))
     methods: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
         "no engine": contextlib.nullcontext,
-        "torch save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=False),
-        "copy in a pack hook": lambda: torch.autograd.graph.saved_tensors_hooks(_copy, _same),
+        "torch save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=x.is_cuda),
+        "copy in a pack hook": lambda: torch.autograd.graph.saved_tensors_hooks(_copy,
+                                                                                _copy_back),
         "cswap default, run fits": lambda: engines["default"],
         "cswap budget 50% of keep": lambda: engines["budget"],
         "cswap plan=keep": lambda: engines["keep"],
@@ -97,8 +115,8 @@ def run_overhead_bench(tensors: int = 2000, numel: int = 4096, rounds: int = 7,
     cpu: dict[str, list[float]] = {name: [] for name in methods}
     wall: dict[str, list[float]] = {name: [] for name in methods}
     steady: dict[str, list[float]] = {name: [] for name in methods}
-    print(f"cswap bench overhead: {tensors} saved tensors of {numel * 4 // 1024} KiB per step, "
-          f"{rounds} interleaved rounds (+1 warm-up), then {rounds} rounds of {steady_steps} "
+    print(f"cswap bench overhead on {dev}: {tensors} saved tensors of {numel * 4 // 1024} KiB "
+          f"per step, {rounds} interleaved rounds (+1 warm-up), then {rounds} rounds of {steady_steps} "
           "steps in a row; torch on 1 thread")
     try:
         for name in ("default", "budget"):  # a measured step, then one that checks the plan
@@ -146,7 +164,7 @@ def run_overhead_bench(tensors: int = 2000, numel: int = 4096, rounds: int = 7,
           f"plan moved nothing and its steps only counted their {counted} saved tensors; the "
           f"budget's moved {len(budgeted.sites)} and counted {budgeted.untracked_tensors}")
     if out:
-        meta = result_meta(torch.device("cpu"), tensors=tensors, tensor_bytes=numel * 4,
+        meta = result_meta(dev, tensors=tensors, tensor_bytes=numel * 4,
                            rounds=rounds, steady_steps=steady_steps,
                            python_objects=len(gc.get_objects()))
         results = {"rows": rows, "moved_bytes": moved, "default_counted_tensors": counted,

@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     overhead.add_argument("--rounds", type=_whole(1), default=7, help="interleaved rounds")
     overhead.add_argument("--steady-steps", type=_whole(1), default=8,
                           help="steps in a row per method for the steady-state figure")
+    overhead.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                          help="where the chain runs (cuda: host time of a GPU step)")
     overhead.add_argument("--out", default=None, help="write markdown and JSON results here (stem)")
     from .bench_suite import add_parser as add_suite_parser
 
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         from .bench_overhead import run_overhead_bench
 
         run_overhead_bench(args.tensors, rounds=args.rounds, out=args.out,
-                           steady_steps=args.steady_steps)
+                           steady_steps=args.steady_steps, device=args.device)
         return 0
     if args.bench == "suite":
         from .bench_suite import run_suite
