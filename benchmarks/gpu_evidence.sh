@@ -103,7 +103,7 @@ step bench-step-transformer 60 "${CSWAP[@]}" bench step --model transformer \
 
 step bench-advisor 60 "${CSWAP[@]}" bench advisor
 # Issue 12 on a GPU: the engine's host time per saved tensor where it launches the kernels.
-step bench-overhead 60 "${CSWAP[@]}" bench overhead --device cuda --rounds 5 --steady-steps 3 \
+step bench-overhead 90 "${CSWAP[@]}" bench overhead --device cuda --rounds 5 --steady-steps 3 \
     --out "$WORK/overhead-$TAG"
 # Issue 6 on a GPU: BERT-base, one short epoch lossless then int8; memory, link bytes, step time.
 step compare-bert-base 150 "${CSWAP[@]}" compare --lossy int8 --out "$WORK/compare-bert-base-int8-$TAG" \
