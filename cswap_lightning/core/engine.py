@@ -25,7 +25,7 @@ from ..planning.predictor import CodecTimeModel, calibrate
 from ..planning.profiler import Link, Profiler, measure_link, signature
 from .module_names import ModuleTracker
 from .stats import SiteStats, StepStats, fmt_bytes
-from .step import Step, hide_from_dynamo
+from .step import Checked, Step, hide_from_dynamo
 from .transfer import Transfer
 
 LOSSY_DTYPES = tuple(str(d).removeprefix("torch.") for d in _LOSSY_TORCH_DTYPES)
@@ -76,10 +76,9 @@ class Offloader:
         self.reverted: set[int] = set()  # lossy sites the accuracy guard moved back
         self.held_elsewhere: set[int] = set()  # sites whose moving freed nothing (measured)
         self._next_probe: str | None = None  # "lossless" or "measure errors", for one step
-        # A plan checked on a step: what that step saved (Step.counted), the sites it kept and
-        # its measured peak. Later steps keep those sites untracked, and measure again (or, for
+        # Later steps keep the sites a checked plan kept untracked, and measure again (or, for
         # a fixed plan, track again) if what they save changes.
-        self._checked: tuple[tuple[int, int], frozenset[int], int] | None = None
+        self._checked: Checked | None = None
         self._steps_alive: weakref.WeakSet[Step] = weakref.WeakSet()  # autograd holds them
         self._step: Step | None = None
         self._hooks: list[torch.autograd.graph.saved_tensors_hooks] = []  # nested blocks
@@ -105,9 +104,7 @@ class Offloader:
         measure = self._measure_left > 0
         checked = (self._checked if not measure and self._next_probe is None
                    and self._unchecked is None else None)
-        step = Step(self, self._steps, self._order, measure, checked[:2] if checked else None)
-        if checked is not None:  # as measured on the step that checked the plan
-            step.stats.peak_resident_bytes = checked[2]
+        step = Step(self, self._steps, self._order, measure, checked)
         self._push_hooks(step)  # raises where saved-tensor hooks are disabled: nothing changed
         step.probe, self._next_probe = self._next_probe, None
         self._step, self._owner = step, threading.get_ident()
@@ -282,13 +279,13 @@ class Offloader:
             step.close()
         if step.failed:
             return
-        if step.expected is not None and step.counted() != step.expected:
-            if self.config.plan == "auto":
-                self._replanning()
-                return
-            self._checked = None  # a fixed plan: the next step tracks every site, and checks
-        elif step.expected is not None:
-            if step.idle:
+        if step.expected is not None:
+            if step.counted() != step.expected:
+                if self.config.plan == "auto":
+                    self._replanning()
+                    return
+                self._checked = None  # a fixed plan: the next step tracks every site, and checks
+            elif step.idle:
                 return
         elif self._unchecked is not None and signature(step.stats) == self._unchecked.signature:
             self._check(self._unchecked, step.stats)
@@ -337,7 +334,7 @@ class Offloader:
     def _checked_by(self, step: Step) -> None:
         """Later steps keep the sites ``step`` kept without tracking them."""
         kept = frozenset(s.site for s in step.stats.sites if s.decision == "keep")
-        self._checked = step.counted(), kept, step.stats.peak_resident_bytes
+        self._checked = Checked(step.counted(), kept, step.stats.peak_resident_bytes)
 
     @staticmethod
     def _check(plan: Plan, stats: StepStats) -> None:

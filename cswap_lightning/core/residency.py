@@ -92,19 +92,14 @@ class Residency:
 
     def fold(self) -> None:
         """Sum the changes so far into ``stats``: the peak and the timeline."""
-        changes, stats, start = self._changes, self.stats, self.start
-        now, peak = self.now, stats.peak_resident_bytes
-        asked, asked_peak = self.unpacked_now, self.unpacked_peak
-        times, levels, take = stats.timeline_s.append, stats.timeline_bytes.append, changes.popleft
-        for _ in range(len(changes)):  # appended meanwhile: the next fold's
-            at, resident, unpacked = take()
+        stats, changes = self.stats, self._changes
+        for _ in range(len(changes)):  # those appended meanwhile are the next fold's
+            at, resident, unpacked = changes.popleft()
             if resident:
-                now += resident
-                peak = max(peak, now)
-                times(at - start)
-                levels(now)
+                self.now += resident
+                stats.peak_resident_bytes = max(stats.peak_resident_bytes, self.now)
+                stats.timeline_s.append(at - self.start)
+                stats.timeline_bytes.append(self.now)
             if unpacked:
-                asked += unpacked
-                asked_peak = max(asked_peak, asked)
-        self.now, stats.peak_resident_bytes = now, peak
-        self.unpacked_now, self.unpacked_peak = asked, asked_peak
+                self.unpacked_now += unpacked
+                self.unpacked_peak = max(self.unpacked_peak, self.unpacked_now)

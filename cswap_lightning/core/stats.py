@@ -48,7 +48,7 @@ class StepStats:
     peak_allocated_bytes: int | None = None  # CUDA: the allocator's peak during the step
     forward_wait_s: float = 0.0  # forward's waits at the in-flight bound (inflight_bytes)
     host_held_bytes: int = 0  # host memory the engine keeps between steps (the pinned arena)
-    # Once a step has checked an "auto" plan, later steps keep the sites it keeps without
+    # Once a step has checked a plan, later steps keep the sites it keeps without
     # tracking each (no rows in ``sites``): how many, and their bytes. Such a step's
     # ``peak_resident_bytes`` is the one measured on the step that checked the plan.
     untracked_tensors: int = 0

@@ -80,23 +80,34 @@ class _View(NamedTuple):
     rebuild: Callable | None
 
 
+class Checked(NamedTuple):
+    """A plan checked on a step: what that step saved (``Step.counted``), the sites it kept,
+    and the peak of saved tensors measured on it."""
+
+    counted: tuple[int, int]
+    kept: frozenset[int]
+    peak: int
+
+
 class Step:
     """Packs and unpacks of one forward and its backward."""
 
     def __init__(self, offloader: Offloader, index: int, order: list[int] | None,
-                 measure: bool, checked: tuple[tuple[int, int], frozenset[int]] | None = None
-                 ) -> None:
+                 measure: bool, checked: Checked | None = None) -> None:
         self.offloader = offloader
-        # With a plan checked on an earlier step: what that step saved (``counted()``) and the
-        # sites it kept, which this step keeps and counts without tracking them one by one
-        # (``idle``: every site, a run that fits), so that keeping costs next to nothing.
-        self.expected, self.untracked = checked if checked is not None else (None, frozenset())
+        # With a plan checked on an earlier step: what that step saved and the sites it kept,
+        # which this step keeps and counts without tracking them one by one (``idle``: every
+        # site, a run that fits), so that keeping costs next to nothing.
+        self.expected, self.untracked = ((checked.counted, checked.kept) if checked is not None
+                                         else (None, frozenset()))
         self.idle = checked is not None and len(self.untracked) == self.expected[0]
         self.sizes = 0  # the saved tensors' own sizes, in order, folded (``counted``)
         self.transfer = offloader.transfer
         self.min_bytes = offloader.config.min_bytes
         self.prefetch_bytes = offloader.prefetch_window()
         self.stats = StepStats(index)
+        if checked is not None:  # as measured on the step that checked the plan
+            self.stats.peak_resident_bytes = checked.peak
         self.residency = Residency(self.stats)
         self.measure = measure  # time the windows and count every site's zeros
         self.timer: StepTimer | None = None

@@ -247,8 +247,8 @@ class Transfer:
 
     # backward --------------------------------------------------------------------------
     def restore(self, stored: Stored) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Bring a payload back (on CUDA: queued on the restore stream); the tensor, 1-D, and
-        the event after which it is complete."""
+        """Bring a payload back (on CUDA: queued on the restore stream); the tensor (in the
+        shape it left in, or 1-D) and the event after which it is complete."""
         if stored.ready is not None:
             stored.ready.wait()  # the compression thread is done with it
         if stored.kept is not None:  # the offload failed: the tensor never left
