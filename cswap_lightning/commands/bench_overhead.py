@@ -119,8 +119,8 @@ def run_overhead_bench(tensors: int = 2000, numel: int = 4096, rounds: int = 7,
           f"per step, {rounds} interleaved rounds (+1 warm-up), then {rounds} rounds of {steady_steps} "
           "steps in a row; torch on 1 thread")
     try:
-        for name in ("default", "budget"):  # a measured step, then one that checks the plan
-            _steps(engines[name], x, tensors, 2)
+        for engine in engines.values():  # the measured steps, then one that checks the plan
+            _steps(engine, x, tensors, engine.config.profile_steps + 1)
         for round_ in range(rounds + 1):
             for name, context in methods.items():
                 gc.collect()  # what the previous method left is not this one's to collect
@@ -162,13 +162,13 @@ def run_overhead_bench(tensors: int = 2000, numel: int = 4096, rounds: int = 7,
     print(table)
     print(f"cswap plan=raw moved {moved / 2**20:.1f} MiB off the device per step; the default's "
           f"plan moved nothing and its steps only counted their {counted} saved tensors; the "
-          f"budget's moved {len(budgeted.sites)} and counted {budgeted.untracked_tensors}")
+          f"budget's moved {budgeted.offloaded_tensors} and counted {budgeted.untracked_tensors}")
     if out:
         meta = result_meta(dev, tensors=tensors, tensor_bytes=numel * 4,
                            rounds=rounds, steady_steps=steady_steps,
                            python_objects=len(gc.get_objects()))
         results = {"rows": rows, "moved_bytes": moved, "default_counted_tensors": counted,
-                   "budget_moved_tensors": len(budgeted.sites),
+                   "budget_moved_tensors": budgeted.offloaded_tensors,
                    "budget_counted_tensors": budgeted.untracked_tensors}
         write_results(out, "cswap bench overhead", meta, results, table)
     return rows

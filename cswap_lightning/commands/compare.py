@@ -62,7 +62,7 @@ class _Recorder(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         self.result.step_s.append(time.perf_counter() - self._started)
-        step = self.strategy.offloader.last_step(device=False)
+        step = self.strategy.offloader.tracked_step(device=False)
         self.result.link_bytes += step.stored_bytes
         _record_step(self.result, step)
 

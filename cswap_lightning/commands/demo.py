@@ -110,8 +110,10 @@ def run_demo(
     model.train()
     xb, yb = x_train[:batch_size], y_train[:batch_size]
     equal = gradients_match(model, offloader, xb, yb)
-    step = offloader.last_step()
-    print("\nWhat the engine did on the last step (one row per tensor autograd saved):")
+    step = offloader.tracked_step()
+    print(f"\nWhat the engine did on step {step.step}, the last it tracked one tensor at a time "
+          "(one row per tensor autograd saved; once a step has checked the plan, later "
+          "steps only sum what they keep and move):")
     print(step.table())
     if offloader.plan is not None:
         print(f"\nThe advisor's plan, made from {config.profile_steps} measured step(s) at the "

@@ -11,12 +11,14 @@ import logging
 import threading
 import warnings
 import weakref
+from collections.abc import Iterable
 from dataclasses import replace
 from fnmatch import fnmatch
 
 import torch
 from typing_extensions import Self
 
+from ..codecs import get_codec
 from ..codecs.cuda import enable_cuda_codecs_if_requested
 from ..codecs.lossy import LOSSY_DTYPES as _LOSSY_TORCH_DTYPES
 from ..config import LOSSY_CODECS, CSwapConfig
@@ -25,7 +27,7 @@ from ..planning.predictor import CodecTimeModel, calibrate
 from ..planning.profiler import Link, Profiler, measure_link, signature
 from .module_names import ModuleTracker
 from .stats import SiteStats, StepStats, fmt_bytes
-from .step import Checked, Step, hide_from_dynamo
+from .step import Checked, Move, Step, hide_from_dynamo
 from .transfer import Transfer
 
 LOSSY_DTYPES = tuple(str(d).removeprefix("torch.") for d in _LOSSY_TORCH_DTYPES)
@@ -189,6 +191,12 @@ class Offloader:
         return (dtype in LOSSY_DTYPES and site not in self.reverted
                 and not any(fnmatch(module, p) for p in self.config.lossy_exclude))
 
+    def revert(self, sites: Iterable[int]) -> None:
+        """Move these lossy sites back to lossless from the next step on (the accuracy
+        guard's call); a checked plan is checked again with them."""
+        self.reverted.update(sites)
+        self._checked, self._unchecked = None, self.plan
+
     def new_epoch(self) -> None:
         """Re-measure the next ``profile_steps`` steps (sparsity; with ``plan="auto"``, the
         windows too, then plan again), and which sites' moving frees nothing."""
@@ -242,6 +250,14 @@ class Offloader:
             self._step.close()
         self._step.stats.host_held_bytes = self.transfer.held_bytes()
         return self._step.stats
+
+    def tracked_step(self, device: bool = True) -> StepStats:
+        """Statistics of the most recent step that tracked every site (a row per saved
+        tensor, the measured memory curve): the last step, or, where it ran a checked plan
+        without tracking each site, the step that checked the plan."""
+        last = self.last_step(device)
+        checked = self._step.checked
+        return last if checked is None else checked.stats
 
     def live_host_bytes(self) -> int:
         """Host bytes held for tensors autograd still references (once the compressions
@@ -332,9 +348,18 @@ class Offloader:
                   budget, "" if plan.fits else " (does not fit)")
 
     def _checked_by(self, step: Step) -> None:
-        """Later steps keep the sites ``step`` kept without tracking them."""
-        kept = frozenset(s.site for s in step.stats.sites if s.decision == "keep")
-        self._checked = Checked(step.counted(), kept, step.stats.peak_resident_bytes)
+        """Later steps keep the sites ``step`` kept, and move those it moved, without tracking
+        them; unless it moved some with a compressing codec, whose payloads' sizes drift
+        with the data: then every moved site stays tracked (the host arena is planned from
+        the rows of those steps)."""
+        sites = step.stats.sites
+        kept = frozenset(s.site for s in sites if s.decision == "keep")
+        moved = [s for s in sites if s.decision not in ("keep", "dedup")]
+        moves = {}
+        if all(get_codec(s.decision).exact_size for s in moved):
+            moves = {s.site: Move(get_codec(s.decision), getattr(torch, s.dtype), s.nbytes)
+                     for s in moved if s.site not in self.held_elsewhere}
+        self._checked = Checked(step.counted(), kept, moves, step.stats)
 
     @staticmethod
     def _check(plan: Plan, stats: StepStats) -> None:

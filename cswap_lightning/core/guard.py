@@ -129,7 +129,7 @@ class AccuracyGuard:
         """Move the worse half (at least one) of the lossy sites back to lossless."""
         worst = sorted(site_errors, key=site_errors.get, reverse=True)
         reverted = worst[: max(1, len(worst) // 2)]
-        self.offloader.reverted.update(reverted)
+        self.offloader.revert(reverted)
         return reverted
 
     def _record(self, report: GuardReport) -> None:

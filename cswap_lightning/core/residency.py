@@ -75,11 +75,6 @@ class Residency:
             ref.unpacked = True
             self._append((time.perf_counter(), 0, ref.nbytes))
 
-    def ref(self, storage: torch.UntypedStorage) -> Held | None:
-        """The reference counting ``storage``, if it is counted: a reference to a freed
-        storage is gone from here, so one found is to this very storage."""
-        return self._held.get(storage._cdata)
-
     def _freed(self, ref: Held) -> None:
         # A storage's address is reused only after this callback: the key is still ref's.
         if ref.key is None:

@@ -49,10 +49,16 @@ class StepStats:
     forward_wait_s: float = 0.0  # forward's waits at the in-flight bound (inflight_bytes)
     host_held_bytes: int = 0  # host memory the engine keeps between steps (the pinned arena)
     # Once a step has checked a plan, later steps keep the sites it keeps without
-    # tracking each (no rows in ``sites``): how many, and their bytes. Such a step's
+    # tracking each (no rows in ``sites``): how many, and their bytes; and move the sites it
+    # moves with a codec of exact size (raw, lossy) untracked: how many, their bytes, the
+    # host bytes holding them, and backward's waits for them. Such a step's
     # ``peak_resident_bytes`` is the one measured on the step that checked the plan.
     untracked_tensors: int = 0
     untracked_bytes: int = 0
+    untracked_moved_tensors: int = 0
+    untracked_moved_bytes: int = 0
+    untracked_stored_bytes: int = 0
+    untracked_wait_s: float = 0.0
 
     def _sum(self, attr: str, include: Callable[[str], bool] = lambda decision: True) -> float:
         return sum(getattr(s, attr) for s in self.sites if include(s.decision))
@@ -60,17 +66,25 @@ class StepStats:
     @property
     def saved_bytes(self) -> int:
         """Bytes autograd saved (each storage counted once, where tracked)."""
-        return int(self._sum("nbytes", lambda d: d != "dedup")) + self.untracked_bytes
+        return (int(self._sum("nbytes", lambda d: d != "dedup")) + self.untracked_bytes
+                + self.untracked_moved_bytes)
 
     @property
     def offloaded_bytes(self) -> int:
         """Bytes that left the device (swapped raw, or compressed losslessly or lossily)."""
-        return int(self._sum("nbytes", lambda d: d not in ("keep", "dedup")))
+        return (int(self._sum("nbytes", lambda d: d not in ("keep", "dedup")))
+                + self.untracked_moved_bytes)
+
+    @property
+    def offloaded_tensors(self) -> int:
+        """Storages that left the device."""
+        return (sum(s.decision not in ("keep", "dedup") for s in self.sites)
+                + self.untracked_moved_tensors)
 
     @property
     def stored_bytes(self) -> int:
         """Bytes held off the device for them (after compression)."""
-        return int(self._sum("stored_bytes"))
+        return int(self._sum("stored_bytes")) + self.untracked_stored_bytes
 
     @property
     def kept_bytes(self) -> int:
@@ -82,7 +96,7 @@ class StepStats:
 
     @property
     def wait_s(self) -> float:
-        return float(self._sum("wait_s"))
+        return float(self._sum("wait_s")) + self.untracked_wait_s
 
     def as_dict(self) -> dict:
         return {
@@ -99,6 +113,10 @@ class StepStats:
             "host_held_bytes": self.host_held_bytes,
             "untracked_tensors": self.untracked_tensors,
             "untracked_bytes": self.untracked_bytes,
+            "untracked_moved_tensors": self.untracked_moved_tensors,
+            "untracked_moved_bytes": self.untracked_moved_bytes,
+            "untracked_stored_bytes": self.untracked_stored_bytes,
+            "untracked_wait_s": self.untracked_wait_s,
             "sites": [asdict(s) | {"ratio": s.ratio} for s in self.sites],
         }
 
@@ -128,6 +146,12 @@ class StepStats:
         if self.untracked_tensors:
             rows.append(f"kept as the plan says, not tracked one by one: {self.untracked_tensors} "
                         f"saved tensors ({fmt_bytes(self.untracked_bytes)})")
+        if self.untracked_moved_tensors:
+            rows.append(f"moved as the plan says, not tracked one by one: "
+                        f"{self.untracked_moved_tensors} saved tensors "
+                        f"({fmt_bytes(self.untracked_moved_bytes)} stored as "
+                        f"{fmt_bytes(self.untracked_stored_bytes)})")
+        if self.untracked_tensors or self.untracked_moved_tensors:
             measured = " (as measured on the step that checked the plan)"
         rows.append(
             f"peak resident {fmt_bytes(self.peak_resident_bytes)} of saved tensors on the "

@@ -7,8 +7,15 @@ tensor autograd saves in a step is *site* k; steps repeat, so what was learned a
 pack: keep the tensor (a weight, too small, planned to stay), or share the entry of a storage
 already moved this step, or start moving its whole storage (``Transfer.offload`` returns at
 once). unpack: check the version, take the prefetched copy or restore it now, then prefetch
-what backward is expected to need next. Once a plan has been checked on a step, later steps
-keep the sites it keeps without tracking them (``untracked``), only counting them.
+what backward is expected to need next.
+
+Once a plan has been checked on a step, later steps run it without tracking each site: the
+sites it keeps are only counted, and the sites it moves with a codec of exact size (raw,
+lossy) move without a row in the step's table or a place in its residency ledger, only
+summed. What makes a row and measures residency costs more than the move itself (about 20 us
+a tensor in Python), and the checking step has measured both. The step's saved tensors are
+compared with the checking step's at its end (their count and sizes in order): any change
+makes the next step track every site again.
 """
 
 from __future__ import annotations
@@ -18,16 +25,15 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from functools import partial
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ..codecs import get_codec, nonzero_count
+from ..codecs import Codec, get_codec, nonzero_count
 from ..codecs.lossy import relative_error
 from ..config import LOSSY_CODECS
 from ..planning.profiler import StepTimer
-from .residency import Held, Residency
+from .residency import Residency
 from .stats import SiteStats, StepStats, fmt_bytes
 from .tensors import (
     counter_owner,
@@ -44,26 +50,28 @@ if TYPE_CHECKING:
 
 class _Entry(Stored):
     """One storage moved off the device: what autograd holds for the site that saved it
-    first, with that site's view of it (size ``stats.shape``, ``stride``, ``offset``); later
-    sites viewing the same bytes hold a ``_View``. The view is kept here, not in objects of
-    its own: every object that lives through a step costs the garbage collector time."""
+    first, with that site's view of it (``shape``, ``stride``, ``offset``); later sites
+    viewing the same bytes hold a ``_View``. The view is kept here, not in objects of its
+    own: every object that lives through a step costs the garbage collector time. ``stats``
+    is the site's row, None where the step does not track the site."""
 
     __slots__ = ("__weakref__", "consumed", "held", "id", "nbytes", "offset", "owner",
-                 "prefetched", "probe", "rebuild", "restored", "restored_ready", "stats",
-                 "stride", "version")
+                 "prefetched", "probe", "rebuild", "restored", "restored_ready", "shape",
+                 "stats", "stride", "version")
 
-    def __init__(self, stats: SiteStats, t: torch.Tensor, held: weakref.ref,
-                 rebuild: Callable | None) -> None:
+    def __init__(self, site: int, t: torch.Tensor, held: weakref.ref,
+                 rebuild: Callable | None, stats: SiteStats | None) -> None:
         Stored.__init__(self, t.device)
-        self.id = stats.site
+        self.id = site
         self.stats = stats
-        self.held = held  # the residency ledger's reference to the original storage
+        self.held = held  # a weak reference to the original storage
+        self.shape = t.shape
         self.probe = version_probe(t)  # shares the version counter of the tensors saved from it
         self.owner = weakref.ref(counter_owner(t))  # the tensor owning that counter, while alive
         self.version = t._version  # the counter's value at the save
         self.stride, self.offset, self.rebuild = t.stride(), t.storage_offset(), rebuild
         self.prefetched: torch.Tensor | None = None  # the device copy, until unpacked
-        self.restored: Held | None = None  # the device copy, while autograd holds it
+        self.restored: weakref.ref | None = None  # the device copy, while autograd holds it
         self.restored_ready: torch.cuda.Event | None = None  # after which that copy is whole
         self.consumed = False  # unpacked at least once
 
@@ -80,13 +88,24 @@ class _View(NamedTuple):
     rebuild: Callable | None
 
 
+class Move(NamedTuple):
+    """How a checked plan moved a site: the codec, and the dtype and storage size it moved
+    (a tensor of another dtype or storage size there is tracked)."""
+
+    codec: Codec
+    dtype: torch.dtype
+    nbytes: int
+
+
 class Checked(NamedTuple):
     """A plan checked on a step: what that step saved (``Step.counted``), the sites it kept,
-    and the peak of saved tensors measured on it."""
+    those it moved with a codec of exact size, and its statistics (a row per site, the
+    measured peak)."""
 
     counted: tuple[int, int]
     kept: frozenset[int]
-    peak: int
+    moved: dict[int, Move]
+    stats: StepStats
 
 
 class Step:
@@ -95,19 +114,22 @@ class Step:
     def __init__(self, offloader: Offloader, index: int, order: list[int] | None,
                  measure: bool, checked: Checked | None = None) -> None:
         self.offloader = offloader
-        # With a plan checked on an earlier step: what that step saved and the sites it kept,
+        # With a plan checked on an earlier step: what that step saved, the sites it kept,
         # which this step keeps and counts without tracking them one by one (``idle``: every
-        # site, a run that fits), so that keeping costs next to nothing.
-        self.expected, self.untracked = ((checked.counted, checked.kept) if checked is not None
-                                         else (None, frozenset()))
+        # site, a run that fits), and those it moved, which this step moves untracked.
+        self.expected, self.untracked, self.untracked_moves = (
+            (checked.counted, checked.kept, checked.moved) if checked is not None
+            else (None, frozenset(), {}))
         self.idle = checked is not None and len(self.untracked) == self.expected[0]
+        self.checked = checked
+        self.saved = 0  # tensors saved so far: the next one's site
         self.sizes = 0  # the saved tensors' own sizes, in order, folded (``counted``)
         self.transfer = offloader.transfer
         self.min_bytes = offloader.config.min_bytes
         self.prefetch_bytes = offloader.prefetch_window()
         self.stats = StepStats(index)
         if checked is not None:  # as measured on the step that checked the plan
-            self.stats.peak_resident_bytes = checked.peak
+            self.stats.peak_resident_bytes = checked.stats.peak_resident_bytes
         self.residency = Residency(self.stats)
         self.measure = measure  # time the windows and count every site's zeros
         self.timer: StepTimer | None = None
@@ -135,12 +157,21 @@ class Step:
         if self.idle and type(saved) is torch.Tensor:
             return self._count(saved, saved)
         if _dynamo_callback() is not None:  # in a compiled module's eager fallback
-            return torch.compiler.disable(self._pack)(saved)
-        return self._pack(saved)
+            return torch.compiler.disable(self.pack)(saved)
+        t, rebuild = (saved, None) if type(saved) is torch.Tensor else unwrap(saved)
+        if self.idle or self.saved in self.untracked:  # a DTensor counts by its local shard
+            return self._count(saved, t)
+        move = self.untracked_moves.get(self.saved)
+        if move is not None and t.dtype is move.dtype and rebuild is None:
+            storage = t.untyped_storage()
+            if storage.nbytes() == move.nbytes:
+                return self._move(t, storage, move)
+        return self._track(saved, t, rebuild)
 
     def _count(self, saved: torch.Tensor, t: torch.Tensor) -> tuple:
         """Pack an untracked site: keep ``saved``, count ``t`` (its plain tensor)."""
         nbytes = t.numel() * t.element_size()
+        self.saved += 1
         self.stats.untracked_tensors += 1
         self.stats.untracked_bytes += nbytes
         self.sizes = (self.sizes * _MIX + nbytes) % _MODULUS
@@ -150,13 +181,14 @@ class Step:
         """What the step saved, as untracked steps compare it: how many tensors, and their
         own sizes (a view's, not its storage's) in order, folded into one number, so that
         sites that trade places are seen too."""
-        return self.stats.untracked_tensors + len(self.stats.sites), self.sizes
+        return self.saved, self.sizes
 
-    def _pack(self, saved: torch.Tensor) -> tuple | _Entry | _View:
-        t, rebuild = (saved, None) if type(saved) is torch.Tensor else unwrap(saved)
-        site = self.stats.untracked_tensors + len(self.stats.sites)
-        if self.idle or site in self.untracked:  # a DTensor counts by its local shard
-            return self._count(saved, t)
+    def _track(self, saved: torch.Tensor, t: torch.Tensor,
+               rebuild: Callable | None) -> tuple | _Entry | _View:
+        """Pack a site with its row in the step's table, and its storage counted in the
+        residency ledger."""
+        site = self.saved
+        self.saved += 1
         stats = SiteStats(site, tuple(t.shape), _DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype),
                           t.numel() * t.element_size(), "keep", packed_at=self.clock)
         self.clock += 1
@@ -175,9 +207,8 @@ class Step:
             return saved, saved._version, site
         storage = t.untyped_storage()
         entry = self._by_storage.get(storage._cdata)
-        if (entry is not None and self.residency.ref(storage) is entry.held
-                and entry.stats.dtype == stats.dtype and entry.owner() is counter_owner(t)
-                and entry.version == t._version):
+        if (entry is not None and entry.held() is storage and entry.probe.dtype is t.dtype
+                and entry.owner() is counter_owner(t) and entry.version == t._version):
             stats.decision, stats.reason = "dedup", f"shares storage with site {entry.id}"
             return _View(entry, stats.shape, t.stride(), t.storage_offset(), t._version,
                          rebuild)
@@ -188,34 +219,51 @@ class Step:
             if self.measure:
                 self._counts.append((stats, t.numel(), nonzero_count(t)))
             return saved, saved._version, site
-        entry = _Entry(stats, t, held, rebuild)
-        self._offload(entry, t, storage, codec)
-        self._by_storage[storage._cdata] = entry
+        entry = _Entry(site, t, held, rebuild, stats)
+        stats.decision, stats.nbytes = codec, storage.nbytes()
+        self._offload(entry, t, storage, stats.nbytes, get_codec(codec))
+        return entry
+
+    def _move(self, t: torch.Tensor, storage: torch.UntypedStorage, move: Move) -> _Entry:
+        """Move a site as the checked plan moved it, without a row or residency: the step
+        only sums it (``StepStats.untracked_moved_*``)."""
+        nbytes = t.numel() * t.element_size()
+        self.sizes = (self.sizes * _MIX + nbytes) % _MODULUS
+        if self.device is None:
+            self._first_pack(t.device)
+        entry = _Entry(self.saved, t, weakref.ref(storage), None, None)
+        self.saved += 1
+        self._offload(entry, t, storage, move.nbytes, move.codec)
+        stats = self.stats
+        if entry.kept is None:
+            stats.untracked_moved_tensors += 1
+            stats.untracked_moved_bytes += entry.nbytes
+            stats.untracked_stored_bytes += entry.payload.nbytes
+        else:  # the offload failed: kept
+            stats.untracked_tensors += 1
+            stats.untracked_bytes += entry.nbytes
         return entry
 
     def _offload(self, entry: _Entry, t: torch.Tensor, storage: torch.UntypedStorage,
-                 codec: str) -> None:
-        """Start moving ``t``'s whole storage: every view of it comes back exactly. A tensor
-        that is all of its storage, in order (most activations), moves as it is; any other
-        view moves its storage as a 1-D tensor."""
-        stats = entry.stats
-        nbytes = storage.nbytes()
-        if entry.offset == 0 and stats.nbytes == nbytes and t.is_contiguous():
+                 nbytes: int, codec: Codec) -> None:
+        """Start moving ``t``'s whole storage (``nbytes``): every view of it comes back
+        exactly. A tensor that is all of its storage, in order (most activations), moves as
+        it is; any other view moves its storage as a 1-D tensor."""
+        entry.nbytes = nbytes
+        if entry.offset == 0 and t.numel() * t.element_size() == nbytes and t.is_contiguous():
             data = t.detach()
         else:
             data = t.detach().as_strided((nbytes // t.element_size(),), (1,), 0)
-        stats.decision = codec
-        stats.nbytes = entry.nbytes = nbytes
-        if self.probe == "measure errors" and codec in LOSSY_CODECS:
-            self._originals[stats.site] = data  # kept alive for the guard's probe step only
-        found = get_codec(codec)
-        if found.exact_size:  # copied (on CUDA: queued) by the time offload returns
-            self.transfer.offload(entry, data, found, stats.site, self.measure)
-            self._record(stats, entry)
+        if self.probe == "measure errors" and codec.name in LOSSY_CODECS:
+            self._originals[entry.id] = data  # kept alive for the guard's probe step only
+        if codec.exact_size:  # copied (on CUDA: queued) by the time offload returns
+            self.transfer.offload(entry, data, codec, entry.id, self.measure)
+            if entry.stats is not None:
+                self._record(entry)
         else:
-            self.transfer.offload(entry, data, found, stats.site, self.measure,
-                                  partial(self._record, stats))
+            self.transfer.offload(entry, data, codec, entry.id, self.measure, self._record)
         self._entries[entry.id] = weakref.ref(entry)
+        self._by_storage[storage._cdata] = entry
 
     def _first_pack(self, device: torch.device) -> None:
         self.device = device
@@ -232,11 +280,8 @@ class Step:
 
     # backward ---------------------------------------------------------------------------
     def unpack(self, saved: tuple | _Entry | _View) -> torch.Tensor:
-        if _dynamo_callback() is not None:
-            return torch.compiler.disable(self._unpack)(saved)
-        return self._unpack(saved)
-
-    def _unpack(self, saved: tuple | _Entry | _View) -> torch.Tensor:
+        if _dynamo_callback() is not None:  # in a compiled module's eager fallback
+            return torch.compiler.disable(self.unpack)(saved)
         if type(saved) is tuple:  # kept: the tensor, its version when saved, its site
             t, version, site = saved
             if t._version != version:
@@ -247,8 +292,7 @@ class Step:
             return t
         if type(saved) is _Entry:
             entry, size, stride, offset, version, rebuild = (
-                saved, saved.stats.shape, saved.stride, saved.offset, saved.version,
-                saved.rebuild)
+                saved, saved.shape, saved.stride, saved.offset, saved.version, saved.rebuild)
         else:
             entry, size, stride, offset, version, rebuild = saved
         if entry.probe._version != version:
@@ -260,11 +304,15 @@ class Step:
             base, ready = self._device_copy(entry)
             if self.prefetch_bytes:
                 self._prefetch_after(entry)
+            waited = time.perf_counter() - start
+            if entry.stats is None:
+                self.stats.untracked_wait_s += waited
+            else:
+                entry.stats.wait_s += waited
         if ready is not None:  # every unpack: backward may run this op on another stream
             stream = torch.cuda.current_stream(base.device)
             stream.wait_event(ready)
             base.record_stream(stream)
-        entry.stats.wait_s += time.perf_counter() - start
         if offset or base.shape != size or base.stride() != stride:
             base = base.as_strided(size, stride, offset)
         return base if rebuild is None else rebuild(base)
@@ -280,18 +328,29 @@ class Step:
         if entry.prefetched is not None:
             base, entry.prefetched = entry.prefetched, None
             self._inflight -= entry.nbytes
-            self.residency.unpacked(entry.restored)
+            if entry.stats is not None:
+                self.residency.unpacked(entry.restored)
         else:
             base = entry.restored() if entry.restored is not None else None
             if base is None:
                 base, entry.restored_ready = self._restore(entry)
-                entry.restored = self.residency.restored(base, entry.nbytes, unpacked=True)
+                entry.restored = self._copy_ref(entry, base, unpacked=True)
         if not entry.consumed:
             self._first_unpack(entry, base)
         return base, entry.restored_ready
 
+    def _copy_ref(self, entry: _Entry, copy: torch.Tensor, unpacked: bool) -> weakref.ref:
+        """A weak reference to a restored copy, which gives it back while it lives; where the
+        step tracks the entry, the residency ledger's, counting it (as backward asked for it
+        if ``unpacked``)."""
+        if entry.stats is None:
+            return weakref.ref(copy)
+        return self.residency.restored(copy, entry.nbytes, unpacked)
+
     def _first_unpack(self, entry: _Entry, base: torch.Tensor) -> None:
         entry.consumed = True
+        if entry.stats is None:
+            return
         entry.stats.unpacked_at = self.clock
         self.clock += 1
         self.unpack_order.append(entry.id)
@@ -348,8 +407,9 @@ class Step:
                     nxt.prefetched, nxt.restored_ready = self.transfer.restore(nxt)
                 except Exception:  # noqa: BLE001 - restored on demand instead, or reported then
                     return
-                nxt.restored = self.residency.restored(nxt.prefetched, nxt.nbytes, False)
-                nxt.stats.prefetched = True
+                nxt.restored = self._copy_ref(nxt, nxt.prefetched, unpacked=False)
+                if nxt.stats is not None:
+                    nxt.stats.prefetched = True
                 self._inflight += nxt.nbytes
             self._cursor += 1
 
@@ -366,19 +426,20 @@ class Step:
                 if entry is not None]
 
     # statistics -------------------------------------------------------------------------
-    def _record(self, stats: SiteStats, stored: Stored) -> None:
-        """A site's offload is done (in the compression thread for compressed ones)."""
-        if stored.kept is not None:
+    def _record(self, entry: _Entry) -> None:
+        """A tracked site's offload is done (in the compression thread for compressed ones)."""
+        stats = entry.stats
+        if entry.kept is not None:
             stats.decision, stats.reason = "keep", "offload failed"
             return
-        stats.stored_bytes, stats.offload_s = stored.stored_bytes, stored.seconds
-        if stored.codec != stats.decision:
+        stats.stored_bytes, stats.offload_s = entry.stored_bytes, entry.seconds
+        if entry.codec != stats.decision:
             stats.reason = f"{stats.decision} out of device memory"
-            stats.decision = stored.codec
-        if stored.nonzero is not None:
-            self._counts.append((stats, stats.nbytes // stored.payload.element_size()
-                                 if stored.header is None else stored.header.numel,
-                                 stored.nonzero))
+            stats.decision = entry.codec
+        if entry.nonzero is not None:
+            self._counts.append((stats, stats.nbytes // entry.payload.element_size()
+                                 if entry.header is None else entry.header.numel,
+                                 entry.nonzero))
 
     def close(self) -> None:
         """Turn the zero counts of finished offloads into sparsities (call after a drain),

@@ -264,5 +264,5 @@ class CSwapCallback(TrainerCallback):
         self._remove_hooks()
         if self.last is not None and state.is_world_process_zero:
             self.last = self.offloader.last_step()  # with the sparsities it measured
-            table, plot = write_summary(self.last, args.output_dir)
+            table, plot = write_summary(self.offloader.tracked_step(), args.output_dir)
             logger.info(f"cswap: per-site summary in {table}, memory timeline in {plot}")

@@ -314,7 +314,7 @@ class CSwapHooks(Callback):
         if self.last is None or not trainer.is_global_zero:
             return
         self.last = self.strategy.offloader.last_step()  # with the sparsities it measured
-        table, plot = write_summary(self.last, log_dir)
+        table, plot = write_summary(self.strategy.offloader.tracked_step(), log_dir)
         rank_zero_info(f"cswap: per-site summary in {table}, memory timeline in {plot}")
 
 

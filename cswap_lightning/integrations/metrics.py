@@ -156,10 +156,11 @@ def memory_timeline(stats: StepStats) -> Figure:
     or held elsewhere, and what backward brought back."""
     figure = Figure(figsize=(8, 4), layout="constrained")
     ax = figure.add_subplot()
-    if stats.untracked_tensors:
-        ax.set_title(f"step {stats.step}: {stats.untracked_tensors} saved tensors "
-                     f"({stats.untracked_bytes / MiB:.1f} MiB) kept as the plan says, not "
-                     "tracked one by one: no curve measured")
+    untracked = stats.untracked_tensors + stats.untracked_moved_tensors
+    if untracked:
+        ax.set_title(f"step {stats.step}: {untracked} saved tensors "
+                     f"({(stats.untracked_bytes + stats.untracked_moved_bytes) / MiB:.1f} MiB) "
+                     "kept or moved as the plan says, not tracked one by one: no curve measured")
         return figure
     ms = [1e3 * t for t in stats.timeline_s]
     ax.step(ms, [b / MiB for b in stats.timeline_bytes], where="post",
