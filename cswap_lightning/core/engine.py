@@ -357,7 +357,8 @@ class Offloader:
         moved = [s for s in sites if s.decision not in ("keep", "dedup")]
         moves = {}
         if all(get_codec(s.decision).exact_size for s in moved):
-            moves = {s.site: Move(get_codec(s.decision), getattr(torch, s.dtype), s.nbytes)
+            moves = {s.site: Move(get_codec(s.decision), getattr(torch, s.dtype), s.nbytes,
+                                  s.site in step.shared)
                      for s in moved if s.site not in self.held_elsewhere}
         self._checked = Checked(step.counted(), kept, moves, step.stats)
 

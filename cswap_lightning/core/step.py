@@ -53,13 +53,15 @@ class _Entry(Stored):
     first, with that site's view of it (``shape``, ``stride``, ``offset``); later sites
     viewing the same bytes hold a ``_View``. The view is kept here, not in objects of its
     own: every object that lives through a step costs the garbage collector time. ``stats``
-    is the site's row, None where the step does not track the site."""
+    is the site's row, None where the step does not track the site; ``held`` and ``owner``,
+    which tell a later site of the same storage and version counter, None where no later
+    site is expected to share it (then later sites do not find it)."""
 
     __slots__ = ("__weakref__", "consumed", "held", "id", "nbytes", "offset", "owner",
                  "prefetched", "probe", "rebuild", "restored", "restored_ready", "shape",
                  "stats", "stride", "version")
 
-    def __init__(self, site: int, t: torch.Tensor, held: weakref.ref,
+    def __init__(self, site: int, t: torch.Tensor, held: weakref.ref | None,
                  rebuild: Callable | None, stats: SiteStats | None) -> None:
         Stored.__init__(self, t.device)
         self.id = site
@@ -67,7 +69,8 @@ class _Entry(Stored):
         self.held = held  # a weak reference to the original storage
         self.shape = t.shape
         self.probe = version_probe(t)  # shares the version counter of the tensors saved from it
-        self.owner = weakref.ref(counter_owner(t))  # the tensor owning that counter, while alive
+        # the tensor owning that counter, while alive
+        self.owner = weakref.ref(counter_owner(t)) if held is not None else None
         self.version = t._version  # the counter's value at the save
         self.stride, self.offset, self.rebuild = t.stride(), t.storage_offset(), rebuild
         self.prefetched: torch.Tensor | None = None  # the device copy, until unpacked
@@ -89,12 +92,14 @@ class _View(NamedTuple):
 
 
 class Move(NamedTuple):
-    """How a checked plan moved a site: the codec, and the dtype and storage size it moved
-    (a tensor of another dtype or storage size there is tracked)."""
+    """How a checked plan moved a site: the codec, the dtype and storage size it moved (a
+    tensor of another dtype or storage size there is tracked), and whether later sites
+    shared the storage."""
 
     codec: Codec
     dtype: torch.dtype
     nbytes: int
+    shared: bool
 
 
 class Checked(NamedTuple):
@@ -142,6 +147,7 @@ class Step:
         self._lock = threading.Lock()
         self._originals: dict[int, torch.Tensor] = {}  # lossy sites' originals, on probes
         self._by_storage: dict[int, _Entry] = {}  # storage address -> entry, during forward
+        self.shared: set[int] = set()  # sites whose storage later sites shared
         self._entries: dict[int, weakref.ref] = {}  # site -> its entry, while autograd has it
         self._prev_order = order  # unpack order learned on an earlier step
         self._order: list[int] | None = None
@@ -210,6 +216,7 @@ class Step:
         if (entry is not None and entry.held() is storage and entry.probe.dtype is t.dtype
                 and entry.owner() is counter_owner(t) and entry.version == t._version):
             stats.decision, stats.reason = "dedup", f"shares storage with site {entry.id}"
+            self.shared.add(entry.id)
             return _View(entry, stats.shape, t.stride(), t.storage_offset(), t._version,
                          rebuild)
         held = self.residency.hold(storage)
@@ -231,7 +238,7 @@ class Step:
         self.sizes = (self.sizes * _MIX + nbytes) % _MODULUS
         if self.device is None:
             self._first_pack(t.device)
-        entry = _Entry(self.saved, t, weakref.ref(storage), None, None)
+        entry = _Entry(self.saved, t, weakref.ref(storage) if move.shared else None, None, None)
         self.saved += 1
         self._offload(entry, t, storage, move.nbytes, move.codec)
         stats = self.stats
@@ -263,7 +270,8 @@ class Step:
         else:
             self.transfer.offload(entry, data, codec, entry.id, self.measure, self._record)
         self._entries[entry.id] = weakref.ref(entry)
-        self._by_storage[storage._cdata] = entry
+        if entry.held is not None:
+            self._by_storage[storage._cdata] = entry
 
     def _first_pack(self, device: torch.device) -> None:
         self.device = device
@@ -336,7 +344,9 @@ class Step:
                 base, entry.restored_ready = self._restore(entry)
                 entry.restored = self._copy_ref(entry, base, unpacked=True)
         if not entry.consumed:
-            self._first_unpack(entry, base)
+            entry.consumed = True
+            if entry.stats is not None:
+                self._first_unpack(entry, base)
         return base, entry.restored_ready
 
     def _copy_ref(self, entry: _Entry, copy: torch.Tensor, unpacked: bool) -> weakref.ref:
@@ -348,9 +358,7 @@ class Step:
         return self.residency.restored(copy, entry.nbytes, unpacked)
 
     def _first_unpack(self, entry: _Entry, base: torch.Tensor) -> None:
-        entry.consumed = True
-        if entry.stats is None:
-            return
+        """Record a tracked entry's first unpack."""
         entry.stats.unpacked_at = self.clock
         self.clock += 1
         self.unpack_order.append(entry.id)

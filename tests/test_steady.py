@@ -1,0 +1,155 @@
+"""Steady steps: once a step has checked a plan, later steps move the sites it moved with a
+codec of exact size without tracking them one by one, bitwise as before, and track them
+again wherever what is saved stops matching the checked step."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from cswap_lightning import CSwapConfig, Offloader
+
+
+class Split(nn.Module):
+    """Two saved views of one storage: the second site shares the first's entry."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 128)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.lin(x).chunk(2, dim=-1)
+        return (a.sin() * b.cos()).sum()
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
+                         nn.Linear(256, 8))
+
+
+def steps_beside_plain(off: Offloader, model: nn.Module, inputs: list[torch.Tensor]) -> list:
+    """One step per input under ``off`` and on a plain copy; gradients bitwise equal at each.
+    Each step's statistics."""
+    plain, stats = copy.deepcopy(model), []
+    for x in inputs:
+        for net, offloaded in ((model, True), (plain, False)):
+            net.zero_grad()
+            if offloaded:
+                with off:
+                    loss = net(x).square().mean()
+            else:
+                loss = net(x).square().mean()
+            loss.backward()
+        stats.append(off.last_step())
+        for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad)
+    return stats
+
+
+def test_a_checked_raw_plan_moves_untracked_with_the_checked_steps_totals():
+    off = Offloader(CSwapConfig(plan="raw", min_bytes=0, profile_steps=1))
+    x = torch.randn(32, 64)
+    measured, checked, *steady = steps_beside_plain(off, mlp(), [x] * 5)
+    moved = [s for s in checked.sites if s.decision == "raw"]
+    assert moved and measured.sites and checked.untracked_moved_tensors == 0
+    for step in steady:
+        assert not step.sites and step.untracked_moved_tensors == len(moved)
+        assert step.offloaded_tensors == checked.offloaded_tensors
+        assert step.offloaded_bytes == checked.offloaded_bytes > 0
+        assert step.stored_bytes == checked.stored_bytes
+        assert step.saved_bytes == checked.saved_bytes
+        assert step.kept_bytes == checked.kept_bytes
+        assert step.peak_resident_bytes == checked.peak_resident_bytes
+        assert "moved as the plan says, not tracked one by one" in step.table()
+    assert off.tracked_step() is checked
+    assert off.live_entries() == 0  # nothing left behind once backward has run
+    off.close()
+
+
+def test_an_in_place_write_after_the_save_is_still_caught_on_a_steady_step():
+    lin = nn.Linear(64, 64)
+    off = Offloader(CSwapConfig(plan="raw", min_bytes=0, profile_steps=1))
+    for _ in range(3):
+        with off:
+            loss = lin(torch.randn(16, 64)).sin().sum()
+        loss.backward()
+    assert off.last_step().untracked_moved_tensors == 2  # the input and y, untracked
+    with off:
+        y = lin(torch.randn(16, 64))
+        loss = y.sin().sum()  # saves y
+        y.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    off.close()
+
+
+def test_views_of_one_storage_move_once_on_steady_steps():
+    off = Offloader(CSwapConfig(plan="raw", min_bytes=0, profile_steps=1))
+    x = torch.randn(16, 64)
+    _, checked, *steady = steps_beside_plain(off, Split(), [x] * 4)
+    shared = [s for s in checked.sites if s.decision == "dedup"]
+    assert shared
+    for step in steady:
+        assert step.untracked_moved_tensors > 0
+        assert [s.site for s in step.sites] == [s.site for s in shared]  # tracked, shared
+        assert all(s.decision == "dedup" for s in step.sites)
+        assert step.offloaded_bytes == checked.offloaded_bytes
+    off.close()
+
+
+def test_a_compressing_plan_stays_tracked_site_by_site():
+    """zvc payloads' sizes follow the data: such steps keep their rows (the host arena is
+    planned from them)."""
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
+    off = Offloader(CSwapConfig(plan="zvc", min_bytes=0, profile_steps=1))
+    stats = steps_beside_plain(off, model, [torch.randn(32, 64)] * 4)
+    assert all(s.sites and s.untracked_moved_tensors == 0 for s in stats)
+    assert any(s.decision == "zvc" for s in stats[-1].sites)
+    off.close()
+
+
+def test_a_reverted_lossy_site_is_tracked_and_checked_again():
+    off = Offloader(CSwapConfig(plan="int8", lossy="int8", min_bytes=0, profile_steps=1))
+    model, x = mlp(), torch.randn(32, 64)
+    for _ in range(3):
+        with off:
+            loss = model(x).square().mean()
+        loss.backward()
+    assert off.last_step().untracked_moved_tensors > 0
+    lossy = off.tracked_step().sites
+    site = next(s.site for s in lossy if s.decision == "int8")
+    off.revert([site])
+    decisions = []
+    for _ in range(2):
+        with off:
+            loss = model(x).square().mean()
+        loss.backward()
+        decisions.append({s.site: s.decision for s in off.last_step().sites})
+    assert decisions[0][site] == "raw"  # tracked again, the reverted site lossless
+    assert not decisions[1] and off.last_step().untracked_moved_tensors > 0  # checked again
+    assert off.tracked_step().sites[site].decision == "raw"
+    off.close()
+
+
+def test_a_tensor_of_another_dtype_at_a_moved_site_is_tracked():
+    """A lossy or compressing codec must never meet a dtype the checked step did not give
+    it: a site whose dtype changed (the same bytes) is tracked, not moved as planned."""
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        y = x.sin()
+        return (y * y).sum()  # saves y twice: moved, then shared
+
+    off = Offloader(CSwapConfig(plan="raw", min_bytes=0, profile_steps=1))
+    for x in [torch.randn(4096)] * 3 + [torch.randn(2048, dtype=torch.float64)]:
+        x.requires_grad_()
+        with off:
+            loss = forward(x)
+        loss.backward()
+        expected, = torch.autograd.grad(forward(x), x)
+        assert torch.equal(x.grad, expected)
+        x.grad = None
+    last = off.last_step()
+    assert [s.dtype for s in last.sites] == ["float64", "float64"]
+    assert last.untracked_moved_tensors == 0
+    off.close()
