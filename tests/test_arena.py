@@ -105,6 +105,27 @@ def test_training_with_the_arena_is_lossless_and_reuses_regions(name, plan_name)
     off.close()
 
 
+def test_steady_steps_use_the_arena_without_planning_it_again():
+    """Once a raw plan is checked, steps move untracked (no rows to plan from): every payload
+    still takes its region, and the arena stays as planned."""
+    model, x, y = model_and_batch("cnn")
+    ref = copy.deepcopy(model)
+    off = Offloader(CSwapConfig(plan="raw", min_bytes=0, profile_steps=1))
+    reports = []
+    for _ in range(6):
+        assert_bitwise_equal(grads(ref, x, y), grads(model, x, y, off))
+        reports.append(off.transfer.arena_report())
+    steady = off.last_step()
+    assert steady.untracked_moved_tensors > 0
+    assert all(s.decision == "dedup" for s in steady.sites)  # shared storages stay tracked
+    planned = reports[2]  # step 1 checked the plan, in the arena planned from step 0
+    for report in reports[3:]:
+        assert not report.replanned and report.fallbacks == {}
+        assert report.hits == steady.untracked_moved_tensors == planned.payloads == report.payloads
+        assert report.arena_bytes == planned.arena_bytes
+    off.close()
+
+
 def test_payloads_live_in_their_region_and_get_it_back_once_dropped():
     transfer = Transfer(arena="always")
     site = SiteStats(0, (1000,), "float32", 4000, "raw", stored_bytes=4000, unpacked_at=1)

@@ -246,14 +246,20 @@ class HostMemory:
             self._hits += 1
         return taken
 
-    def step_closed(self, step: StepStats, device: torch.device | None = None) -> None:
-        """Account for ``step`` (its offload work finished) and plan from it (call it off
-        the forward thread); ``device``: where its tensors were (the arena is pinned for a
-        CUDA device only)."""
+    def step_closed(self, step: StepStats, device: torch.device | None = None,
+                    plan: bool = True) -> None:
+        """Account for ``step`` (its offload work finished) and, with ``plan``, plan from it
+        (call it off the forward thread); ``device``: where its tensors were (the arena is
+        pinned for a CUDA device only). A step that moved sites untracked has no rows for
+        them to plan from: its report keeps the payload figures of the step planned from."""
         with self._lock:
             hits, fallbacks, outgrown = self._hits, dict(self._fallbacks), self._outgrown
             self._hits, self._fallbacks, self._outgrown = 0, Counter(), set()
-        self._plan_from(step, device, hits, fallbacks, outgrown)
+        if plan or self._report is None:
+            self._plan_from(step, device, hits, fallbacks, outgrown)
+        else:
+            self._report = replace(self._report, step=step.step, hits=hits,
+                                   fallbacks=fallbacks, replanned=False)
 
     def report(self) -> ArenaReport | None:
         """The last closed step's report."""

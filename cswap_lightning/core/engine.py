@@ -318,7 +318,8 @@ class Offloader:
                 "a torch.compile'd region does (pytorch/pytorch#148222), so offloading lowered "
                 "nothing at the peak. Compile per block instead of the whole model: "
                 "cswap_lightning.compile_blocks(model).", RuntimeWarning, stacklevel=3)
-        self.transfer.step_closed(step.stats, step.device)  # plans the host arena from it
+        # plans the host arena from it, where it tracked every site it moved
+        self.transfer.step_closed(step.stats, step.device, plan=not step.untracked_moves)
         if step.measure and step.device is not None:
             self._measure_left -= 1
         if self.config.plan != "auto" or step.device is None:

@@ -301,12 +301,14 @@ class Transfer:
             for stream in streams:
                 stream.synchronize()
 
-    def step_closed(self, step: StepStats, device: torch.device | None = None) -> None:
-        """Plan the arena from a finished step on ``device``, in the background (after the
-        compressions queued so far, whose sizes it needs)."""
+    def step_closed(self, step: StepStats, device: torch.device | None = None,
+                    plan: bool = True) -> None:
+        """Plan the arena from a finished step on ``device`` (with ``plan``: a step that
+        tracked every site it moved), in the background (after the compressions queued so
+        far, whose sizes it needs)."""
         if self.host_memory is not None and (self.arena_everywhere or (
                 device is not None and device.type == "cuda")):
-            self._compressor.submit(partial(self.host_memory.step_closed, step, device))
+            self._compressor.submit(partial(self.host_memory.step_closed, step, device, plan))
 
     def held_bytes(self) -> int:
         """Host memory kept between steps: the arena (once the work queued so far is done)."""
