@@ -23,7 +23,10 @@ host time is what the thread that launches the kernels spends. "cswap default, r
 fits" is the default configuration on a run that fits: once its plan (move nothing) is
 checked, the engine only counts what is saved; "cswap budget 50% of keep" moves what half
 of keeping everything needs and counts the rest; ``plan=keep`` and ``plan=raw`` are fixed
-plans (keep counts once a step has checked it; raw moves and tracks every tensor).
+plans. Every engine runs its measured steps and the step that checks its plan before the
+timed ones: the rows are what the steps after those cost, which keep and move what the
+checked plan says without tracking each tensor (the measured and checking steps track every
+tensor and cost more).
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ what backward is expected to need next.
 Once a plan has been checked on a step, later steps run it without tracking each site: the
 sites it keeps are only counted, and the sites it moves with a codec of exact size (raw,
 lossy) move without a row in the step's table or a place in its residency ledger, only
-summed. What makes a row and measures residency costs more than the move itself (about 20 us
-a tensor in Python), and the checking step has measured both. The step's saved tensors are
+summed. Making a row and measuring residency cost about as much as the move itself (16 us a
+tensor in Python), and the checking step has measured both. The step's saved tensors are
 compared with the checking step's at its end (their count and sizes in order): any change
 makes the next step track every site again.
 """
