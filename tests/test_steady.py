@@ -3,6 +3,8 @@ codec of exact size without tracking them one by one, bitwise as before, and tra
 again wherever what is saved stops matching the checked step."""
 
 import copy
+from collections.abc import Callable
+from functools import partial
 
 import pytest
 import torch
@@ -46,6 +48,19 @@ def steps_beside_plain(off: Offloader, model: nn.Module, inputs: list[torch.Tens
         for p, q in zip(model.parameters(), plain.parameters(), strict=True):
             assert torch.equal(p.grad, q.grad)
     return stats
+
+
+def steps_with_plain_gradients(off: Offloader,
+                               steps: list[tuple[Callable[[], torch.Tensor], torch.Tensor]]) -> None:
+    """One step per (loss function, leaf) under ``off``; the leaf's gradient bitwise equal to
+    plain autograd's."""
+    for loss_of, leaf in steps:
+        with off:
+            loss = loss_of()
+        loss.backward()
+        expected, = torch.autograd.grad(loss_of(), leaf)
+        assert torch.equal(leaf.grad, expected)
+        leaf.grad = None
 
 
 def test_a_checked_raw_plan_moves_untracked_with_the_checked_steps_totals():
@@ -141,15 +156,28 @@ def test_a_tensor_of_another_dtype_at_a_moved_site_is_tracked():
         return (y * y).sum()  # saves y twice: moved, then shared
 
     off = Offloader(CSwapConfig(plan="raw", min_bytes=0, profile_steps=1))
-    for x in [torch.randn(4096)] * 3 + [torch.randn(2048, dtype=torch.float64)]:
-        x.requires_grad_()
-        with off:
-            loss = forward(x)
-        loss.backward()
-        expected, = torch.autograd.grad(forward(x), x)
-        assert torch.equal(x.grad, expected)
-        x.grad = None
+    xs = [torch.randn(4096, requires_grad=True)] * 3 + [
+        torch.randn(2048, dtype=torch.float64, requires_grad=True)]
+    steps_with_plain_gradients(off, [(partial(forward, x), x) for x in xs])
     last = off.last_step()
     assert [s.dtype for s in last.sites] == ["float64", "float64"]
     assert last.untracked_moved_tensors == 0
+    off.close()
+
+
+def test_a_sparse_tensor_at_a_moved_site_is_kept():
+    """A sparse tensor has no storage to move: where the checked step moved a dense one, it
+    is tracked (and kept), not moved as planned."""
+    w = torch.randn(8, 4, requires_grad=True)
+
+    def forward(sparse: bool) -> torch.Tensor:
+        x = torch.eye(8)[:6].relu()  # an op's output, freed after forward: moved as planned
+        return torch.sparse.mm(x.to_sparse(), w).sum() if sparse else torch.mm(x, w).sum()
+
+    off = Offloader(CSwapConfig(plan="raw", min_bytes=0, profile_steps=1))
+    steps_with_plain_gradients(off, [(partial(forward, sparse), w)
+                                     for sparse in (False, False, False, True)])
+    assert off.tracked_step().sites[0].decision == "raw"
+    last = off.last_step()
+    assert [(s.site, s.decision, s.reason) for s in last.sites] == [(0, "keep", "sparse/nested")]
     off.close()

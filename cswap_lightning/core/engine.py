@@ -295,8 +295,8 @@ class Offloader:
             step.close()
         if step.failed:
             return
-        if step.expected is not None:
-            if step.counted() != step.expected:
+        if step.checked is not None:
+            if step.counted() != step.checked.counted:
                 if self.config.plan == "auto":
                     self._replanning()
                     return
@@ -334,7 +334,7 @@ class Offloader:
                 plan = self._advise(step)
                 if plan.fits and all(d.decision == "keep" for d in plan.decisions.values()):
                     self._use(plan)  # nothing needs to move: the next measured steps keep all
-        elif (step.expected is None and self.plan is not None
+        elif (step.checked is None and self.plan is not None
               and signature(step.stats) != self.plan.signature):
             self._replanning()
 
@@ -355,12 +355,13 @@ class Offloader:
         the rows of those steps)."""
         sites = step.stats.sites
         kept = frozenset(s.site for s in sites if s.decision == "keep")
-        moved = [s for s in sites if s.decision not in ("keep", "dedup")]
+        codecs = {s.site: get_codec(s.decision) for s in sites
+                  if s.decision not in ("keep", "dedup")}
         moves = {}
-        if all(get_codec(s.decision).exact_size for s in moved):
-            moves = {s.site: Move(get_codec(s.decision), getattr(torch, s.dtype), s.nbytes,
+        if all(codec.exact_size for codec in codecs.values()):
+            moves = {s.site: Move(codecs[s.site], getattr(torch, s.dtype), s.nbytes,
                                   s.site in step.shared)
-                     for s in moved if s.site not in self.held_elsewhere}
+                     for s in sites if s.site in codecs and s.site not in self.held_elsewhere}
         self._checked = Checked(step.counted(), kept, moves, step.stats)
 
     @staticmethod

@@ -93,7 +93,7 @@ class _View(NamedTuple):
 
 class Move(NamedTuple):
     """How a checked plan moved a site: the codec, the dtype and storage size it moved (a
-    tensor of another dtype or storage size there is tracked), and whether later sites
+    tensor of another dtype, layout or storage size there is tracked), and whether later sites
     shared the storage."""
 
     codec: Codec
@@ -119,14 +119,13 @@ class Step:
     def __init__(self, offloader: Offloader, index: int, order: list[int] | None,
                  measure: bool, checked: Checked | None = None) -> None:
         self.offloader = offloader
-        # With a plan checked on an earlier step: what that step saved, the sites it kept,
-        # which this step keeps and counts without tracking them one by one (``idle``: every
-        # site, a run that fits), and those it moved, which this step moves untracked.
-        self.expected, self.untracked, self.untracked_moves = (
-            (checked.counted, checked.kept, checked.moved) if checked is not None
-            else (None, frozenset(), {}))
-        self.idle = checked is not None and len(self.untracked) == self.expected[0]
+        # With a plan checked on an earlier step: the sites it kept, which this step keeps
+        # and counts without tracking them one by one (``idle``: every site, a run that
+        # fits), and those it moved, which this step moves untracked.
         self.checked = checked
+        self.untracked, self.untracked_moves = ((checked.kept, checked.moved)
+                                                if checked is not None else (frozenset(), {}))
+        self.idle = checked is not None and len(self.untracked) == checked.counted[0]
         self.saved = 0  # tensors saved so far: the next one's site
         self.sizes = 0  # the saved tensors' own sizes, in order, folded (``counted``)
         self.transfer = offloader.transfer
@@ -168,7 +167,8 @@ class Step:
         if self.idle or self.saved in self.untracked:  # a DTensor counts by its local shard
             return self._count(saved, t)
         move = self.untracked_moves.get(self.saved)
-        if move is not None and t.dtype is move.dtype and rebuild is None:
+        if (move is not None and t.dtype is move.dtype and rebuild is None
+                and t.layout is _STRIDED and not t.is_nested):  # as the checked step's was
             storage = t.untyped_storage()
             if storage.nbytes() == move.nbytes:
                 return self._move(t, storage, move)
@@ -176,7 +176,7 @@ class Step:
 
     def _count(self, saved: torch.Tensor, t: torch.Tensor) -> tuple:
         """Pack an untracked site: keep ``saved``, count ``t`` (its plain tensor)."""
-        nbytes = t.numel() * t.element_size()
+        nbytes = t.numel() * t.element_size()  # a sparse tensor has no nbytes
         self.saved += 1
         self.stats.untracked_tensors += 1
         self.stats.untracked_bytes += nbytes
@@ -234,8 +234,7 @@ class Step:
     def _move(self, t: torch.Tensor, storage: torch.UntypedStorage, move: Move) -> _Entry:
         """Move a site as the checked plan moved it, without a row or residency: the step
         only sums it (``StepStats.untracked_moved_*``)."""
-        nbytes = t.numel() * t.element_size()
-        self.sizes = (self.sizes * _MIX + nbytes) % _MODULUS
+        self.sizes = (self.sizes * _MIX + t.nbytes) % _MODULUS
         if self.device is None:
             self._first_pack(t.device)
         entry = _Entry(self.saved, t, weakref.ref(storage) if move.shared else None, None, None)
@@ -257,7 +256,7 @@ class Step:
         exactly. A tensor that is all of its storage, in order (most activations), moves as
         it is; any other view moves its storage as a 1-D tensor."""
         entry.nbytes = nbytes
-        if entry.offset == 0 and t.numel() * t.element_size() == nbytes and t.is_contiguous():
+        if entry.offset == 0 and t.nbytes == nbytes and t.is_contiguous():
             data = t.detach()
         else:
             data = t.detach().as_strided((nbytes // t.element_size(),), (1,), 0)
@@ -485,6 +484,7 @@ def hide_from_dynamo() -> None:
 
 
 _hidden = False
+_STRIDED = torch.strided
 _MIX, _MODULUS = 1_000_003, (1 << 61) - 1  # fold sizes in order (a polynomial hash)
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 

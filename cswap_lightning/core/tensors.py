@@ -47,7 +47,7 @@ def skip_reason(t: torch.Tensor, min_bytes: int) -> str:
             return "leaf" if t._base is None else "view of a leaf"
         if not (t.is_cuda or t.is_cpu):
             return f"device {t.device.type}"
-        nbytes = t.numel() * t.element_size()
+        nbytes = t.nbytes
         if nbytes < max(min_bytes, 1):
             return "small"
         if t.untyped_storage().nbytes() > MAX_STORAGE_TO_VIEW_RATIO * nbytes:
