@@ -500,8 +500,8 @@ def test_making_a_version_probe_runs_no_in_place_op_on_the_tensor():
 
     t = torch.randn(64, requires_grad=True).relu()
     with InPlaceOps() as mode:
-        probe = version_probe(t)
-    assert mode.seen == [] and probe._version == t._version
+        probe = version_probe(t.detach())
+    assert mode.seen == [] and probe._version == t._version and probe.numel() == 0
     with torch.no_grad():
         t.add_(1)
     assert probe._version == t._version  # it still shares the counter

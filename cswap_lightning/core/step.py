@@ -50,8 +50,9 @@ if TYPE_CHECKING:
 
 class _Entry(Stored):
     """One storage moved off the device: what autograd holds for the site that saved it
-    first, with that site's view of it (``shape``, ``stride``, ``offset``); later sites
-    viewing the same bytes hold a ``_View``. The view is kept here, not in objects of its
+    first, with that site's view of it (``shape``, ``stride``, ``offset``; ``stride`` None
+    where it comes back in the shape and strides it left in); later sites viewing the same
+    bytes hold a ``_View``. The view is kept here, not in objects of its
     own: every object that lives through a step costs the garbage collector time. ``stats``
     is the site's row, None where the step does not track the site; ``held`` and ``owner``,
     which tell a later site of the same storage and version counter, None where no later
@@ -68,11 +69,12 @@ class _Entry(Stored):
         self.stats = stats
         self.held = held  # a weak reference to the original storage
         self.shape = t.shape
-        self.probe = version_probe(t)  # shares the version counter of the tensors saved from it
+        self.probe: torch.Tensor | None = None  # set by Step._offload
         # the tensor owning that counter, while alive
         self.owner = weakref.ref(counter_owner(t)) if held is not None else None
         self.version = t._version  # the counter's value at the save
-        self.stride, self.offset, self.rebuild = t.stride(), t.storage_offset(), rebuild
+        self.stride: tuple[int, ...] | None = None  # set by Step._offload where needed
+        self.offset, self.rebuild = 0, rebuild
         self.prefetched: torch.Tensor | None = None  # the device copy, until unpacked
         self.restored: weakref.ref | None = None  # the device copy, while autograd holds it
         self.restored_ready: torch.cuda.Event | None = None  # after which that copy is whole
@@ -107,7 +109,7 @@ class Checked(NamedTuple):
     those it moved with a codec of exact size, and its statistics (a row per site, the
     measured peak)."""
 
-    counted: tuple[int, int]
+    counted: list[int]
     kept: frozenset[int]
     moved: dict[int, Move]
     stats: StepStats
@@ -125,9 +127,9 @@ class Step:
         self.checked = checked
         self.untracked, self.untracked_moves = ((checked.kept, checked.moved)
                                                 if checked is not None else (frozenset(), {}))
-        self.idle = checked is not None and len(self.untracked) == checked.counted[0]
+        self.idle = checked is not None and len(self.untracked) == len(checked.counted)
         self.saved = 0  # tensors saved so far: the next one's site
-        self.sizes = 0  # the saved tensors' own sizes, in order, folded (``counted``)
+        self.sizes: list[int] = []  # the saved tensors' own sizes, in order (``counted``)
         self.transfer = offloader.transfer
         self.min_bytes = offloader.config.min_bytes
         self.prefetch_bytes = offloader.prefetch_window()
@@ -180,14 +182,13 @@ class Step:
         self.saved += 1
         self.stats.untracked_tensors += 1
         self.stats.untracked_bytes += nbytes
-        self.sizes = (self.sizes * _MIX + nbytes) % _MODULUS
+        self.sizes.append(nbytes)
         return saved, saved._version, -1
 
-    def counted(self) -> tuple[int, int]:
-        """What the step saved, as untracked steps compare it: how many tensors, and their
-        own sizes (a view's, not its storage's) in order, folded into one number, so that
-        sites that trade places are seen too."""
-        return self.saved, self.sizes
+    def counted(self) -> list[int]:
+        """What the step saved, as untracked steps compare it: the saved tensors' own sizes (a
+        view's, not its storage's) in order, so that sites that trade places are seen too."""
+        return self.sizes
 
     def _track(self, saved: torch.Tensor, t: torch.Tensor,
                rebuild: Callable | None) -> tuple | _Entry | _View:
@@ -198,7 +199,7 @@ class Step:
         stats = SiteStats(site, tuple(t.shape), _DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype),
                           t.numel() * t.element_size(), "keep", packed_at=self.clock)
         self.clock += 1
-        self.sizes = (self.sizes * _MIX + stats.nbytes) % _MODULUS
+        self.sizes.append(stats.nbytes)
         self.stats.sites.append(stats)
         if self.device is None:
             self._first_pack(t.device)
@@ -234,7 +235,7 @@ class Step:
     def _move(self, t: torch.Tensor, storage: torch.UntypedStorage, move: Move) -> _Entry:
         """Move a site as the checked plan moved it, without a row or residency: the step
         only sums it (``StepStats.untracked_moved_*``)."""
-        self.sizes = (self.sizes * _MIX + t.nbytes) % _MODULUS
+        self.sizes.append(t.nbytes)
         if self.device is None:
             self._first_pack(t.device)
         entry = _Entry(self.saved, t, weakref.ref(storage) if move.shared else None, None, None)
@@ -254,20 +255,24 @@ class Step:
                  nbytes: int, codec: Codec) -> None:
         """Start moving ``t``'s whole storage (``nbytes``): every view of it comes back
         exactly. A tensor that is all of its storage, in order (most activations), moves as
-        it is; any other view moves its storage as a 1-D tensor."""
+        it is, and a raw copy of it outside the arena comes back in its shape and strides; any
+        other view moves its storage as a 1-D tensor, viewed again at unpack."""
         entry.nbytes = nbytes
-        if entry.offset == 0 and t.nbytes == nbytes and t.is_contiguous():
-            data = t.detach()
-        else:
-            data = t.detach().as_strided((nbytes // t.element_size(),), (1,), 0)
+        data = t.detach()  # shares t's version counter: made the entry's probe once copied
+        whole = codec.exact_size and t.nbytes == nbytes and t.is_contiguous()  # so offset 0
+        flat = data if whole else data.as_strided((nbytes // t.element_size(),), (1,), 0)
         if self.probe == "measure errors" and codec.name in LOSSY_CODECS:
-            self._originals[entry.id] = data  # kept alive for the guard's probe step only
+            self._originals[entry.id] = flat.detach()  # kept alive for the guard's probe step
         if codec.exact_size:  # copied (on CUDA: queued) by the time offload returns
-            self.transfer.offload(entry, data, codec, entry.id, self.measure)
+            self.transfer.offload(entry, flat, codec, entry.id, self.measure)
             if entry.stats is not None:
                 self._record(entry)
         else:
-            self.transfer.offload(entry, data, codec, entry.id, self.measure, self._record)
+            self.transfer.offload(entry, flat, codec, entry.id, self.measure, self._record)
+        if not whole or entry.header is not None or entry.lease is not None:
+            entry.stride, entry.offset = t.stride(), t.storage_offset()
+        # A failed offload keeps ``flat``, which may be ``data``: then it is the probe as it is.
+        entry.probe = data if entry.kept is data else version_probe(data)
         self._entries[entry.id] = weakref.ref(entry)
         if entry.held is not None:
             self._by_storage[storage._cdata] = entry
@@ -305,7 +310,8 @@ class Step:
         if entry.probe._version != version:
             version_error(entry.probe._version, version, entry.probe.dtype, size)
         start = time.perf_counter()
-        with self._lock:
+        self._lock.acquire()  # faster than ``with``, on every unpack
+        try:
             if self.timer is not None:
                 self._time_unpack(entry.id)
             base, ready = self._device_copy(entry)
@@ -316,11 +322,13 @@ class Step:
                 self.stats.untracked_wait_s += waited
             else:
                 entry.stats.wait_s += waited
+        finally:
+            self._lock.release()
         if ready is not None:  # every unpack: backward may run this op on another stream
             stream = torch.cuda.current_stream(base.device)
             stream.wait_event(ready)
             base.record_stream(stream)
-        if offset or base.shape != size or base.stride() != stride:
+        if stride is not None and (offset or base.shape != size or base.stride() != stride):
             base = base.as_strided(size, stride, offset)
         return base if rebuild is None else rebuild(base)
 
@@ -396,29 +404,30 @@ class Step:
 
     def _prefetch_after(self, entry: _Entry) -> None:
         """Bring back the sites expected next, within the bytes-in-flight budget."""
-        budget = self.prefetch_bytes
         if self._order is None:
             self._order = self._prev_order or sorted(self._entries, reverse=True)
             self._position = {site: i for i, site in enumerate(self._order)}
+        order, entries, budget = self._order, self._entries, self.prefetch_bytes
+        cursor, inflight = self._cursor, self._inflight
         position = self._position.get(entry.id)
-        if position is not None and position >= self._cursor:
-            self._cursor = position + 1
-        order, entries = self._order, self._entries
-        while self._cursor < len(order):
-            ref = entries.get(order[self._cursor])
+        if position is not None and position >= cursor:
+            cursor = position + 1
+        while cursor < len(order):
+            ref = entries.get(order[cursor])
             nxt = ref() if ref is not None else None
             if nxt is not None and not nxt.consumed and nxt.prefetched is None:
-                if self._inflight and self._inflight + nxt.nbytes > budget:
-                    return
+                if inflight and inflight + nxt.nbytes > budget:
+                    break
                 try:
                     nxt.prefetched, nxt.restored_ready = self.transfer.restore(nxt)
                 except Exception:  # noqa: BLE001 - restored on demand instead, or reported then
-                    return
+                    break
                 nxt.restored = self._copy_ref(nxt, nxt.prefetched, unpacked=False)
                 if nxt.stats is not None:
                     nxt.stats.prefetched = True
-                self._inflight += nxt.nbytes
-            self._cursor += 1
+                inflight += nxt.nbytes
+            cursor += 1
+        self._cursor, self._inflight = cursor, inflight
 
     def restored_all_at_once(self) -> bool:
         """Whether backward held (nearly) every storage moved off the device at once, as a
@@ -485,7 +494,6 @@ def hide_from_dynamo() -> None:
 
 _hidden = False
 _STRIDED = torch.strided
-_MIX, _MODULUS = 1_000_003, (1 << 61) - 1  # fold sizes in order (a polynomial hash)
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 

@@ -66,20 +66,20 @@ def skip_reason(t: torch.Tensor, min_bytes: int) -> str:
     return f"subclass {type(t).__name__}"
 
 
-def version_probe(t: torch.Tensor) -> torch.Tensor:
-    """An empty tensor sharing ``t``'s version counter: it sees later in-place writes to ``t``
-    (or any view of its storage that shares the counter) without keeping ``t``'s memory.
+def version_probe(detached: torch.Tensor) -> torch.Tensor:
+    """``detached``, a ``detach()`` of a saved tensor (which shares its version counter),
+    pointed at an empty tensor: it sees later in-place writes to the saved tensor (or any view
+    of its storage that shares the counter) without keeping its memory.
 
-    Made by pointing a ``detach()`` of ``t`` (which shares the counter) at an empty tensor
-    through ``.data``, which, unlike ``set_()``, does not bump the shared counter: another
-    thread saving ``t`` at the same moment must not see a version that never was."""
-    probe = t.detach()
-    key = (t.dtype, t.get_device())
+    Pointed through ``.data``, which, unlike ``set_()``, does not bump the shared counter:
+    another thread saving the tensor at the same moment must not see a version that never was.
+    """
+    key = (detached.dtype, detached.get_device())
     empty = _EMPTY.get(key)
     if empty is None:
-        empty = _EMPTY[key] = torch.empty(0, dtype=t.dtype, device=t.device)
-    probe.data = empty
-    return probe
+        empty = _EMPTY[key] = torch.empty(0, dtype=detached.dtype, device=detached.device)
+    detached.data = empty
+    return detached
 
 
 _EMPTY: dict[tuple[torch.dtype, int], torch.Tensor] = {}  # by dtype and device index

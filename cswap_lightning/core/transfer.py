@@ -234,14 +234,16 @@ class Transfer:
                 payload.untyped_storage().data_ptr() == source.untyped_storage().data_ptr())
             return payload.clone() if shares else payload
         try:
-            host = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=self.pin_memory)
+            # in the payload's strides, which a raw payload comes back in (Step._offload)
+            host = torch.empty_strided(payload.shape, payload.stride(), dtype=payload.dtype,
+                                       pin_memory=self.pin_memory)
         except RuntimeError as err:
             self._warn_once(
                 "pin",
                 f"cswap: pinned host memory is exhausted ({err}); using pageable memory, "
                 "whose copies are slower and synchronous.",
             )
-            host = torch.empty(payload.shape, dtype=payload.dtype)
+            host = torch.empty_strided(payload.shape, payload.stride(), dtype=payload.dtype)
         host.copy_(payload, non_blocking=True)
         return host
 
