@@ -50,9 +50,9 @@ if TYPE_CHECKING:
 
 class _Entry(Stored):
     """One storage moved off the device: what autograd holds for the site that saved it
-    first, with that site's view of it (``shape``, ``stride``, ``offset``; ``stride`` None
-    where it comes back in the shape and strides it left in); later sites viewing the same
-    bytes hold a ``_View``. The view is kept here, not in objects of its
+    first, with that site's view of it (``shape``, ``stride``, ``offset``; all None where it
+    comes back in the shape and strides it left in); later sites viewing the same bytes hold
+    a ``_View``. The view is kept here, not in objects of its
     own: every object that lives through a step costs the garbage collector time. ``stats``
     is the site's row, None where the step does not track the site; ``held`` and ``owner``,
     which tell a later site of the same storage and version counter, None where no later
@@ -68,17 +68,23 @@ class _Entry(Stored):
         self.id = site
         self.stats = stats
         self.held = held  # a weak reference to the original storage
-        self.shape = t.shape
         self.probe: torch.Tensor | None = None  # set by Step._offload
         # the tensor owning that counter, while alive
         self.owner = weakref.ref(counter_owner(t)) if held is not None else None
         self.version = t._version  # the counter's value at the save
-        self.stride: tuple[int, ...] | None = None  # set by Step._offload where needed
+        # set by Step._offload where needed
+        self.shape: torch.Size | None = None
+        self.stride: tuple[int, ...] | None = None
         self.offset, self.rebuild = 0, rebuild
         self.prefetched: torch.Tensor | None = None  # the device copy, until unpacked
         self.restored: weakref.ref | None = None  # the device copy, while autograd holds it
         self.restored_ready: torch.cuda.Event | None = None  # after which that copy is whole
         self.consumed = False  # unpacked at least once
+
+    def as_left(self) -> torch.Tensor:
+        """What it comes back as where its view is not kept (``shape`` None): the payload,
+        or the tensor kept where the offload failed."""
+        return self.payload if self.kept is None else self.kept
 
 
 class _View(NamedTuple):
@@ -161,11 +167,12 @@ class Step:
 
     # forward ----------------------------------------------------------------------------
     def pack(self, saved: torch.Tensor) -> tuple | _Entry | _View:
-        if self.idle and type(saved) is torch.Tensor:
+        plain = type(saved) is torch.Tensor
+        if self.idle and plain:
             return self._count(saved, saved)
         if _dynamo_callback() is not None:  # in a compiled module's eager fallback
             return torch.compiler.disable(self.pack)(saved)
-        t, rebuild = (saved, None) if type(saved) is torch.Tensor else unwrap(saved)
+        t, rebuild = (saved, None) if plain else unwrap(saved)
         if self.idle or self.saved in self.untracked:  # a DTensor counts by its local shard
             return self._count(saved, t)
         move = self.untracked_moves.get(self.saved)
@@ -270,7 +277,7 @@ class Step:
         else:
             self.transfer.offload(entry, flat, codec, entry.id, self.measure, self._record)
         if not whole or entry.header is not None or entry.lease is not None:
-            entry.stride, entry.offset = t.stride(), t.storage_offset()
+            entry.shape, entry.stride, entry.offset = t.shape, t.stride(), t.storage_offset()
         # A failed offload keeps ``flat``, which may be ``data``: then it is the probe as it is.
         entry.probe = data if entry.kept is data else version_probe(data)
         self._entries[entry.id] = weakref.ref(entry)
@@ -308,7 +315,8 @@ class Step:
         else:
             entry, size, stride, offset, version, rebuild = saved
         if entry.probe._version != version:
-            version_error(entry.probe._version, version, entry.probe.dtype, size)
+            version_error(entry.probe._version, version, entry.probe.dtype,
+                          size if size is not None else entry.as_left().shape)
         start = time.perf_counter()
         self._lock.acquire()  # faster than ``with``, on every unpack
         try:

@@ -107,18 +107,18 @@ class Transfer:
                 count_nonzero: bool = False,
                 on_done: Callable[[Stored], None] | None = None) -> Stored:
         """Start moving ``flat`` (contiguous: the tensor's whole storage) off its device into
-        ``stored``; never raises. It comes back in the same shape, or 1-D.
+        ``stored``; never raises. It comes back in the same shape, or 1-D; a raw payload
+        outside the arena in the same strides too.
 
         ``site`` lets the payload use its arena region; ``count_nonzero`` measures its
         sparsity (compressed payloads always do); ``on_done`` is called, in the compression
         thread, when a compressed payload is ready."""
-        nbytes = flat.nbytes
         if self._inflight:
-            self._bound(nbytes)
+            self._bound(flat.nbytes)
         if not codec.exact_size:
             stored.ready = threading.Event()
             self._compressor.submit(_Job(flat, codec, self._record(flat), site, stored, on_done))
-            self._track(stored.ready, nbytes)
+            self._track(stored.ready, flat.nbytes)
             return stored
         try:
             if flat.is_cuda:
@@ -126,7 +126,7 @@ class Transfer:
                 with self._on_stream(flat.device, OFFLOAD, after=torch.cuda.current_stream):
                     self._pack(stored, flat, codec, site, count_nonzero)
                 stored.seconds = time.perf_counter() - start
-                self._track(stored.done, nbytes)
+                self._track(stored.done, flat.nbytes)
             else:
                 self._pack(stored, flat, codec, site, count_nonzero)
         except Exception as err:  # noqa: BLE001 - any failure must keep the tensor intact
@@ -140,11 +140,12 @@ class Transfer:
         if count_nonzero:
             stored.nonzero = self._to_host(nonzero_count(flat), flat)
         payload = flat if codec.name == "raw" else self._encode(codec, stored, flat)
-        if flat.is_cuda or self.arena_everywhere:
+        cuda = flat.is_cuda
+        if cuda or self.arena_everywhere:
             stored.payload, stored.lease = self._payload_to_host(payload, flat, site)
         else:
             stored.payload = self._to_host(payload, flat)
-        if flat.is_cuda:
+        if cuda:
             stored.done = torch.cuda.current_stream().record_event()
             if stored.lease is not None:
                 stored.lease.last_use = stored.done
