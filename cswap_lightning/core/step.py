@@ -50,9 +50,9 @@ if TYPE_CHECKING:
 
 class _Entry(Stored):
     """One storage moved off the device: what autograd holds for the site that saved it
-    first, with that site's view of it (``shape``, ``stride``, ``offset``; all None where it
-    comes back in the shape and strides it left in); later sites viewing the same bytes hold
-    a ``_View``. The view is kept here, not in objects of its
+    first, with that site's view of it (``shape``, ``stride``, ``offset``; ``shape`` None
+    where it comes back in the shape and strides it left in, as ``as_left()``); later sites
+    viewing the same bytes hold a ``_View``. The view is kept here, not in objects of its
     own: every object that lives through a step costs the garbage collector time. ``stats``
     is the site's row, None where the step does not track the site; ``held`` and ``owner``,
     which tell a later site of the same storage and version counter, None where no later
@@ -68,12 +68,13 @@ class _Entry(Stored):
         self.id = site
         self.stats = stats
         self.held = held  # a weak reference to the original storage
-        self.probe: torch.Tensor | None = None  # set by Step._offload
+        # a tensor sharing the saved tensor's version counter: empty, or the tensor kept
+        # where the offload failed (set by Step._offload)
+        self.probe: torch.Tensor | None = None
         # the tensor owning that counter, while alive
         self.owner = weakref.ref(counter_owner(t)) if held is not None else None
         self.version = t._version  # the counter's value at the save
-        # set by Step._offload where needed
-        self.shape: torch.Size | None = None
+        self.shape: torch.Size | None = None  # the view, set by Step._offload where needed
         self.stride: tuple[int, ...] | None = None
         self.offset, self.rebuild = 0, rebuild
         self.prefetched: torch.Tensor | None = None  # the device copy, until unpacked
@@ -82,8 +83,8 @@ class _Entry(Stored):
         self.consumed = False  # unpacked at least once
 
     def as_left(self) -> torch.Tensor:
-        """What it comes back as where its view is not kept (``shape`` None): the payload,
-        or the tensor kept where the offload failed."""
+        """What it comes back as where no view is kept (``shape`` None): the payload, or the
+        tensor kept where the offload failed."""
         return self.payload if self.kept is None else self.kept
 
 
