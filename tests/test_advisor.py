@@ -170,7 +170,11 @@ def test_plan_round_trips_through_a_dict():
     again = Plan.from_dict(plan.as_dict())
     assert again == plan
     assert again.codec(0, (4 * MiB,), "float32") == plan.decisions[0].decision
-    assert again.codec(0, (7,), "float32") == "raw"  # a site that changed falls back
+    # a smaller tensor at the site is served by the plan; a larger one, or another dtype,
+    # falls back to raw
+    assert again.codec(0, (7,), "float32") == plan.decisions[0].decision
+    assert again.codec(0, (8 * MiB,), "float32") == "raw"
+    assert again.codec(0, (7,), "float16") == "raw"
 
 
 class Gate(nn.Module):
@@ -282,22 +286,38 @@ def _step(off, net, x, y):
     loss.backward()
 
 
-def test_a_step_whose_sites_changed_falls_back_to_raw_and_is_planned_again():
+def test_a_smaller_step_runs_the_plan_and_a_larger_one_is_planned_for_at_once(monkeypatch):
+    """A plan serves every step no larger than the one it was made for (a shorter sequence,
+    a smaller last batch), with nothing measured again; a larger step moves its larger sites
+    raw, and the plan is made again from the rows of the next step that tracks every site,
+    with the link and codec times measured for the plan (not measured again)."""
+    from cswap_lightning.core import engine
+
+    links = []
+    monkeypatch.setattr(engine, "measure_link", lambda device: links.append(device)
+                        or Link(1e6, 1e6, 1e9))
     net, x, y = model_and_batch("mlp")
     off = Offloader(CSwapConfig(min_bytes=0, profile_steps=1, budget=None),
-                    link=Link(1e6, 1e6, 1e9),
                     time_model=model(1e-6, 1e-6, 1e-6))
     _step(off, net, x, y)
-    _step(off, net, x, y)
+    _step(off, net, x, y)  # measured, then planned
     old_plan = off.plan
     assert "zvc" in {d.decision for d in old_plan.decisions.values()}  # ReLU outputs compress
-    _step(off, net, x[:7], y[:7])  # another batch size: no site matches the plan
-    assert {s.decision for s in off.last_step().sites} - {"keep", "dedup"} == {"raw"}
-    _step(off, net, x[:7], y[:7])  # measured again ...
-    _step(off, net, x[:7], y[:7])  # ... and planned for the new shapes
-    assert off.plan is not old_plan
-    assert all(d.shape[0] == 7 for d in off.plan.decisions.values() if d.decision != "keep"
-               and len(d.shape) == 2)
+    _step(off, net, x[:7], y[:7])  # smaller: the plan's decisions, checked
+    assert {s.decision for s in off.last_step().sites} & {"zvc"}
+    assert off.plan is old_plan and off._measure_left == 0
+    big_x, big_y = torch.cat([x, x]), torch.cat([y, y])
+    for _ in range(2):  # larger: its larger sites moved raw; then a step that tracks them all
+        _step(off, net, big_x, big_y)
+        assert {s.decision for s in off.last_step().sites} - {"keep", "dedup"} == {"raw"}
+    _step(off, net, big_x, big_y)  # planned for as it starts (the last step closed), checks
+    assert {s.decision for s in off.last_step().sites} & {"zvc"}
+    assert off.plan is not old_plan and off._measure_left == 0 and len(links) == 1
+    assert all(d.shape[0] == 2 * x.shape[0] for d in off.plan.decisions.values()
+               if d.decision != "keep" and len(d.shape) == 2)
+    for batch in (x[:5], big_x[:, :], x):  # all served by it
+        _step(off, net, batch, torch.cat([y, y])[: batch.shape[0]])
+    assert off._replans == 0 and off._measure_left == 0 and len(links) == 1
     off.close()
 
 

@@ -329,3 +329,55 @@ def test_sites_that_trade_places_are_tracked_again():
     assert after[1].untracked_tensors == 0  # ... but the change was seen: tracked again
     assert [s.offloaded_bytes for s in after[1:]] == [3000 * 4] * 2
     off.close()
+
+
+def test_varying_lengths_are_planned_for_the_longest_without_measuring_again():
+    """Dynamic padding: each batch has another length. A step longer than the plan's is
+    planned for from its own rows (its larger sites moved raw meanwhile); shorter ones run
+    the plan. Nothing is measured again and nobody is warned; once the longest is planned
+    for, a run that fits keeps everything and only counts it; gradients are plain
+    training's."""
+    model, x = wide_mlp(nn.GELU)
+    off = Offloader(CSwapConfig(budget=1 << 40, profile_steps=1))
+    stats = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for rows in (64, 128, 512, 96, 256, 512, 160, 512, 320, 200):
+            stats += train_beside_plain(off, model, x[:rows], steps=1)
+    with off:  # closes the last step
+        pass
+    assert off._measure_left == 0 and off._replans == 0
+    assert [bool(s.offloaded_bytes) for s in stats[:3]] == [True, True, True]  # measured, grew
+    assert not any(s.offloaded_bytes for s in stats[3:])  # planned for 512 rows: keeps all
+    assert not any(s.sites for s in stats[4:])  # checked on step 3, then only counted
+    assert [d.shape for d in off.plan.decisions.values()][-1][0] == 512
+    off.close()
+
+
+def test_a_budget_plan_for_the_longest_meets_the_budget_on_shorter_steps():
+    """Under a budget, the plan made for the longest step serves the shorter ones. Steps
+    that run a checked plan untracked report the checking step's peak (and say when their
+    sizes differ from its); the plan itself, run by steps that track every site, keeps each
+    length within the budget, measured."""
+    model, x = wide_mlp(nn.GELU)
+    budget = int(0.5 * keep_peak(SMALL_WINDOW))
+    config = CSwapConfig(budget=budget, profile_steps=1, prefetch_bytes=SMALL_WINDOW)
+    off = Offloader(config)
+    stats = []
+    for rows in (128, 512, 256, 384, 512, 200, 448):
+        stats += train_beside_plain(off, model, x[:rows], steps=1)
+    with off:  # closes the last step
+        pass
+    assert off._measure_left == 0 and off._replans == 0 and off.plan.fits
+    assert [s.resized for s in stats[3:]] == [True] * 4  # 256 rows checked the plan
+    assert "differ in size from this step's" in stats[3].table()
+    learned = off.state_dict()
+    off.close()
+    for rows in (512, 384, 200):
+        fresh = Offloader(config)
+        fresh.load_state_dict(learned)  # its first step runs the plan, tracking every site
+        step, = train_beside_plain(fresh, model, x[:rows], steps=1)
+        assert step.sites and not step.untracked_tensors and not step.resized
+        assert step.offloaded_bytes and step.kept_bytes
+        assert step.peak_resident_bytes <= 1.15 * budget, step.peak_resident_bytes / budget
+        fresh.close()

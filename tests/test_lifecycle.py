@@ -262,8 +262,11 @@ def test_an_offloader_in_use_by_another_thread_says_which_to_use(mlp):
 
 
 def test_two_models_alternating_on_one_offloader_are_told_once():
+    """Models that save different tensors (here, how many) are measured again at each
+    switch, and the user is told once."""
     torch.manual_seed(0)
-    models = [nn.Sequential(nn.Linear(32, width), nn.ReLU()) for width in (64, 96)]
+    models = [nn.Sequential(nn.Linear(32, 64), nn.ReLU()),
+              nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())]
     off = Offloader(CSwapConfig(min_bytes=0, profile_steps=1), link=cswap_link())
     x = torch.randn(16, 32)
     with warnings.catch_warnings(record=True) as caught:

@@ -24,7 +24,7 @@ from ..codecs.lossy import LOSSY_DTYPES as _LOSSY_TORCH_DTYPES
 from ..config import LOSSY_CODECS, CSwapConfig
 from ..planning.advisor import HELD_ELSEWHERE, Advisor, Plan, resolve_budget
 from ..planning.predictor import CodecTimeModel, calibrate
-from ..planning.profiler import Link, Profiler, measure_link, signature
+from ..planning.profiler import Link, Profiler, measure_link
 from .module_names import ModuleTracker
 from .stats import SiteStats, StepStats, fmt_bytes
 from .step import Checked, Move, Step, hide_from_dynamo
@@ -70,6 +70,9 @@ class Offloader:
         self.transfer = Transfer(pin_memory=self.config.pin_memory,
                                  inflight_bytes=self.config.inflight_bytes)
         self.plan: Plan | None = None  # the advisor's, for plan="auto"
+        # the link and codec times measured for the latest plan (a plan grown for larger
+        # steps reuses them)
+        self._measured: tuple[Link, CodecTimeModel] | None = None
         self._unchecked: Plan | None = None  # a plan no step has run yet
         self.profiler = Profiler()
         self._measure_left = self.config.profile_steps
@@ -295,22 +298,27 @@ class Offloader:
             step.close()
         if step.failed:
             return
+        auto = self.config.plan == "auto"
         if step.checked is not None:
             if step.counted() != step.checked.counted:
-                if self.config.plan == "auto":
-                    self._replanning()
+                if auto and len(step.counted()) != len(step.checked.counted):
+                    self._replanning()  # other tensors: measured again
                     return
-                self._checked = None  # a fixed plan: the next step tracks every site, and checks
+                if not (auto and self.plan.covers(step.counted())):
+                    # A fixed plan, or larger tensors than the plan's: the next step tracks
+                    # every site, and checks the plan (or has it planned again for them).
+                    self._checked = None
             elif step.idle:
                 return
-        elif self._unchecked is not None and signature(step.stats) == self._unchecked.signature:
+        elif self._unchecked is not None and self._unchecked.covers(step.counted()):
             self._check(self._unchecked, step.stats)
             self._checked_by(step)
-        elif (self.config.plan != "auto" and not step.measure and step.probe is None
-              and step.stats.sites):
+        elif (not step.measure and step.probe is None and step.stats.sites and (
+                not auto or (self.plan is not None and self.plan.covers(step.counted())))):
             self._checked_by(step)
         self._unchecked = None
-        self._order = step.unpack_order or self._order
+        if step.checked is None:  # steps running a checked plan see only some first unpacks
+            self._order = step.unpack_order or self._order
         if not self._warned_compiled and step.restored_all_at_once():
             self._warned_compiled = True
             warnings.warn(
@@ -335,8 +343,8 @@ class Offloader:
                 if plan.fits and all(d.decision == "keep" for d in plan.decisions.values()):
                     self._use(plan)  # nothing needs to move: the next measured steps keep all
         elif (step.checked is None and self.plan is not None
-              and signature(step.stats) != self.plan.signature):
-            self._replanning()
+              and not self.plan.covers(step.counted())):
+            self._outgrown(step)
 
     def _use(self, plan: Plan) -> None:
         self.plan = self._unchecked = plan
@@ -385,17 +393,33 @@ class Offloader:
                 RuntimeWarning, stacklevel=3)
         self.new_epoch()
 
-    def _advise(self, step: Step) -> Plan:
-        """The advisor's plan from what the profiler measured.
+    def _outgrown(self, step: Step) -> None:
+        """A step saved larger tensors than the plan was made for (a longer sequence, a
+        larger batch): plan again for them from its rows, without measuring again, with the
+        link and codec times measured for the plan. A step whose tensors are of other kinds
+        (count, dtypes, dimensions) is measured again."""
+        if not self.plan.same_kinds(step.stats.sites):
+            self._replanning()
+            return
+        self.transfer.drain()
+        step.close()  # its sizes, and on CUDA the allocator's peak
+        self.profiler.observe(step.stats, {})
+        self._use(self._advise(step, measure=False))
+
+    def _advise(self, step: Step, measure: bool = True) -> Plan:
+        """The advisor's plan from what the profiler measured (``measure``: with the link
+        and codec times measured now, else those of the latest plan).
 
         The budget counts what the engine measures, the step's saved tensors: on CUDA what
         the step held beside them at its peak (the allocator's peak less theirs) comes off
         it first."""
         cfg, device, stats = self.config, step.device, step.stats
-        link = self.link or measure_link(device)
         lossy = {"off": None, "auto": "int8"}.get(cfg.lossy, cfg.lossy)
         codecs = (cfg.compressor,) if lossy is None else (cfg.compressor, lossy)
-        model = self.time_model or calibrate(device, codecs).model
+        if measure or self._measured is None:
+            self._measured = (self.link or measure_link(device),
+                              self.time_model or calibrate(device, codecs).model)
+        link, model = self._measured
         advisor = Advisor(cfg.compressor, link, model, lossy,
                           lambda p: self.lossy_allowed(p.site, p.dtype, p.module),
                           cfg.prefetch_bytes)

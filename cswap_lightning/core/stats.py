@@ -52,13 +52,16 @@ class StepStats:
     # tracking each (no rows in ``sites``): how many, and their bytes; and move the sites it
     # moves with a codec of exact size (raw, lossy) untracked: how many, their bytes, the
     # host bytes holding them, and backward's waits for them. Such a step's
-    # ``peak_resident_bytes`` is the one measured on the step that checked the plan.
+    # ``peak_resident_bytes`` is the one measured on the step that checked the plan; with
+    # ``resized``, that step saved tensors of other sizes (varying lengths), so it is not
+    # this step's own.
     untracked_tensors: int = 0
     untracked_bytes: int = 0
     untracked_moved_tensors: int = 0
     untracked_moved_bytes: int = 0
     untracked_stored_bytes: int = 0
     untracked_wait_s: float = 0.0
+    resized: bool = False
 
     def _sum(self, attr: str, include: Callable[[str], bool] = lambda decision: True) -> float:
         return sum(getattr(s, attr) for s in self.sites if include(s.decision))
@@ -117,6 +120,7 @@ class StepStats:
             "untracked_moved_bytes": self.untracked_moved_bytes,
             "untracked_stored_bytes": self.untracked_stored_bytes,
             "untracked_wait_s": self.untracked_wait_s,
+            "resized": self.resized,
             "sites": [asdict(s) | {"ratio": s.ratio} for s in self.sites],
         }
 
@@ -151,8 +155,10 @@ class StepStats:
                         f"{self.untracked_moved_tensors} saved tensors "
                         f"({fmt_bytes(self.untracked_moved_bytes)} stored as "
                         f"{fmt_bytes(self.untracked_stored_bytes)})")
-        if self.untracked_tensors or self.untracked_moved_tensors:
-            measured = " (as measured on the step that checked the plan)"
+        if self.untracked_tensors or self.untracked_moved_tensors or self.resized:
+            measured = " (as measured on the step that checked the plan"
+            measured += ", whose saved tensors differ in size from this step's)" if (
+                self.resized) else ")"
         rows.append(
             f"peak resident {fmt_bytes(self.peak_resident_bytes)} of saved tensors on the "
             f"device{measured}{allocated}; forward waited {self.forward_wait_s * 1e3:.2f} ms; "

@@ -294,6 +294,8 @@ class Step:
 
     def end_forward(self) -> None:
         self._by_storage.clear()
+        if self.checked is not None:
+            self.stats.resized = self.sizes != self.checked.counted
         self.stats.forward_wait_s += self.transfer.take_waited()
         if self.timer is not None:
             self.timer.forward_done()

@@ -51,16 +51,18 @@ residency of a profiled step; on the CPU nothing is known of it) comes off it fi
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import NoReturn
 
 import torch
 
 from ..codecs import get_codec
 from ..config import COMPRESSORS, LOSSY_CODECS, CSwapConfig
-from ..core.stats import fmt_bytes
+from ..core.stats import SiteStats, fmt_bytes
 from .predictor import CodecTimeModel
 from .profiler import Link, SiteProfile
 
@@ -101,7 +103,10 @@ class Decision:
 
 @dataclass
 class Plan:
-    """Per-site decisions for steps whose sites match ``signature``."""
+    """Per-site decisions for steps whose sites fit ``signature``: as many sites, each of
+    the same dtype and dimensions and no more elements. A plan made for the longest
+    sequence serves every shorter one; what fits in the budget at the larger size fits at the
+    smaller."""
 
     decisions: dict[int, Decision]
     signature: tuple[tuple[tuple[int, ...], str], ...]
@@ -114,11 +119,29 @@ class Plan:
     measured_peak: int | None = field(default=None, compare=False)
 
     def codec(self, site: int, shape: tuple[int, ...], dtype: str) -> str:
-        """The decision for a site; ``"raw"`` where this step's site differs from the plan's."""
+        """The decision for a site; ``"raw"`` where this step's site does not fit the plan's."""
         d = self.decisions.get(site)
-        if d is None or (d.shape, d.dtype) != (shape, dtype):
+        if d is None or d.dtype != dtype or not _within(shape, d.shape):
             return "raw"
         return d.decision
+
+    def covers(self, sizes: Sequence[int]) -> bool:
+        """Whether a step that saved tensors of these sizes (bytes, in order) is no larger
+        than the plan, site by site."""
+        planned = self._site_bytes
+        return len(sizes) == len(planned) and all(map(int.__le__, sizes, planned))
+
+    def same_kinds(self, sites: Sequence[SiteStats]) -> bool:
+        """Whether a step's rows are the plan's sites, of the same dtypes and dimensions
+        (larger or not): then it can be planned for from them without measuring again."""
+        return len(sites) == len(self.signature) and all(
+            s.dtype == dtype and len(s.shape) == len(shape)
+            for s, (shape, dtype) in zip(sites, self.signature, strict=True))
+
+    @cached_property
+    def _site_bytes(self) -> tuple[int, ...]:
+        return tuple(math.prod(shape) * getattr(torch, dtype).itemsize
+                     for shape, dtype in self.signature)
 
     def table(self, every_site: bool = False) -> str:
         """One row per site the plan decided on (``every_site``: also those it could not move)."""
@@ -192,6 +215,12 @@ _DECISION_FIELDS: dict[str, tuple[type, ...]] = {
 }
 _TYPE_NAMES = {int: "an int", float: "a float", bool: "a bool", str: "a str", list: "a list",
                tuple: "a tuple", type(None): "None"}
+
+
+def _within(shape: tuple[int, ...], planned: tuple[int, ...]) -> bool:
+    """A tensor of ``shape`` fits a site planned at ``planned``: as many dimensions, no more
+    elements."""
+    return len(shape) == len(planned) and math.prod(shape) <= math.prod(planned)
 
 
 def _fail(problem: str) -> NoReturn:

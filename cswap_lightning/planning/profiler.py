@@ -192,21 +192,31 @@ class Profiler:
     def observe(self, step: StepStats, windows: dict[int, tuple[float, float]],
                 order: list[int] | None = None) -> None:
         """Fold one profiled step in (call after the step's statistics are closed), with
-        the order backward first needed its sites (``StepTimer.unpack_order``)."""
+        the order backward first needed its sites (``StepTimer.unpack_order``).
+
+        A site keeps the largest size seen of its kind (dtype and dimensions), so that a
+        plan made from the profile serves every step no larger (shorter sequences); a site
+        of another kind starts afresh."""
         if order:
             self.order = order
         for s in step.sites:
             offloadable = not s.reason or s.reason == "plan"
             profile = self.sites.get(s.site)
-            new = profile is None or (profile.shape, profile.dtype) != (s.shape, s.dtype)
+            new = (profile is None or profile.dtype != s.dtype
+                   or len(profile.shape) != len(s.shape))
             if new:
                 profile = SiteProfile(s.site, s.shape, s.dtype, s.nbytes, offloadable)
                 self.sites[s.site] = profile
                 self._windows[s.site] = []
+            elif math.prod(s.shape) > math.prod(profile.shape):  # grown: its bytes in proportion
+                old = math.prod(profile.shape)
+                profile.nbytes = profile.nbytes * math.prod(s.shape) // old if old else s.nbytes
+                profile.shape = s.shape
             # A site the plan kept tells only its view's size, and not whether it shares its
             # storage with an earlier site: what a swap of it measured stands.
             if new or s.reason != "plan":
-                profile.nbytes, profile.offloadable = s.nbytes, offloadable
+                profile.nbytes = s.nbytes if new else max(profile.nbytes, s.nbytes)
+                profile.offloadable = offloadable
                 profile.reason = "" if offloadable else s.reason
             profile.module = s.module
             if s.sparsity is not None:
@@ -223,7 +233,3 @@ class Profiler:
     def profile(self) -> list[SiteProfile]:
         return [self.sites[k] for k in sorted(self.sites)]
 
-
-def signature(step: StepStats) -> tuple[tuple[tuple[int, ...], str], ...]:
-    """What must match for a plan made on one step to apply to another."""
-    return tuple((s.shape, s.dtype) for s in step.sites)
