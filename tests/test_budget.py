@@ -381,3 +381,35 @@ def test_a_budget_plan_for_the_longest_meets_the_budget_on_shorter_steps():
         assert step.offloaded_bytes and step.kept_bytes
         assert step.peak_resident_bytes <= 1.15 * budget, step.peak_resident_bytes / budget
         fresh.close()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_transformers_with_varying_lengths_are_never_measured_again(kind):
+    """Dynamic padding on real architectures, default config: every batch another length,
+    the longest neither first nor last. No step is measured after the first ones, nothing
+    warns, and gradients are bitwise those of plain training at every step."""
+    model, ids = _transformer(kind)
+    plain = copy.deepcopy(model)
+    off, stats = Offloader(CSwapConfig()), []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step, length in enumerate((40, 96, 17, 128, 64, 9, 128, 77, 33, 110)):
+            batch = ids[:, :length]
+            for net, ctx in ((model, off), (plain, contextlib.nullcontext())):
+                net.zero_grad()
+                torch.manual_seed(step)  # the same dropout masks
+                with ctx:
+                    loss = net(input_ids=batch, labels=batch).loss
+                loss.backward()
+                del loss
+            for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+                assert torch.equal(p.grad, q.grad), (step, length)
+            stats.append(off.last_step())
+    with off:  # closes the last step
+        pass
+    assert off._replans == 0 and off._measure_left == 0
+    # planned for 128 tokens, the steps after only count what they keep, and say their
+    # sizes differ from the checking step's
+    assert [(not s.sites, s.resized) for s in stats[-3:]] == [(True, True)] * 3, [
+        (len(s.sites), s.untracked_tensors, s.resized) for s in stats]
+    off.close()

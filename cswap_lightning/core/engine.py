@@ -109,7 +109,9 @@ class Offloader:
         measure = self._measure_left > 0
         checked = (self._checked if not measure and self._next_probe is None
                    and self._unchecked is None else None)
-        step = Step(self, self._steps, self._order, measure, checked)
+        limits = (self.plan.site_bytes if checked is not None and self.config.plan == "auto"
+                  else None)
+        step = Step(self, self._steps, self._order, measure, checked, limits)
         self._push_hooks(step)  # raises where saved-tensor hooks are disabled: nothing changed
         step.probe, self._next_probe = self._next_probe, None
         self._step, self._owner = step, threading.get_ident()
@@ -301,12 +303,10 @@ class Offloader:
         auto = self.config.plan == "auto"
         if step.checked is not None:
             if step.counted() != step.checked.counted:
-                if auto and len(step.counted()) != len(step.checked.counted):
-                    self._replanning()  # other tensors: measured again
+                if auto and not self.plan.covers(step.counted()):
+                    self._outgrown(step)  # its larger tensors were tracked
                     return
-                if not (auto and self.plan.covers(step.counted())):
-                    # A fixed plan, or larger tensors than the plan's: the next step tracks
-                    # every site, and checks the plan (or has it planned again for them).
+                if not auto:  # the next step tracks every site, and checks the plan again
                     self._checked = None
             elif step.idle:
                 return
@@ -381,24 +381,26 @@ class Offloader:
                   fmt_bytes(plan.predicted_peak))
 
     def _replanning(self) -> None:
-        """The sites changed (dynamic shapes, or several models under one Offloader): measure
-        them and plan again, and say so once if it keeps happening."""
+        """The sites changed in number or kind (a data-dependent branch, several models under
+        one Offloader): measure them and plan again, and say so once if it keeps happening."""
         self._replans += 1
         if self._replans == _REPLANS_BEFORE_WARNING:
             warnings.warn(
                 f"cswap: the tensors saved under this Offloader changed {self._replans} times "
-                "between steps, and each time they are measured again (profile_steps steps "
-                "swapping raw). If several models share it, give each its own "
-                "Offloader(config); if shapes vary, pad them to a few fixed sizes.",
+                "between steps (in number, dtype or dimensions), and each time they are "
+                "measured again (profile_steps steps swapping raw). If several models share "
+                "it, give each its own Offloader(config).",
                 RuntimeWarning, stacklevel=3)
         self.new_epoch()
 
     def _outgrown(self, step: Step) -> None:
         """A step saved larger tensors than the plan was made for (a longer sequence, a
-        larger batch): plan again for them from its rows, without measuring again, with the
-        link and codec times measured for the plan. A step whose tensors are of other kinds
-        (count, dtypes, dimensions) is measured again."""
-        if not self.plan.same_kinds(step.stats.sites):
+        larger batch): plan again for them from its rows (a step that ran a checked plan
+        tracked those), without measuring again, with the link and codec times measured for
+        the plan. A step whose tensors are of other kinds (count, dtypes, dimensions) is
+        measured again."""
+        if (len(step.counted()) != len(self.plan.signature)
+                or not self.plan.same_kinds(step.stats.sites)):
             self._replanning()
             return
         self.transfer.drain()

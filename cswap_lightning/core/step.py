@@ -126,7 +126,8 @@ class Step:
     """Packs and unpacks of one forward and its backward."""
 
     def __init__(self, offloader: Offloader, index: int, order: list[int] | None,
-                 measure: bool, checked: Checked | None = None) -> None:
+                 measure: bool, checked: Checked | None = None,
+                 limits: tuple[int, ...] | None = None) -> None:
         self.offloader = offloader
         # With a plan checked on an earlier step: the sites it kept, which this step keeps
         # and counts without tracking them one by one (``idle``: every site, a run that
@@ -135,6 +136,9 @@ class Step:
         self.untracked, self.untracked_moves = ((checked.kept, checked.moved)
                                                 if checked is not None else (frozenset(), {}))
         self.idle = checked is not None and len(self.untracked) == len(checked.counted)
+        # The plan's size of each site (bytes): a larger tensor at an untracked site is
+        # tracked, so that the plan can be made again for it. None: any size.
+        self.limits = limits
         self.saved = 0  # tensors saved so far: the next one's site
         self.sizes: list[int] = []  # the saved tensors' own sizes, in order (``counted``)
         self.transfer = offloader.transfer
@@ -170,12 +174,16 @@ class Step:
     def pack(self, saved: torch.Tensor) -> tuple | _Entry | _View:
         plain = type(saved) is torch.Tensor
         if self.idle and plain:
-            return self._count(saved, saved)
+            counted = self._count(saved, saved)
+            if counted is not None:
+                return counted
         if _dynamo_callback() is not None:  # in a compiled module's eager fallback
             return torch.compiler.disable(self.pack)(saved)
         t, rebuild = (saved, None) if plain else unwrap(saved)
         if self.idle or self.saved in self.untracked:  # a DTensor counts by its local shard
-            return self._count(saved, t)
+            counted = self._count(saved, t)
+            if counted is not None:
+                return counted
         move = self.untracked_moves.get(self.saved)
         if (move is not None and t.dtype is move.dtype and rebuild is None
                 and t.layout is _STRIDED and not t.is_nested):  # as the checked step's was
@@ -184,9 +192,13 @@ class Step:
                 return self._move(t, storage, move)
         return self._track(saved, t, rebuild)
 
-    def _count(self, saved: torch.Tensor, t: torch.Tensor) -> tuple:
-        """Pack an untracked site: keep ``saved``, count ``t`` (its plain tensor)."""
+    def _count(self, saved: torch.Tensor, t: torch.Tensor) -> tuple | None:
+        """Pack an untracked site: keep ``saved``, count ``t`` (its plain tensor); None
+        where ``t`` is larger than the plan's site (then it is tracked: its row plans for it)."""
         nbytes = t.numel() * t.element_size()  # a sparse tensor has no nbytes
+        limits = self.limits
+        if limits is not None and (self.saved >= len(limits) or nbytes > limits[self.saved]):
+            return None
         self.saved += 1
         self.stats.untracked_tensors += 1
         self.stats.untracked_bytes += nbytes

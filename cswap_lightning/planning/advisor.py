@@ -128,18 +128,19 @@ class Plan:
     def covers(self, sizes: Sequence[int]) -> bool:
         """Whether a step that saved tensors of these sizes (bytes, in order) is no larger
         than the plan, site by site."""
-        planned = self._site_bytes
+        planned = self.site_bytes
         return len(sizes) == len(planned) and all(map(int.__le__, sizes, planned))
 
     def same_kinds(self, sites: Sequence[SiteStats]) -> bool:
-        """Whether a step's rows are the plan's sites, of the same dtypes and dimensions
+        """Whether a step's rows are of the dtypes and dimensions of the plan's sites
         (larger or not): then it can be planned for from them without measuring again."""
-        return len(sites) == len(self.signature) and all(
-            s.dtype == dtype and len(s.shape) == len(shape)
-            for s, (shape, dtype) in zip(sites, self.signature, strict=True))
+        signature = self.signature
+        return all(s.site < len(signature) and s.dtype == signature[s.site][1]
+                   and len(s.shape) == len(signature[s.site][0]) for s in sites)
 
     @cached_property
-    def _site_bytes(self) -> tuple[int, ...]:
+    def site_bytes(self) -> tuple[int, ...]:
+        """Each site's own size in the plan, in bytes."""
         return tuple(math.prod(shape) * getattr(torch, dtype).itemsize
                      for shape, dtype in self.signature)
 
