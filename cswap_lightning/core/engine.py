@@ -302,7 +302,7 @@ class Offloader:
             return
         auto = self.config.plan == "auto"
         if step.checked is not None:
-            if step.counted() != step.checked.counted:
+            if step.stats.resized:  # it saved other sizes than the checking step
                 if auto and not self.plan.covers(step.counted()):
                     self._outgrown(step)  # its larger tensors were tracked
                     return

@@ -36,6 +36,7 @@ from ..planning.profiler import StepTimer
 from .residency import Residency
 from .stats import SiteStats, StepStats, fmt_bytes
 from .tensors import (
+    _STRIDED,
     counter_owner,
     skip_reason,
     unwrap,
@@ -139,8 +140,9 @@ class Step:
         # The plan's size of each site (bytes): a larger tensor at an untracked site is
         # tracked, so that the plan can be made again for it. None: any size.
         self.limits = limits
-        self.saved = 0  # tensors saved so far: the next one's site
-        self.sizes: list[int] = []  # the saved tensors' own sizes, in order (``counted``)
+        # the saved tensors' own sizes, in order (``counted``): as many as were saved, so
+        # its length is the next one's site
+        self.sizes: list[int] = []
         self.transfer = offloader.transfer
         self.min_bytes = offloader.config.min_bytes
         self.prefetch_bytes = offloader.prefetch_window()
@@ -180,16 +182,17 @@ class Step:
         if _dynamo_callback() is not None:  # in a compiled module's eager fallback
             return torch.compiler.disable(self.pack)(saved)
         t, rebuild = (saved, None) if plain else unwrap(saved)
-        if self.idle or self.saved in self.untracked:  # a DTensor counts by its local shard
+        site = len(self.sizes)
+        if self.idle or site in self.untracked:  # a DTensor counts by its local shard
             counted = self._count(saved, t)
             if counted is not None:
                 return counted
-        move = self.untracked_moves.get(self.saved)
+        move = self.untracked_moves.get(site)
         if (move is not None and t.dtype is move.dtype and rebuild is None
                 and t.layout is _STRIDED and not t.is_nested):  # as the checked step's was
             storage = t.untyped_storage()
             if storage.nbytes() == move.nbytes:
-                return self._move(t, storage, move)
+                return self._move(site, t, storage, move)
         return self._track(saved, t, rebuild)
 
     def _count(self, saved: torch.Tensor, t: torch.Tensor) -> tuple | None:
@@ -197,9 +200,10 @@ class Step:
         where ``t`` is larger than the plan's site (then it is tracked: its row plans for it)."""
         nbytes = t.numel() * t.element_size()  # a sparse tensor has no nbytes
         limits = self.limits
-        if limits is not None and (self.saved >= len(limits) or nbytes > limits[self.saved]):
-            return None
-        self.saved += 1
+        if limits is not None:
+            site = len(self.sizes)
+            if site >= len(limits) or nbytes > limits[site]:
+                return None
         self.stats.untracked_tensors += 1
         self.stats.untracked_bytes += nbytes
         self.sizes.append(nbytes)
@@ -214,8 +218,7 @@ class Step:
                rebuild: Callable | None) -> tuple | _Entry | _View:
         """Pack a site with its row in the step's table, and its storage counted in the
         residency ledger."""
-        site = self.saved
-        self.saved += 1
+        site = len(self.sizes)
         stats = SiteStats(site, tuple(t.shape), _DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype),
                           t.numel() * t.element_size(), "keep", packed_at=self.clock)
         self.clock += 1
@@ -252,14 +255,14 @@ class Step:
         self._offload(entry, t, storage, stats.nbytes, get_codec(codec))
         return entry
 
-    def _move(self, t: torch.Tensor, storage: torch.UntypedStorage, move: Move) -> _Entry:
+    def _move(self, site: int, t: torch.Tensor, storage: torch.UntypedStorage,
+              move: Move) -> _Entry:
         """Move a site as the checked plan moved it, without a row or residency: the step
         only sums it (``StepStats.untracked_moved_*``)."""
         self.sizes.append(t.nbytes)
         if self.device is None:
             self._first_pack(t.device)
-        entry = _Entry(self.saved, t, weakref.ref(storage) if move.shared else None, None, None)
-        self.saved += 1
+        entry = _Entry(site, t, weakref.ref(storage) if move.shared else None, None, None)
         self._offload(entry, t, storage, move.nbytes, move.codec)
         stats = self.stats
         if entry.kept is None:
@@ -516,7 +519,6 @@ def hide_from_dynamo() -> None:
 
 
 _hidden = False
-_STRIDED = torch.strided
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 

@@ -208,9 +208,9 @@ class Profiler:
                 profile = SiteProfile(s.site, s.shape, s.dtype, s.nbytes, offloadable)
                 self.sites[s.site] = profile
                 self._windows[s.site] = []
-            elif math.prod(s.shape) > math.prod(profile.shape):  # grown: its bytes in proportion
-                old = math.prod(profile.shape)
-                profile.nbytes = profile.nbytes * math.prod(s.shape) // old if old else s.nbytes
+            elif (numel := math.prod(s.shape)) > (old := math.prod(profile.shape)):
+                # grown: its bytes in proportion
+                profile.nbytes = profile.nbytes * numel // old if old else s.nbytes
                 profile.shape = s.shape
             # A site the plan kept tells only its view's size, and not whether it shares its
             # storage with an earlier site: what a swap of it measured stands.
