@@ -4,7 +4,9 @@ names the flag and what it accepts, never a traceback from deep in the run."""
 from __future__ import annotations
 
 import pytest
+import torch
 
+from cswap_lightning import __version__
 from cswap_lightning.commands import args, cli
 from cswap_lightning.commands.demo import TRAIN_IMAGES, load_digits
 
@@ -12,6 +14,7 @@ FAST_CODEC = ["--quick", "--no-relu", "--no-nvcomp", "--codecs", "zvc", "--dtype
               "--sparsities", "0"]
 WHOLE = "expected a whole number"
 BUDGET = "expected none, auto, a fraction of device memory in (0, 1]"
+MISSING_GPU = f"cuda:{torch.cuda.device_count()}"  # one past this machine's last GPU
 
 BAD_FLAGS = [  # the command line, the flag the error names, what it says the flag accepts
     (["demo", "--budget", "inf"], "--budget", BUDGET),
@@ -24,6 +27,10 @@ BAD_FLAGS = [  # the command line, the flag the error names, what it says the fl
     (["demo", "--batch-size", "0"], "--batch-size", f"{WHOLE} from 1 to {TRAIN_IMAGES}"),
     (["demo", "--batch-size", "5000"], "--batch-size", f"{WHOLE} from 1 to {TRAIN_IMAGES}"),
     (["demo", "--width", "0"], "--width", f"{WHOLE} >= 1"),
+    (["demo", "--device", "tpu"], "--device", "expected auto, cpu, cuda or cuda:N"),
+    (["demo", "--device", MISSING_GPU], "--device", f"got {MISSING_GPU!r}, but"),
+    (["bench", "advisor", "--device", "gpu"], "--device", "expected auto, cpu, cuda or cuda:N"),
+    (["bench", "overhead", "--device", MISSING_GPU], "--device", f"got {MISSING_GPU!r}, but"),
     (["bench", "step", "--steps", "0", "--warmup", "0"], "--steps", f"{WHOLE} >= 1"),
     (["bench", "step", "--steps", "1", "--warmup", "-1"], "--warmup", f"{WHOLE} >= 0"),
     (["bench", "step", "--steps", "1", "--warmup", "0", "--batch-size", "0"], "--batch-size",
@@ -67,3 +74,18 @@ def test_demo_batch_size_bound_is_its_training_split():
     import torch
 
     assert len(load_digits(torch.device("cpu"))[0]) == TRAIN_IMAGES
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_cuda_without_a_gpu_is_a_usage_error_saying_so(capsys):
+    with pytest.raises(SystemExit) as failure:
+        cli.main(["demo", "--device", "cuda"])
+    assert failure.value.code == 2
+    assert "sees no CUDA device" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"cswap-lightning {__version__}"

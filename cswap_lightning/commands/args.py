@@ -59,3 +59,29 @@ def budget(text: str) -> int | float | str | None:
     raise argparse.ArgumentTypeError(
         f"expected none, auto, a fraction of device memory in (0, 1] like 0.5, or a number of "
         f"bytes >= 1 like 2000000000; got {text!r}")
+
+
+def device(text: str) -> str:
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N``, where this machine has that GPU: a device the
+    run could not use is a usage error here, not a traceback from its first tensor."""
+    import torch
+
+    if text in ("auto", "cpu"):
+        return text
+    try:
+        parsed = torch.device(text)
+    except RuntimeError:
+        parsed = None
+    if parsed is None or parsed.type != "cuda":
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+    if not torch.cuda.is_available():
+        build = "a build without CUDA" if torch.version.cuda is None else "no GPU or driver found"
+        raise argparse.ArgumentTypeError(
+            f"got {text!r}, but torch {torch.__version__} sees no CUDA device ({build}); use "
+            "--device cpu, or auto (a GPU if there is one)")
+    count = torch.cuda.device_count()
+    if parsed.index is not None and parsed.index >= count:
+        raise argparse.ArgumentTypeError(
+            f"got {text!r}, but this machine has {count} CUDA device(s): cuda:0 to "
+            f"cuda:{count - 1}")
+    return text

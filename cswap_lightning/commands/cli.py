@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .. import __version__
 from ..config import LOSSY_CODECS, PLANS, CSwapConfig
 from .args import budget as _budget
+from .args import device as _device
 from .args import fraction as _fraction
 from .args import whole as _whole
 
@@ -47,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     if (sys.argv[1:] if argv is None else argv)[:1] == ["compare"]:
         return _compare(sys.argv[2:] if argv is None else argv[1:])
     parser = argparse.ArgumentParser(prog="cswap", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"cswap-lightning {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("fit", help="train a recipe with LightningCLI: cswap fit --config "
                         "cnn (a shipped recipe, or a YAML file; cswap fit --help lists options)")
@@ -59,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--batch-size", type=_demo_batch_size, default=128,
                       help="images per step, at most the training split of the digits")
     demo.add_argument("--width", type=_whole(1), default=32, help="channels of the first conv")
-    demo.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    demo.add_argument("--device", type=_device, default="auto", help="auto, cpu, cuda or cuda:N")
     demo.add_argument("--plan", default="auto", choices=PLANS)
     demo.add_argument("--min-bytes", type=_whole(0), default=64 * 1024,
                       help="saved tensors smaller than this stay on the device")
@@ -74,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     step = bench_kinds.add_parser("step", help="step time, peak memory and bytes moved, "
                                   "against no offload and peer methods")
     step.add_argument("--model", default="cnn", choices=("cnn", "mlp", "transformer"))
-    step.add_argument("--device", default="auto")
+    step.add_argument("--device", type=_device, default="auto")
     step.add_argument("--batch-size", type=_whole(1), default=None,
                       help="default: per model and device")
     step.add_argument("--steps", type=_whole(1), default=10, help="timed steps per method")
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     step.add_argument("--out", default=None, help="write markdown and JSON results here (stem)")
     codec = bench_kinds.add_parser("codec", help="zvc/rle throughput and ratio by dtype, size "
                                    "and sparsity, against copy bandwidth and nvCOMP")
-    codec.add_argument("--device", default="auto")
+    codec.add_argument("--device", type=_device, default="auto")
     codec.add_argument("--sizes", nargs="+", type=_size, default=None, metavar="SIZE",
                        help="e.g. 256KiB 16MiB (default: 256KiB..256MiB by powers of 4 on a "
                        "GPU, 256KiB..16MiB on the CPU)")
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     codec.add_argument("--out", default=None, help="write markdown and JSON results here (stem)")
     advisor = bench_kinds.add_parser(
         "advisor", help="does the advisor pick the faster of raw and compressed swaps?")
-    advisor.add_argument("--device", default="auto")
+    advisor.add_argument("--device", type=_device, default="auto")
     advisor.add_argument("--codec", default="zvc", choices=("zvc", "rle"))
     overhead = bench_kinds.add_parser(
         "overhead", help="the engine's host time per saved tensor (a chain of tiny ops)")
@@ -113,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     overhead.add_argument("--rounds", type=_whole(1), default=7, help="interleaved rounds")
     overhead.add_argument("--steady-steps", type=_whole(1), default=8,
                           help="steps in a row per method for the steady-state figure")
-    overhead.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+    overhead.add_argument("--device", type=_device, default="cpu", choices=("cpu", "cuda"),
                           help="where the chain runs (cuda: host time of a GPU step)")
     overhead.add_argument("--out", default=None, help="write markdown and JSON results here (stem)")
     from .bench_suite import add_parser as add_suite_parser
