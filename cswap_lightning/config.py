@@ -16,6 +16,9 @@ LOSSY_CODECS: tuple[str, ...] = get_args(LossyCodec)
 PLANS: tuple[str, ...] = ("auto", "keep", "raw", *COMPRESSORS, *LOSSY_CODECS)
 
 MiB = 1 << 20
+# More memory than any device has (the largest GPUs hold 288 GB; 16 TiB is more RAM than
+# nearly any host): a byte count above it is a slip (a unit written twice), not a setting.
+MAX_BYTES = 1 << 44
 
 # The types each field accepts (bool is rejected where a number is expected).
 _TYPES: dict[str, tuple[type, ...]] = {
@@ -117,12 +120,35 @@ class CSwapConfig:
                 raise ValueError(
                     f"CSwapConfig.{name} must be >= 0 bytes, got {getattr(self, name)!r}"
                 )
+            _check_size(name, getattr(self, name))
+
+
+def as_config(config: object, caller: str) -> CSwapConfig:
+    """``config``, or the defaults for ``None``; anything else is a ``TypeError`` saying what
+    ``caller`` takes (a plan's name given alone, ``offload("raw")``, is the common slip)."""
+    if config is None:
+        return CSwapConfig()
+    if isinstance(config, CSwapConfig):
+        return config
+    hint = (f"; for that plan: {caller}(CSwapConfig(plan={config!r}))"
+            if isinstance(config, str) and config in PLANS else "")
+    raise TypeError(f"{caller}() takes a CSwapConfig (or None for the defaults), got "
+                    f"{config!r} ({type(config).__name__}){hint}")
 
 
 def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(
             f"CSwapConfig.{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}"
+        )
+
+
+def _check_size(name: str, nbytes: int) -> None:
+    if nbytes > MAX_BYTES:
+        raise ValueError(
+            f"CSwapConfig.{name}={nbytes!r} bytes ({nbytes / 2**40:,.0f} TiB) is more than any "
+            f"device's memory (at most {MAX_BYTES >> 40} TiB accepted); write bytes, e.g. "
+            "40_000_000_000 for 40 GB"
         )
 
 
@@ -136,5 +162,8 @@ def _check_budget(budget: float | str | None) -> None:
     if not ok:
         raise ValueError(
             "CSwapConfig.budget must be None (offload everything), 'auto' (fit what is free), "
-            f"a number of bytes > 0, or a fraction of device memory in (0, 1]; got {budget!r}"
+            f"a number of bytes > 0 (an int), or a fraction of device memory in (0, 1]; got "
+            f"{budget!r}"
         )
+    if isinstance(budget, int):
+        _check_size("budget", budget)

@@ -89,3 +89,10 @@ def test_version(capsys):
         cli.main(["--version"])
     assert done.value.code == 0
     assert capsys.readouterr().out.strip() == f"cswap-lightning {__version__}"
+
+
+def test_a_flag_the_config_refuses_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as failure:
+        cli.main(["demo", "--budget", "1e21"])
+    assert failure.value.code == 2
+    assert "error: CSwapConfig.budget=1000000000000000000000 bytes" in capsys.readouterr().err

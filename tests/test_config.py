@@ -1,6 +1,7 @@
 import pytest
 
-from cswap_lightning import CSwapConfig
+from cswap_lightning import CSwapConfig, offload
+from cswap_lightning.config import MAX_BYTES
 
 
 @pytest.mark.parametrize(
@@ -25,6 +26,11 @@ from cswap_lightning import CSwapConfig
         ({"pin_memory": "yes"}, TypeError, r"pin_memory must be of type bool"),
         ({"prefetch_bytes": True}, TypeError, r"prefetch_bytes must be of type int, got True"),
         ({"plan": None}, TypeError, r"plan must be of type str, got None"),
+        ({"budget": 10**21}, ValueError, r"budget=10{21} bytes .* more than any device's memory"),
+        ({"budget": 1e21}, ValueError, r"budget must be .* bytes > 0 \(an int\)"),
+        ({"prefetch_bytes": 10**14}, ValueError, r"prefetch_bytes=10{14} bytes \(91 TiB\) is more"),
+        ({"inflight_bytes": 1 << 45}, ValueError, r"inflight_bytes=.* more than any device"),
+        ({"min_bytes": 1 << 45}, ValueError, r"min_bytes=.* more than any device"),
     ],
 )
 def test_bad_values_fail_at_construction_naming_the_field(kwargs, error, pattern):
@@ -39,3 +45,15 @@ def test_defaults_and_valid_values():
     assert CSwapConfig(lossy_exclude=["head*"]).lossy_exclude == ("head*",)
     for budget in (None, "auto", 1 << 30, 0.5, 1.0):
         assert CSwapConfig(budget=budget).budget == budget
+
+
+def test_the_largest_sizes_are_accepted():
+    assert CSwapConfig(budget=MAX_BYTES, prefetch_bytes=MAX_BYTES).budget == MAX_BYTES
+
+
+def test_offload_names_what_it_takes():
+    with pytest.raises(TypeError, match=r"offload\(\) takes a CSwapConfig .* got 'raw' \(str\); "
+                       r"for that plan: offload\(CSwapConfig\(plan='raw'\)\)"):
+        offload("raw")
+    with pytest.raises(TypeError, match=r"offload\(\) takes a CSwapConfig .* got 5 \(int\)$"):
+        offload(5)

@@ -362,3 +362,8 @@ def test_the_predicted_peak_is_logged_beside_the_measured_one(tmp_path):
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert logged[-1]["cswap/predicted_peak_bytes"] == plan.predicted_peak > 0
     assert logged[-1]["cswap/peak_resident_bytes"] > 0
+
+
+def test_the_callback_names_what_it_takes():
+    with pytest.raises(TypeError, match=r"CSwapCallback\(\) takes a CSwapConfig .* got 'raw'"):
+        CSwapCallback("raw")

@@ -546,3 +546,10 @@ def test_the_predicted_peak_is_logged_beside_the_measured_one():
 def test_no_predicted_peak_is_logged_without_a_plan():
     trainer, _ = train(CSwapStrategy(LOSSLESS))
     assert "cswap/predicted_peak_bytes" not in trainer.callback_metrics
+
+
+@pytest.mark.parametrize("strategy", [CSwapStrategy, CSwapDDPStrategy])
+def test_a_strategy_names_what_it_takes(strategy):
+    with pytest.raises(TypeError, match=rf"{strategy.__name__}\(\) takes a CSwapConfig .*"
+                       r"got 'zvc' \(str\); for that plan: .*\(CSwapConfig\(plan='zvc'\)\)"):
+        strategy("zvc")

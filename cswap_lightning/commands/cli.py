@@ -174,7 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from .demo import run_demo
 
-        result = run_demo(args.epochs, args.batch_size, args.width, args.device, _config(args))
+        try:
+            config = _config(args)
+        except (TypeError, ValueError) as err:  # a flag the config refuses: name it
+            demo.error(str(err))
+        result = run_demo(args.epochs, args.batch_size, args.width, args.device, config)
         return 0 if result["gradients_equal"] else 1
     if args.bench == "advisor":
         from .bench_advisor import run_advisor_check

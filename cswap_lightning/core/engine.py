@@ -21,7 +21,7 @@ from typing_extensions import Self
 from ..codecs import get_codec
 from ..codecs.cuda import enable_cuda_codecs_if_requested
 from ..codecs.lossy import LOSSY_DTYPES as _LOSSY_TORCH_DTYPES
-from ..config import LOSSY_CODECS, CSwapConfig
+from ..config import LOSSY_CODECS, CSwapConfig, as_config
 from ..planning.advisor import HELD_ELSEWHERE, Advisor, Plan, resolve_budget
 from ..planning.predictor import CodecTimeModel, calibrate
 from ..planning.profiler import Link, Profiler, measure_link
@@ -449,7 +449,7 @@ def _shared() -> dict[CSwapConfig, Offloader]:
 def offload(config: CSwapConfig | None = None) -> Offloader:
     """This thread's :class:`Offloader` for ``config`` (one per distinct config and thread),
     so that ``with offload(config):`` written inside a training loop learns across steps."""
-    config = config if config is not None else CSwapConfig()
+    config = as_config(config, "offload")
     shared = _shared()
     if config not in shared:
         shared[config] = Offloader(config)

@@ -34,7 +34,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.utils import logging
 
-from ..config import CSwapConfig
+from ..config import CSwapConfig, as_config
 from ..core.compile import blocks, compile_blocks
 from ..core.engine import Offloader
 from ..core.guard import AccuracyGuard
@@ -126,7 +126,7 @@ class CSwapCallback(TrainerCallback):
     """
 
     def __init__(self, config: CSwapConfig | None = None) -> None:
-        self.config = config if config is not None else CSwapConfig()
+        self.config = as_config(config, "CSwapCallback")
         self.metrics = offload_metrics()
         self.last: StepStats | None = None  # the most recent micro-batch's statistics
         self._offloader: Offloader | None = None

@@ -42,7 +42,7 @@ from lightning.pytorch.strategies import (
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics import Metric
 
-from ..config import LOSSY_CODECS, CSwapConfig
+from ..config import LOSSY_CODECS, CSwapConfig, as_config
 from ..core.compile import compiled_whole
 from ..core.engine import Offloader
 from ..core.guard import AccuracyGuard
@@ -59,7 +59,7 @@ class _CSwapMixin:
 
     def __init__(self, config: CSwapConfig | None = DEFAULT_CONFIG, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.cswap_config = config if config is not None else CSwapConfig()
+        self.cswap_config = as_config(config, type(self).__name__)
         self._offloader: Offloader | None = None
         self._guard: AccuracyGuard | None = None
 
