@@ -66,9 +66,23 @@ def test_an_interrupted_lossy_run_keeps_the_lossless_results(tmp_path, monkeypat
     assert "did not finish" in Path(f"{out}.md").read_text()
 
 
-def test_compare_names_a_metric_the_model_does_not_log(tmp_path):
+@pytest.mark.parametrize("sanity_steps", ["2", "0"])
+def test_compare_names_a_metric_the_model_does_not_log_before_training(tmp_path, monkeypatch,
+                                                                        sanity_steps):
+    trained = []
+    monkeypatch.setattr(compare_module._Recorder, "on_train_batch_start",
+                        lambda *args: trained.append(args))
     with pytest.raises(ValueError, match="no 'val_f1'.*val_acc"):
-        compare(cnn_args(tmp_path, "--trainer.max_epochs", "1"), metric="val_f1")
+        compare(cnn_args(tmp_path, "--trainer.max_epochs", "1",
+                         "--trainer.num_sanity_val_steps", sanity_steps), metric="val_f1")
+    assert not trained
+
+
+def test_cli_compare_metric_missing_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as failure:
+        main(["compare", "--metric", "val_f1", *cnn_args(tmp_path)])
+    assert failure.value.code == 2
+    assert "error: the model logs no 'val_f1' in validation" in capsys.readouterr().err
 
 
 def test_compare_needs_a_cswap_strategy(tmp_path):

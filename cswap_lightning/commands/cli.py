@@ -221,9 +221,12 @@ def _compare(argv: list[str]) -> int:
     args, recipe_args = parser.parse_known_args(argv)
     if not recipe_args:
         parser.error("no recipe: pass --config NAME (`cswap recipes` lists them) or a YAML file")
-    from .compare import compare
+    from .compare import MetricMissing, compare
 
-    compare(recipe_args, args.lossy, args.metric, args.out)
+    try:
+        compare(recipe_args, args.lossy, args.metric, args.out)
+    except MetricMissing as err:
+        parser.error(str(err).removeprefix("cswap compare: "))
     return 0
 
 

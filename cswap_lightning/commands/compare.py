@@ -26,6 +26,10 @@ from ..recipes import resolve_configs
 from .bench_step import result_meta, write_results
 
 
+class MetricMissing(ValueError):
+    """The validation metric to compare is not one the model logs."""
+
+
 @dataclass
 class RunResult:
     """What one training run of the comparison measured."""
@@ -67,15 +71,16 @@ class _Recorder(Callback):
         _record_step(self.result, step)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.sanity_checking:
-            return
+        """After each epoch's validation, and first after the sanity check, which runs
+        before any training step: a metric the model does not log fails there."""
         value = trainer.callback_metrics.get(self.metric)
         if value is None:
-            raise ValueError(
+            raise MetricMissing(
                 f"cswap compare: the model logs no {self.metric!r} in validation (it logs "
                 f"{sorted(trainer.callback_metrics)}); choose one with --metric"
             )
-        self.result.metric.append(float(value))
+        if not trainer.sanity_checking:
+            self.result.metric.append(float(value))
 
 
 def _record_step(result: RunResult, step: StepStats) -> None:
@@ -100,6 +105,9 @@ def train_once(args: list[str], label: str, change: Callable[[CSwapConfig], CSwa
     strategy.cswap_config = change(strategy.cswap_config)
     result = RunResult(label, strategy.cswap_config.plan, str(strategy.root_device))
     cli.trainer.callbacks.append(_Recorder(strategy, metric, result))
+    # The sanity check validates before training (under its own random state): the metric
+    # is checked there, not after a whole epoch.
+    cli.trainer.num_sanity_val_steps = cli.trainer.num_sanity_val_steps or 1
     cuda = strategy.root_device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(strategy.root_device)
