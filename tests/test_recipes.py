@@ -16,6 +16,7 @@ from torch import nn
 
 from cswap_lightning import CSwapConfig
 from cswap_lightning.commands.cli import main
+from cswap_lightning.commands.fit import cli_args
 from cswap_lightning.commands.fit import main as fit
 from cswap_lightning.integrations.lightning import CSwapStrategy
 from cswap_lightning.recipes import describe, resolve_configs, shipped
@@ -163,6 +164,43 @@ def test_bad_cswap_option_fails_at_parse_time_naming_it(tmp_path, capsys):
 
 
 CSWAP_CONFIG = "trainer.strategy.init_args.config"
+
+
+def test_cswap_options_have_a_short_alias(capsys):
+    assert cli_args(["--cswap.plan", "zvc", "--cswap.budget=0.5", "--trainer.max_steps", "2"]) == [
+        f"--{CSWAP_CONFIG}.plan", "zvc", f"--{CSWAP_CONFIG}.budget=0.5", "--trainer.max_steps", "2"]
+    with pytest.raises(SystemExit) as done:
+        fit(["--config", str(CNN), "--cswap.plan", "zvc", "--cswap.budget=0.5", "--print_config"])
+    assert done.value.code == 0
+    config = yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]["init_args"]["config"]
+    assert (config["plan"], config["budget"]) == ("zvc", 0.5)
+
+
+@pytest.mark.parametrize("yaml_line, first_line, hint", [
+    ("        budjet: null", f"{CSWAP_CONFIG}: Option 'budjet' is not accepted",
+     "  did you mean 'budget'?"),
+    ("        plan: zcv", (f"{CSWAP_CONFIG}.plan: Expected a typing.Literal['auto', 'keep', "
+                          "'raw', 'zvc', 'rle', 'int8', 'fp8', 'int4']. Got value: zcv"),
+     "jsonargparse's full report:"),
+])
+def test_a_refused_yaml_value_is_said_first(yaml_line, first_line, hint, tmp_path, capsys):
+    override = tmp_path / "override.yaml"
+    override.write_text(f"trainer:\n  strategy:\n    init_args:\n      config:\n{yaml_line}\n")
+    with pytest.raises(SystemExit) as failure:
+        fit(["--config", str(CNN), "--config", str(override)])
+    assert failure.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[:2] == [f"cswap fit: error: {first_line}", hint]
+    assert not any(line.startswith("usage:") for line in err)
+
+
+def test_a_misspelt_option_is_said_with_the_likely_one(capsys):
+    with pytest.raises(SystemExit) as failure:
+        fit(["--config", str(CNN), "--trainer.max_epohcs", "2"])
+    assert failure.value.code == 2
+    assert capsys.readouterr().err.splitlines()[:2] == [
+        "cswap fit: error: unrecognized arguments: --trainer.max_epohcs 2",
+        "  did you mean 'trainer.max_epochs'?"]
 
 
 @pytest.mark.parametrize("key, value, error", [

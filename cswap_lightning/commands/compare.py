@@ -17,13 +17,12 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.cli import LightningCLI
 
 from ..config import LOSSY_CODECS, CSwapConfig
 from ..core.stats import StepStats, fmt_bytes
 from ..integrations.lightning import _CSwapMixin
-from ..recipes import resolve_configs
 from .bench_step import result_meta, write_results
+from .fit import cli_args, cswap_cli
 
 
 class MetricMissing(ValueError):
@@ -93,8 +92,7 @@ def _record_step(result: RunResult, step: StepStats) -> None:
 def train_once(args: list[str], label: str, change: Callable[[CSwapConfig], CSwapConfig],
                metric: str) -> RunResult:
     """Build the recipe from LightningCLI ``args``, ``change`` its CSwap config, train, measure."""
-    cli = LightningCLI(args=args, run=False, save_config_callback=None,
-                       parser_kwargs={"prog": "cswap compare"})
+    cli = cswap_cli(args, "cswap compare", run=False, save_config_callback=None)
     strategy = cli.trainer.strategy
     if not isinstance(strategy, _CSwapMixin):
         raise TypeError(
@@ -122,7 +120,7 @@ def compare(args: list[str], lossy: str = "int8", metric: str = "val_acc",
     """Train the recipe lossless, then lossy with codec ``lossy``; print and return both."""
     if lossy not in LOSSY_CODECS:
         raise ValueError(f"cswap compare: lossy codec {lossy!r} is not one of {LOSSY_CODECS}")
-    args = resolve_configs(args)
+    args = cli_args(args)
     lossless = train_once(args, "lossless", _lossless, metric)
     meta = result_meta(torch.device(lossless.device), lossy=lossy, metric=metric)
     try:

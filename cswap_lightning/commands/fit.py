@@ -2,18 +2,24 @@
 
 ``cswap fit --config resnet50 --trainer.max_steps 100`` is LightningCLI's ``fit`` subcommand
 (``--config`` also takes a shipped recipe's name): every option, ``--print_config`` and
-``--help`` are LightningCLI's own. A value the classes refuse when they are built (a negative
-``min_bytes``, ``budget: 1.5``) is a one-line usage error, exit status 2, not a traceback.
+``--help`` are LightningCLI's own, and ``--cswap.FIELD VALUE`` is short for
+``--trainer.strategy.init_args.config.FIELD VALUE``. A value the classes refuse when they are
+built (a negative ``min_bytes``, ``budget: 1.5``) is a one-line usage error, exit status 2, not
+a traceback; one jsonargparse refuses (a misspelt key, a value outside a ``Literal``) is too,
+its innermost line first, before jsonargparse's full report and without the usage.
 """
 
 from __future__ import annotations
 
+import re
 import sys
+from dataclasses import fields, is_dataclass
+from difflib import get_close_matches
 from pydoc import locate
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from jsonargparse import Namespace
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from ..config import CSwapConfig
 
@@ -22,11 +28,83 @@ from ..integrations.lightning import _CSwapMixin
 from ..recipes import resolve_configs
 
 CSWAP_CONFIG = "trainer.strategy.init_args.config"
+ALIAS = "--cswap."  # --cswap.budget 0.5: --trainer.strategy.init_args.config.budget 0.5
+CSWAP_FIELDS = ", ".join(f.name for f in fields(CSwapConfig))
 
 
 def _usage_error(message: str) -> NoReturn:
     print(f"cswap fit: error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def cli_args(args: list[str]) -> list[str]:
+    """LightningCLI's arguments for ``args``: ``--cswap.FIELD`` spelt out in full, and each
+    shipped recipe's name given to ``--config`` replaced by its path."""
+    full = [f"--{CSWAP_CONFIG}.{arg.removeprefix(ALIAS)}" if arg.startswith(ALIAS) else arg
+            for arg in args]
+    return resolve_configs(full)
+
+
+# jsonargparse's report nests the error of each alternative of each union under the key
+# that failed: these lines are structure, not the error.
+_STRUCTURE = re.compile(r"(- )?(Does not validate against any of the Union subtypes|Subtypes: .*|"
+                        r"Errors:|Given value( type)?: .*|Expected a <class '(str|NoneType)'>)")
+_KEY = re.compile(r'Parser key "(.+)":')
+_CLASS = re.compile(r"- Problem with given class_path '(.+)':")
+_UNKNOWN = re.compile(r"(?:Option|does not accept option) '([^']+)'|unrecognized arguments: --(\S+)")
+
+
+def innermost_error(report: str) -> str:
+    """The line of jsonargparse's nested ``report`` that says what is wrong (the most deeply
+    nested one), after the full key it is about (``trainer.strategy.init_args.config.plan:
+    Expected a typing.Literal[...]. Got value: zcv``); the report itself if it has one line."""
+    path: list[tuple[int, str]] = []  # (indent, key part) of the lines the next one is under
+    best: tuple[int, str] | None = None
+    for line in report.splitlines():
+        text, indent = line.strip(), len(line) - len(line.lstrip())
+        while path and path[-1][0] >= indent:
+            path.pop()
+        key, cls = _KEY.fullmatch(text), _CLASS.fullmatch(text)
+        if key:
+            path.append((indent, key[1]))
+        elif cls:  # a class's arguments are under init_args; a dataclass's fields are not
+            path.append((indent, "" if is_dataclass(locate(cls[1])) else "init_args"))
+        elif text and not _STRUCTURE.fullmatch(text) and (best is None or indent > best[0]):
+            where = ".".join(part for _, part in path if part)
+            best = (indent, f"{where}: {text}" if where else text)
+    return report if best is None else best[1]
+
+
+class _Parser(LightningArgumentParser):
+    """LightningCLI's parser, whose usage errors lead with the line that says what is wrong
+    instead of ending a 50-line usage message with it."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error:  # jsonargparse is trying alternatives: not the end
+            super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self  # `fit`'s, for its options
+        prog = parser.prog.replace(" [options]", "")
+        first = innermost_error(message)
+        lines = [f"{prog}: error: {first}"]
+        unknown = _UNKNOWN.search(first)
+        if unknown:
+            known = ([f.name for f in fields(CSwapConfig)] if first.startswith(CSWAP_CONFIG)
+                     else [action.dest for action in parser._actions])
+            close = get_close_matches(unknown[1] or unknown[2], known, n=1)
+            lines += [f"  did you mean {close[0]!r}?"] if close else []
+            if first.startswith(CSWAP_CONFIG):
+                lines.append(f"  CSwapConfig's fields: {CSWAP_FIELDS}")
+        if first != message:
+            lines += ["jsonargparse's full report:", message]
+        lines.append(f"`{prog} --help` lists every option; --cswap.FIELD VALUE sets a "
+                     "CSwapConfig field")
+        print("\n".join(lines), file=sys.stderr)
+        raise SystemExit(2)
+
+
+def cswap_cli(args: list[str] | None, prog: str, **kwargs: Any) -> LightningCLI:
+    """LightningCLI (``CSwapCLI``) with the condensed usage errors, as ``prog``."""
+    return CSwapCLI(args=args, parser_class=_Parser, parser_kwargs={"prog": prog}, **kwargs)
 
 
 class CSwapCLI(LightningCLI):
@@ -36,7 +114,8 @@ class CSwapCLI(LightningCLI):
         """Build the strategy's CSwapConfig once first, to name the key of a bad value: inside
         the Trainer's ``str | Strategy`` union, jsonargparse would report the config's error
         as a long traceback whose cause is the ``str`` alternative's."""
-        strategy = self.config[self.subcommand].trainer.strategy
+        config = self.config[self.subcommand] if self.subcommand else self.config  # run=False
+        strategy = config.trainer.strategy
         if not isinstance(strategy, Namespace):  # a name like "cswap": the default config
             return
         cls, config = locate(strategy.class_path), strategy.init_args.get("config")
@@ -61,11 +140,11 @@ def main(args: list[str] | None = None) -> LightningCLI:
     """Run ``Trainer.fit`` as configured by ``args`` (what would follow ``cswap fit``).
 
     ``None`` parses the process's command line, which must start with ``fit``: its recipe
-    names are resolved in place, in ``sys.argv``, because LightningCLI reads either
+    names and ``--cswap.FIELD`` are resolved in place, in ``sys.argv``, because LightningCLI reads either
     ``sys.argv`` or ``args`` (and warns when given ``args`` beside a command line).
     """
     if args is None:
-        sys.argv[2:] = resolve_configs(sys.argv[2:])
+        sys.argv[2:] = cli_args(sys.argv[2:])
     else:
-        args = ["fit", *resolve_configs(args)]
-    return CSwapCLI(args=args, parser_kwargs={"prog": "cswap"})
+        args = ["fit", *cli_args(args)]
+    return cswap_cli(args, "cswap")
