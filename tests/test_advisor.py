@@ -274,10 +274,13 @@ def test_calibration_is_measured_once_and_validated_on_held_out_runs():
     assert big > small > 0
 
 
-def test_advisor_picks_the_measured_faster_swap_on_real_activations():
+def test_advisor_picks_the_measured_faster_swap_on_real_activations(capsys):
     cases = run_advisor_check("cpu")
     assert len(cases) >= 20 and {c.sparsity > 0.4 for c in cases} == {True, False}
     assert accuracy(cases) >= 0.9, report(cases)
+    progress = capsys.readouterr().err  # each phase of the half minute it runs is said
+    assert f"cswap bench advisor: swapping {len(cases)} activations raw and with zvc" in progress
+    assert "cswap bench advisor: timing 20 steps of the demo CNN" in progress
 
 
 def _step(off, net, x, y):

@@ -8,9 +8,13 @@ import torch
 from cswap_lightning.commands.bench_overhead import run_overhead_bench
 
 
-def test_the_overhead_bench_reports_every_method_against_no_engine(tmp_path):
+def test_the_overhead_bench_reports_every_method_against_no_engine(tmp_path, capsys):
     rows = run_overhead_bench(tensors=50, rounds=1, out=str(tmp_path / "overhead"),
                               steady_steps=2)
+    progress = capsys.readouterr().err.splitlines()  # each round is said as it ends
+    assert [line.split(" (")[0] for line in progress[-2:]] == [
+        "cswap bench overhead: interleaved round 1/1",
+        "cswap bench overhead: steady-state round 1/1"]
     methods = [r["method"] for r in rows]
     assert methods == ["no engine", "torch save_on_cpu", "copy in a pack hook",
                        "cswap default, run fits", "cswap budget 50% of keep",

@@ -23,6 +23,7 @@ from ..planning.advisor import Advisor
 from ..planning.predictor import calibrate
 from ..planning.profiler import SiteProfile, measure_link
 from ..recipes.nets import build_cnn
+from .progress import Progress
 
 
 @dataclass
@@ -96,12 +97,17 @@ def run_advisor_check(device: str = "auto", codec: str = "zvc") -> list[Case]:
     """Measure and predict every collected activation; print a table and the accuracy."""
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto"
                        else device)
+    progress = Progress("cswap bench advisor")
+    progress(f"timing the {codec} codec on synthetic tensors for the advisor's time model")
     calibration = calibrate(dev, (codec,))
+    progress("measuring the link")
     advisor = Advisor(codec, measure_link(dev), calibration.model)
     transfer, cases = Transfer(pin_memory=True), []
     print(f"cswap bench advisor: {codec} vs raw on {dev}; codec time model error on held-out "
           f"runs (MAPE) {100 * calibration.mape:.1f}%")
-    for source, t in collect_activations(dev):
+    activations = collect_activations(dev)
+    progress(f"swapping {len(activations)} activations raw and with {codec}, 3 times each")
+    for source, t in activations:
         flat = t.reshape(-1)
         sparsity = 1.0 - torch.count_nonzero(flat).item() / flat.numel()
         nbytes = flat.numel() * flat.element_size()
@@ -113,6 +119,7 @@ def run_advisor_check(device: str = "auto", codec: str = "zvc") -> list[Case]:
                           advisor.decide(profile).decision, codec))
     transfer.close()
     print(report(cases))
+    progress("timing 20 steps of the demo CNN with and without profiling")
     print(f"profiling a step (demo CNN, batch 128) takes {profiling_overhead(dev):.3f}x "
           "the time of the same step unprofiled (median of 20, interleaved)")
     return cases

@@ -42,6 +42,7 @@ import torch
 from ..config import CSwapConfig
 from ..core.engine import Offloader
 from .bench_step import result_meta, write_results
+from .progress import Progress
 
 
 def _chain(x: torch.Tensor, length: int) -> torch.Tensor:
@@ -121,6 +122,8 @@ def run_overhead_bench(tensors: int = 2000, numel: int = 4096, rounds: int = 7,
     print(f"cswap bench overhead on {dev}: {tensors} saved tensors of {numel * 4 // 1024} KiB "
           f"per step, {rounds} interleaved rounds (+1 warm-up), then {rounds} rounds of {steady_steps} "
           "steps in a row; torch on 1 thread")
+    progress = Progress("cswap bench overhead")
+    progress("each engine's measured steps and the step that checks its plan")
     try:
         for engine in engines.values():  # the measured steps, then one that checks the plan
             _steps(engine, x, tensors, engine.config.profile_steps + 1)
@@ -131,11 +134,13 @@ def run_overhead_bench(tensors: int = 2000, numel: int = 4096, rounds: int = 7,
                 if round_:
                     cpu[name].append(step_cpu)
                     wall[name].append(step_wall)
-        for _ in range(rounds):
+            progress(f"interleaved round {round_}/{rounds}" if round_ else "warm-up round")
+        for round_ in range(1, rounds + 1):
             for name, context in methods.items():
                 gc.collect()
                 steady[name].append(statistics.mean(
                     _timed_step(context, x, tensors)[0] for _ in range(steady_steps)))
+            progress(f"steady-state round {round_}/{rounds}")
         moved = engines["raw"].last_step().offloaded_bytes
         counted = engines["default"].last_step().untracked_tensors
         budgeted = engines["budget"].last_step()
