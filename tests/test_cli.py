@@ -3,6 +3,8 @@ names the flag and what it accepts, never a traceback from deep in the run."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -96,3 +98,19 @@ def test_a_flag_the_config_refuses_is_a_usage_error(capsys):
         cli.main(["demo", "--budget", "1e21"])
     assert failure.value.code == 2
     assert "error: CSwapConfig.budget=1000000000000000000000 bytes" in capsys.readouterr().err
+
+
+def test_env_reports_what_a_bug_report_needs(capsys):
+    from cswap_lightning.codecs.cuda_build import find_nvcc
+
+    assert cli.main(["env"]) == 0
+    lines = dict(re.fullmatch(r"(.+?) {2,}(.+)", line).groups()  # name, then its value
+                 for line in capsys.readouterr().out.splitlines())
+    assert lines["cswap-lightning"].startswith(__version__)
+    assert lines["torch"].startswith(torch.__version__)
+    assert lines["CUDA"] == "not available" or lines["CUDA"].startswith("cuda:0")
+    assert ("release" in lines["nvcc"]) if find_nvcc() else ("not found" in lines["nvcc"])
+    assert "enable" in lines["CUDA codecs"]
+    link = [value for name, value in lines.items() if name.startswith("link ")]
+    assert link and all("GB/s" in value for value in link)
+    assert f"transformers {__import__('transformers').__version__}" in lines["packages"]

@@ -1,4 +1,4 @@
-"""The `cswap` console script: demo, fit, compare, recipes, bench, build-ext and tune."""
+"""The `cswap` console script: demo, fit, compare, recipes, env, bench, build-ext and tune."""
 
 from __future__ import annotations
 
@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("compare", help="train a recipe lossless and lossy from one seed and "
                         "compare: cswap compare --config cnn [--lossy int8]")
     commands.add_parser("recipes", help="list the shipped recipes (cswap fit --config NAME)")
+    commands.add_parser("env", help="versions, CUDA devices, nvcc, the CUDA codec library and "
+                        "the link's bandwidth: paste it into a bug report")
 
     demo = commands.add_parser("demo", help="train a small ReLU CNN on scikit-learn digits")
     demo.add_argument("--epochs", type=_whole(1), default=3)
@@ -149,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
 
         for name, path in shipped().items():
             print(f"{name:10} {describe(path)}\n{'':10} {path}")
+        return 0
+    if args.command == "env":
+        from .env import report
+
+        print(report())
         return 0
     if args.command == "build-ext":
         from ..codecs.cuda_build import BuildError, build
