@@ -134,7 +134,8 @@ def test_a_step_that_was_only_counted_says_so_instead_of_drawing_a_curve():
     figure = memory_timeline(stats)
     assert figure.axes[0].get_lines() == []
     assert "12 saved tensors (3.0 MiB) kept or moved as the plan says" in figure.axes[0].get_title()
-    assert "not tracked one by one: 12 saved tensors (3.0 MiB)" in stats.table()
+    assert "not tracked one by one: 12 saved tensors (3.0 MiB, each tensor's own bytes)" in (
+        stats.table())
     assert stats.saved_bytes == stats.kept_bytes == 3 * MiB and stats.offloaded_bytes == 0
 
 

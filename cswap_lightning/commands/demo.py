@@ -16,7 +16,7 @@ from torch.nn import functional as F
 
 from ..config import COMPRESSORS, LOSSY_CODECS, CSwapConfig
 from ..core.engine import Offloader
-from ..core.stats import fmt_bytes
+from ..core.stats import StepStats, fmt_bytes
 from ..planning.advisor import predicted_stored_bytes
 from ..planning.profiler import measure_link
 from ..recipes.nets import build_cnn
@@ -129,16 +129,9 @@ def run_demo(
                   f"faster than the {dev.type} codec, so compressing would expose more time than "
                   f"it saves. Over a PCIe link ZVC would have sent {fmt_bytes(zvc)} instead of "
                   f"{fmt_bytes(sum(s.nbytes for s in raw))}; `--plan zvc` forces it.")
-    freed = step.offloaded_bytes
     keep_peak = peak_keeping_everything(model, config, xb, yb)
-    print(f"\nMemory: of {fmt_bytes(step.saved_bytes)} saved for backward, "
-          f"{fmt_bytes(freed)} left the {dev.type} memory "
-          f"({100 * freed / max(step.saved_bytes, 1):.0f}%) and were held as "
-          f"{fmt_bytes(step.stored_bytes)} on the host "
-          f"({fmt_bytes(freed - step.stored_bytes)} less thanks to compression). Saved "
-          f"tensors on the {dev.type} at once, measured: {fmt_bytes(step.peak_resident_bytes)} "
-          f"with the engine, {fmt_bytes(keep_peak)} keeping them all "
-          f"({step.peak_resident_bytes / max(keep_peak, 1):.2f}x).")
+    print()
+    print(memory_summary(step, dev, keep_peak))
     arena = offloader.transfer.arena_report()
     if arena is not None:
         print(f"Host arena (one planned buffer for a step's payloads): {arena}.")
@@ -148,3 +141,23 @@ def run_demo(
     offloader.close()
     return {"accuracy": accuracy, "gradients_equal": equal, "last_step": step.as_dict(),
             "keep_peak_bytes": keep_peak}
+
+
+def memory_summary(step: StepStats, device: torch.device, keep_peak: int) -> str:
+    """What moving saved, in the words of the machine it ran on: on the CPU the host buffers
+    are the same RAM, so only compression holds less there."""
+    moved, stored = step.offloaded_bytes, step.stored_bytes
+    share = f"{100 * moved / max(step.keep_all_bytes, 1):.0f}%"
+    if device.type == "cpu":
+        where = (f"were moved into the engine's host buffers ({share}), held there as "
+                 f"{fmt_bytes(stored)}. Without a GPU those buffers are the same RAM: only "
+                 f"compression makes the step hold less ({fmt_bytes(moved - stored)} here); on a "
+                 "GPU the moved bytes leave its memory.")
+    else:
+        where = (f"({share}) left {device.type} memory for host memory, held there as "
+                 f"{fmt_bytes(stored)} ({fmt_bytes(moved - stored)} less thanks to compression).")
+    peak = step.peak_resident_bytes
+    return (f"Memory: of the {fmt_bytes(step.keep_all_bytes)} of activations saved for backward, "
+            f"{fmt_bytes(moved)} {where}\nSaved tensors resident at once, measured: "
+            f"{fmt_bytes(peak)} with the engine, {fmt_bytes(keep_peak)} in a step keeping them "
+            f"all ({100 * peak / max(keep_peak, 1):.0f}%, {fmt_bytes(keep_peak - peak)} less).")

@@ -51,7 +51,8 @@ _STRUCTURE = re.compile(r"(- )?(Does not validate against any of the Union subty
                         r"Errors:|Given value( type)?: .*|Expected a <class '(str|NoneType)'>)")
 _KEY = re.compile(r'Parser key "(.+)":')
 _CLASS = re.compile(r"- Problem with given class_path '(.+)':")
-_UNKNOWN = re.compile(r"(?:Option|does not accept option) '([^']+)'|unrecognized arguments: --(\S+)")
+_UNKNOWN = re.compile(r"(?:Option|does not accept option) '([^']+)'|"
+                      r"unrecognized arguments: --(\S+)")
 
 
 def innermost_error(report: str) -> str:
@@ -140,8 +141,8 @@ def main(args: list[str] | None = None) -> LightningCLI:
     """Run ``Trainer.fit`` as configured by ``args`` (what would follow ``cswap fit``).
 
     ``None`` parses the process's command line, which must start with ``fit``: its recipe
-    names and ``--cswap.FIELD`` are resolved in place, in ``sys.argv``, because LightningCLI reads either
-    ``sys.argv`` or ``args`` (and warns when given ``args`` beside a command line).
+    names and ``--cswap.FIELD`` are resolved in place, in ``sys.argv``, because LightningCLI
+    reads either ``sys.argv`` or ``args`` (and warns when given ``args`` beside a command line).
     """
     if args is None:
         sys.argv[2:] = cli_args(sys.argv[2:])

@@ -5,7 +5,9 @@ weak reference to the storage tells: PyTorch keeps one Python object per storage
 it when the storage goes. A restored copy, fresh memory of its own, counts from its restore
 until the tensor holding it goes (views of it hold it too). So kept tensors, originals not
 yet copied out (or still held by the user's code), restored tensors autograd still holds and
-prefetched ones are all counted, each storage once, whatever the device.
+prefetched ones are all counted, each storage once, whatever the device. The storages counted,
+summed (``StepStats.keep_all_bytes``), are what keeping every saved tensor holds at the end of
+forward: the peak the engine's is compared with.
 
 Storages are freed on any thread. Rather than take a lock for every change on the hot path,
 each change is appended to a deque (atomic) and the changes are summed, in order, when the
@@ -57,6 +59,7 @@ class Residency:
             nbytes = ref.nbytes = storage.nbytes()
             ref.key, ref.unpacked = key, False
             self._append((time.perf_counter(), nbytes, 0))
+            self.stats.keep_all_bytes += nbytes
         return ref
 
     def restored(self, copy: torch.Tensor, nbytes: int, unpacked: bool) -> Held:

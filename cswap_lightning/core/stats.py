@@ -6,6 +6,8 @@ from array import array
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from .tensors import WEIGHTS
+
 
 @dataclass(slots=True)
 class SiteStats:
@@ -43,6 +45,11 @@ class StepStats:
     # prefetched ones), each storage counted once; and the bytes (``timeline_bytes``) at each
     # change, ``timeline_s`` seconds after the step's first saved tensor.
     peak_resident_bytes: int = 0
+    # What keeping every saved tensor would hold at the end of forward, where all of them are
+    # alive (the peak of a step that moves nothing): the bytes of each storage the ledger
+    # counted, once; weights excepted, as the peak excepts them. Summed on the sites a step
+    # tracks: compare it with ``peak_resident_bytes`` on a step that tracked every site.
+    keep_all_bytes: int = 0
     timeline_s: array = field(default_factory=lambda: array("d"), repr=False)
     timeline_bytes: array = field(default_factory=lambda: array("q"), repr=False)
     peak_allocated_bytes: int | None = None  # CUDA: the allocator's peak during the step
@@ -71,6 +78,24 @@ class StepStats:
         """Bytes autograd saved (each storage counted once, where tracked)."""
         return (int(self._sum("nbytes", lambda d: d != "dedup")) + self.untracked_bytes
                 + self.untracked_moved_bytes)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights autograd saved (trained or frozen, and views of them), where
+        tracked: the module holds them, so they stay where they are."""
+        return sum(s.nbytes for s in self.sites if s.reason in WEIGHTS)
+
+    @property
+    def tracked_all(self) -> bool:
+        """Whether every saved tensor of the step has a row (its figures are its own)."""
+        return not (self.untracked_tensors or self.untracked_moved_tensors)
+
+    @property
+    def peak_share(self) -> float | None:
+        """The measured peak as a fraction of what keeping everything holds
+        (``keep_all_bytes``), on a step that tracked every site; None otherwise."""
+        return (self.peak_resident_bytes / self.keep_all_bytes
+                if self.keep_all_bytes and self.tracked_all else None)
 
     @property
     def offloaded_bytes(self) -> int:
@@ -112,6 +137,7 @@ class StepStats:
             "wait_s": self.wait_s,
             "forward_wait_s": self.forward_wait_s,
             "peak_resident_bytes": self.peak_resident_bytes,
+            "keep_all_bytes": self.keep_all_bytes,
             "peak_allocated_bytes": self.peak_allocated_bytes,
             "host_held_bytes": self.host_held_bytes,
             "untracked_tensors": self.untracked_tensors,
@@ -124,47 +150,71 @@ class StepStats:
             "sites": [asdict(s) | {"ratio": s.ratio} for s in self.sites],
         }
 
-    def table(self) -> str:
-        """A per-site table with a totals line, for printing."""
-        head = (
-            f"{'site':>4} {'shape':<20} {'dtype':<9} {'size':>9} {'decision':<8} "
-            f"{'sparsity':>8} {'stored':>9} {'ratio':>6} {'wait ms':>8}  note"
-        )
+    def table(self, label: str | None = None) -> str:
+        """A per-site table and what the step did, in words, for printing; ``label`` names the
+        step (default ``step N``, the engine's count of steps)."""
+        label = label or f"step {self.step}"
+        sparsity = any(s.sparsity is not None for s in self.sites)  # measured on this step
+        head = (f"{'site':>4} {'shape':<20} {'dtype':<9} {'size':>9} {'decision':<8} "
+                + (f"{'sparsity':>8} " if sparsity else "")
+                + f"{'stored':>9} {'ratio':>6} {'wait ms':>8}  note")
         rows = [head, "-" * len(head)]
         for s in self.sites:
             rows.append(
                 f"{s.site:>4} {list(s.shape)!s:<20} {s.dtype:<9} {fmt_bytes(s.nbytes):>9} "
-                f"{s.decision:<8} {_pct(s.sparsity):>8} {fmt_bytes(s.stored_bytes):>9} "
-                f"{_ratio(s.ratio):>6} {s.wait_s * 1e3:>8.2f}  {s.reason}"
+                f"{s.decision:<8} " + (f"{_pct(s.sparsity):>8} " if sparsity else "")
+                + f"{fmt_bytes(s.stored_bytes):>9} {_ratio(s.ratio):>6} {s.wait_s * 1e3:>8.2f}  "
+                f"{s.reason}"
             )
         rows.append("-" * len(head))
-        rows.append(
-            f"step {self.step}: saved {fmt_bytes(self.saved_bytes)}, offloaded "
-            f"{fmt_bytes(self.offloaded_bytes)} stored as {fmt_bytes(self.stored_bytes)} "
-            f"(ratio {_ratio(self.ratio)}), kept on device {fmt_bytes(self.kept_bytes)}, "
-            f"backward waited {self.wait_s * 1e3:.2f} ms"
-        )
-        allocated = ("" if self.peak_allocated_bytes is None
-                     else f"; allocator peak {fmt_bytes(self.peak_allocated_bytes)}")
-        measured = ""
-        if self.untracked_tensors:
-            rows.append(f"kept as the plan says, not tracked one by one: {self.untracked_tensors} "
-                        f"saved tensors ({fmt_bytes(self.untracked_bytes)})")
-        if self.untracked_moved_tensors:
-            rows.append(f"moved as the plan says, not tracked one by one: "
-                        f"{self.untracked_moved_tensors} saved tensors "
-                        f"({fmt_bytes(self.untracked_moved_bytes)} stored as "
-                        f"{fmt_bytes(self.untracked_stored_bytes)})")
-        if self.untracked_tensors or self.untracked_moved_tensors or self.resized:
-            measured = " (as measured on the step that checked the plan"
-            measured += ", whose saved tensors differ in size from this step's)" if (
-                self.resized) else ")"
-        rows.append(
-            f"peak resident {fmt_bytes(self.peak_resident_bytes)} of saved tensors on the "
-            f"device{measured}{allocated}; forward waited {self.forward_wait_s * 1e3:.2f} ms; "
-            f"host memory held between steps {fmt_bytes(self.host_held_bytes)}"
-        )
+        if self.sites and not sparsity:
+            rows.append("(sparsity is measured on the steps that profile, the first of each "
+                        "epoch: the plan's table shows it)")
+        rows += self._summary(label)
         return "\n".join(rows)
+
+    def _summary(self, label: str) -> list[str]:
+        """What the step did, in the user's terms: what autograd saved (activations apart from
+        weights), what moved and what stayed, the measured peak against keeping everything."""
+        count = len(self.sites) + self.untracked_tensors + self.untracked_moved_tensors
+        if self.tracked_all:
+            lines = [(f"{label}: autograd saved {count} tensors: "
+                      f"{fmt_bytes(self.keep_all_bytes)} of activations (each storage once) and "
+                      f"{fmt_bytes(self.weight_bytes)} of weights, which stay where they are")]
+            kept = ("activations kept in place: "
+                    f"{fmt_bytes(self.keep_all_bytes - self.offloaded_bytes)}")
+        else:  # untracked tensors are summed as they come: a storage once per view of it
+            lines = [f"{label}: autograd saved {count} tensors"]
+            kept = f"kept in place, weights included: {fmt_bytes(self.kept_bytes)}"
+        if self.untracked_tensors:
+            lines.append(f"kept as the plan says, not tracked one by one: "
+                         f"{self.untracked_tensors} saved tensors "
+                         f"({fmt_bytes(self.untracked_bytes)}, each tensor's own bytes)")
+        if self.untracked_moved_tensors:
+            lines.append(f"moved as the plan says, not tracked one by one: "
+                         f"{self.untracked_moved_tensors} saved tensors "
+                         f"({fmt_bytes(self.untracked_moved_bytes)} stored as "
+                         f"{fmt_bytes(self.untracked_stored_bytes)})")
+        moved, stored = self.offloaded_bytes, self.stored_bytes
+        compressed = ("" if not moved else " (not compressed)" if moved == stored
+                      else f" ({_ratio(self.ratio)} smaller)")
+        lines.append(f"moved out to host memory: {fmt_bytes(moved)}, held there as "
+                     f"{fmt_bytes(stored)}{compressed}; {kept}")
+        peak = f"saved tensors resident at once: {fmt_bytes(self.peak_resident_bytes)} at the peak"
+        if self.peak_share is not None:
+            peak += (f" (measured), {100 * self.peak_share:.0f}% of the "
+                     f"{fmt_bytes(self.keep_all_bytes)} that keeping them all holds "
+                     f"({fmt_bytes(self.keep_all_bytes - self.peak_resident_bytes)} less)")
+        elif not self.tracked_all or self.resized:
+            peak += ", measured on the step that checked the plan" + (
+                ", whose saved tensors differ in size from this step's" if self.resized else "")
+        if self.peak_allocated_bytes is not None:
+            peak += f"; allocator peak {fmt_bytes(self.peak_allocated_bytes)}"
+        lines.append(peak)
+        lines.append(f"backward waited {self.wait_s * 1e3:.2f} ms for tensors coming back, "
+                     f"forward waited {self.forward_wait_s * 1e3:.2f} ms for copies out; host "
+                     f"memory held between steps {fmt_bytes(self.host_held_bytes)}")
+        return lines
 
 
 def fmt_bytes(n: float) -> str:

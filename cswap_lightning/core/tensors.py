@@ -17,9 +17,9 @@ MAX_STORAGE_TO_VIEW_RATIO = 4
 _SUPPORTED_DTYPES = frozenset(DTYPES)
 _STRIDED = torch.strided
 
-# Reasons to keep a tensor that something outside autograd holds anyway (the module, the
-# training loop): moving it would copy bytes and free nothing.
-HELD_ELSEWHERE = ("parameter", "leaf", "view of a leaf", "held elsewhere")
+# Why a weight stays (trained or frozen, a leaf that requires grad, or a view of one): the
+# module holds it, so moving it would copy bytes and free nothing.
+WEIGHTS = ("parameter", "leaf", "view of a leaf")
 
 
 def unwrap(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor] | None]:
