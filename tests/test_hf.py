@@ -23,6 +23,7 @@ from transformers import (
 from cswap_lightning import CSwapConfig
 from cswap_lightning.core.compile import is_compiled
 from cswap_lightning.integrations.hf import CSwapCallback
+from cswap_lightning.integrations.metrics import run_summary
 
 LOSSLESS = CSwapConfig(plan="zvc", min_bytes=0)
 ACCUMULATION = 3
@@ -83,7 +84,7 @@ def bert_trainer(tmp_path, callbacks: list[TrainerCallback], max_steps: int = 2,
                    eval_dataset=RandomTokens(8), callbacks=callbacks)
 
 
-def test_every_micro_batch_is_offloaded_and_weights_match(tmp_path):
+def test_every_micro_batch_is_offloaded_and_weights_match(tmp_path, capsys):
     cswap = CSwapCallback(LOSSLESS)
     probe = RecordMicroBatches(cswap)
     trainer = bert_trainer(tmp_path / "cswap", [cswap, probe])
@@ -103,9 +104,16 @@ def test_every_micro_batch_is_offloaded_and_weights_match(tmp_path):
     for entry, micro_batches in zip(train_logs, per_step, strict=True):
         offloaded = sum(b for _, b, _ in micro_batches)
         stored = sum(b for _, _, b in micro_batches)
-        assert entry["cswap/offloaded_bytes"] == offloaded
+        assert entry["cswap/offloaded_bytes"] == offloaded / ACCUMULATION  # per micro-batch
         assert entry["cswap/ratio"] == pytest.approx(offloaded / stored)
-    assert (tmp_path / "cswap" / "cswap_summary.txt").exists()
+    # The summary names the step that checked the plan, the engine's third, as the Trainer
+    # counts: the last micro-batch of the first optimizer step (the engine said "step 2").
+    label = f"global step 1, micro-batch {ACCUMULATION} of {ACCUMULATION}"
+    table, plot = tmp_path / "cswap" / "cswap_summary.txt", tmp_path / "cswap" / "cswap_memory.png"
+    assert f"{label}: autograd saved" in table.read_text()
+    tracked = cswap.offloader.tracked_step()
+    assert tracked.step == ACCUMULATION - 1
+    assert run_summary(tracked, label, table, plot) in capsys.readouterr().out.splitlines()
 
     entered = cswap.offloader.last_step().step
     metrics = trainer.evaluate()

@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanMetric
 
 from cswap_lightning import CSwapConfig, compile_blocks
+from cswap_lightning.core.stats import fmt_bytes
 from cswap_lightning.integrations.lightning import (
     CSwapDDPStrategy,
     CSwapFSDPStrategy,
@@ -37,6 +38,7 @@ from cswap_lightning.integrations.lightning import (
     CSwapModelParallelStrategy,
     CSwapStrategy,
 )
+from cswap_lightning.integrations.metrics import run_summary
 
 LOSSLESS = CSwapConfig(plan="zvc", min_bytes=0)
 
@@ -374,25 +376,42 @@ def test_checkpoint_restores_the_learned_plan_and_training_resumes(tmp_path):
     assert_same_weights(model, plain)  # resumed exactly, and the learned plan is lossless
 
 
-def test_metrics_are_logged_and_the_summary_written(tmp_path):
-    trainer, _ = train(CSwapStrategy(LOSSLESS), max_epochs=1, max_steps=-1,
-                       limit_train_batches=2)
+def test_metrics_are_logged_and_the_summary_written(tmp_path, caplog):
+    with caplog.at_level("INFO"):
+        trainer, _ = train(CSwapStrategy(LOSSLESS), max_epochs=1, max_steps=-1,
+                           limit_train_batches=2)
     hooks = [c for c in trainer.callbacks if isinstance(c, CSwapHooks)]
     assert len(hooks) == 1
     last = hooks[0].last
     logged = trainer.callback_metrics
     assert logged["cswap/offloaded_bytes_step"].item() == last.offloaded_bytes
     # The first step also moved the batch, which Lightning holds (so the engine learned to
-    # keep it): the epoch's sum is twice the last step's plus the batch.
+    # keep it): the epoch's mean per step is the last step's plus half the batch.
     batch = sum(s.nbytes for s in last.sites if s.reason == "held elsewhere")
     assert batch > 0
-    assert logged["cswap/offloaded_bytes_epoch"].item() == 2 * last.offloaded_bytes + batch
+    assert logged["cswap/offloaded_bytes_epoch"].item() == last.offloaded_bytes + batch / 2
     assert logged["cswap/peak_resident_bytes_step"].item() == last.peak_resident_bytes > 0
+    assert logged["cswap/keep_all_bytes_step"].item() == last.keep_all_bytes > 0
+    assert logged["cswap/peak_percent_step"].item() == pytest.approx(100 * last.peak_share)
     assert logged["cswap/ratio_step"].item() == pytest.approx(last.ratio)
     assert logged["cswap/wait_s_step"].item() == pytest.approx(last.wait_s)
     table = (tmp_path / "cswap_summary.txt").read_text()
-    assert f"step {last.step}:" in table and "zvc" in table
+    label = "global step 2 (batch 1 of epoch 0)"  # the engine's step 1 was its second
+    assert f"{label}: autograd saved" in table and "zvc" in table
     assert (tmp_path / "cswap_memory.png").read_bytes()[:4] == b"\x89PNG"
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cswap: saved")]
+    assert said == [run_summary(last, label, tmp_path / "cswap_summary.txt",
+                                tmp_path / "cswap_memory.png")]
+    assert f"{100 * last.peak_share:.0f}% of the {fmt_bytes(last.keep_all_bytes)}" in said[0]
+
+
+def test_a_ratio_is_not_logged_where_nothing_moved(tmp_path):
+    keep = CSwapConfig(plan="keep", min_bytes=0)
+    trainer, _ = train(CSwapStrategy(keep), max_epochs=1, max_steps=-1, limit_train_batches=2)
+    logged = trainer.callback_metrics
+    assert "cswap/ratio_step" not in logged and "cswap/ratio_epoch" not in logged  # was 0.0
+    assert logged["cswap/offloaded_bytes_epoch"].item() == 0
+    assert logged["cswap/peak_percent_step"].item() == 100.0
 
 
 def test_fsdp_strategy_selects_lightnings_fsdp_precision():

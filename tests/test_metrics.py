@@ -3,6 +3,8 @@ compute without reading anything back to the host."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -13,7 +15,9 @@ from cswap_lightning.integrations.metrics import (
     ReconstructionError,
     memory_timeline,
     offload_metrics,
+    run_summary,
     step_values,
+    undefined,
     write_summary,
 )
 
@@ -37,6 +41,7 @@ FIRST = step(0, [("zvc", 4 * MiB, 1 * MiB, 0.25), ("raw", 2 * MiB, 2 * MiB, 0.5)
                  ("keep", 8 * MiB, 0, 0.0)])
 SECOND = step(1, [("rle", 6 * MiB, 3 * MiB, 0.125), ("keep", 1 * MiB, 0, 0.0)])
 FIRST.peak_resident_bytes, SECOND.peak_resident_bytes = 9 * MiB, 4 * MiB
+FIRST.keep_all_bytes, SECOND.keep_all_bytes = 14 * MiB, 7 * MiB
 
 
 def test_step_and_running_values_are_exact():
@@ -45,16 +50,27 @@ def test_step_and_running_values_are_exact():
     assert first["cswap/offloaded_bytes"].item() == 6 * MiB
     assert first["cswap/ratio"].item() == 2.0  # 6 MiB held as 3 MiB
     assert first["cswap/wait_s"].item() == 0.75
+    assert first["cswap/keep_all_bytes"].item() == 14 * MiB
+    assert first["cswap/peak_percent"].item() == 100 * 9 / 14
     second = metrics(**step_values(SECOND))
     assert second["cswap/ratio"].item() == 2.0
-    total = metrics.compute()
-    assert total["cswap/offloaded_bytes"].item() == 12 * MiB
+    assert second["cswap/peak_percent"].item() == 100 * 4 / 7
+    total = metrics.compute()  # per step, as the step values read: not sums over steps
+    assert total["cswap/offloaded_bytes"].item() == 6 * MiB  # (6 + 6) / 2 steps
     assert total["cswap/ratio"].item() == 2.0  # (6 + 6) / (3 + 3): a ratio of sums
-    assert total["cswap/wait_s"].item() == 0.875
+    assert total["cswap/wait_s"].item() == 0.4375  # (0.75 + 0.125) / 2
     assert second["cswap/peak_resident_bytes"].item() == 4 * MiB  # this step's
     assert total["cswap/peak_resident_bytes"].item() == 9 * MiB  # the highest seen
+    assert total["cswap/keep_all_bytes"].item() == 14 * MiB
+    assert total["cswap/peak_percent"].item() == 100 * 9 / 14  # of the highest of each
     metrics.reset()
     assert metrics.compute()["cswap/offloaded_bytes"].item() == 0
+
+
+def test_what_keeping_everything_holds_comes_from_the_step_that_measured_the_peak():
+    untracked = StepStats(5, untracked_tensors=3, untracked_bytes=MiB, peak_resident_bytes=9 * MiB)
+    values = step_values(untracked, FIRST)  # FIRST checked the plan untracked runs
+    assert (values["peak_resident_bytes"], values["keep_all_bytes"]) == (9 * MiB, 14 * MiB)
 
 
 def test_ratio_is_of_sums_not_a_mean_of_ratios():
@@ -64,10 +80,13 @@ def test_ratio_is_of_sums_not_a_mean_of_ratios():
     assert ratio.compute().item() == 10 / 3
 
 
-def test_ratio_is_zero_until_something_was_offloaded():
+def test_ratio_is_undefined_until_something_was_offloaded_and_then_not_logged():
     metrics = offload_metrics()
-    metrics.update(**step_values(step(0, [("keep", 64, 0, 0.0)])))
-    assert metrics.compute()["cswap/ratio"].item() == 0.0
+    values = step_values(step(0, [("keep", 64, 0, 0.0)]))
+    metrics.update(**values)
+    assert math.isnan(metrics.compute()["cswap/ratio"].item())  # was logged as 0.0
+    assert undefined(values) == {"ratio", "peak_percent"}  # and nothing was measured
+    assert undefined(step_values(FIRST)) == set()
 
 
 def test_reconstruction_error_is_pooled_relative_l2():
@@ -119,13 +138,15 @@ def test_memory_timeline_draws_the_measured_residency_over_time():
     loss.backward()
     del loss
     stats = off.last_step()
-    (curve, peak), = [figure.axes[0].get_lines() for figure in [memory_timeline(stats)]]
+    (curve, peak, keep_all), = [figure.axes[0].get_lines()
+                                for figure in [memory_timeline(stats)]]
     assert list(curve.get_ydata()) == [b / 2**20 for b in stats.timeline_bytes]
     assert list(curve.get_xdata()) == [1e3 * t for t in stats.timeline_s]
     assert sorted(curve.get_xdata()) == list(curve.get_xdata())  # a time axis
     assert max(stats.timeline_bytes) == stats.peak_resident_bytes > 0
     assert stats.timeline_bytes[-1] == 0  # backward freed everything it brought back
     assert set(peak.get_ydata()) == {stats.peak_resident_bytes / 2**20}
+    assert set(keep_all.get_ydata()) == {stats.keep_all_bytes / 2**20}  # the baseline
     off.close()
 
 
@@ -139,8 +160,14 @@ def test_a_step_that_was_only_counted_says_so_instead_of_drawing_a_curve():
     assert stats.saved_bytes == stats.kept_bytes == 3 * MiB and stats.offloaded_bytes == 0
 
 
-def test_summary_files(tmp_path):
-    table, plot = write_summary(SECOND, tmp_path / "run")
+def test_summary_files_and_line_name_the_step_as_the_trainer_does(tmp_path):
+    table, plot = write_summary(SECOND, tmp_path / "run", "global step 8")
     text = table.read_text()
-    assert "rle" in text and "step 1:" in text
+    assert "rle" in text and "global step 8: autograd saved 2 tensors" in text
     assert plot.read_bytes()[:4] == b"\x89PNG"
+    assert "during global step 8" in memory_timeline(SECOND, "global step 8").axes[0].get_title()
+    assert run_summary(SECOND, "global step 8", table, plot) == (
+        "cswap: saved tensors resident at once on global step 8, measured: 4.0 MiB at the peak, "
+        "57% of the 7.0 MiB that keeping them all holds (3.0 MiB less); 6.0 MiB moved out, "
+        f"held as 3.0 MiB on the host; backward waited 125.0 ms for them. Per-site summary in "
+        f"{table}, memory timeline in {plot}")

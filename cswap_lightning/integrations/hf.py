@@ -39,7 +39,7 @@ from ..core.compile import blocks, compile_blocks
 from ..core.engine import Offloader
 from ..core.guard import AccuracyGuard
 from ..core.stats import StepStats
-from .metrics import offload_metrics, plan_values, step_values, write_summary
+from .metrics import offload_metrics, plan_values, run_summary, step_values, write_summary
 
 logger = logging.get_logger(__name__)
 
@@ -116,19 +116,25 @@ class CSwapCallback(TrainerCallback):
     micro-batch's gradients with and without them (the model must return its loss, i.e. get
     ``labels``).
 
-    Each log line gets ``cswap/ratio``, ``cswap/offloaded_bytes`` and ``cswap/wait_s`` over the
-    micro-batches since the previous one, and the latest guard probe's figures
-    (``cswap/guard_worst_cosine``, ``..._worst_rel_error``, ``..._reverted_sites``,
-    ``..._seconds``) when one ran since; they are in ``trainer.state.log_history``, and
-    reporting integrations (``report_to``) see them only if they run after this callback in
-    ``trainer.callback_handler.callbacks``. At the end of training the last step's per-site
-    table and memory timeline are written to ``args.output_dir``.
+    Each log line gets, over the micro-batches since the previous one, ``cswap/offloaded_bytes``
+    and ``cswap/wait_s`` (means per micro-batch), ``cswap/peak_resident_bytes``,
+    ``cswap/keep_all_bytes`` and ``cswap/peak_percent`` (the highest), ``cswap/ratio`` (where
+    something moved), and the latest guard probe's figures (``cswap/guard_worst_cosine``,
+    ``..._worst_rel_error``, ``..._reverted_sites``, ``..._seconds``) when one ran since; they
+    are in ``trainer.state.log_history``, and reporting integrations (``report_to``) see them
+    only if they run after this callback in ``trainer.callback_handler.callbacks``. At the end
+    of training the per-site table and memory timeline of the latest step that tracked every
+    tensor are written to ``args.output_dir``, named by the Trainer's global step, and a line
+    printed: its peak beside what keeping everything holds.
     """
 
     def __init__(self, config: CSwapConfig | None = None) -> None:
         self.config = as_config(config, "CSwapCallback")
         self.metrics = offload_metrics()
         self.last: StepStats | None = None  # the most recent micro-batch's statistics
+        # the engine's count of the latest step that tracked every site, and the Trainer's name
+        self.tracked_label: tuple[int, str] = (-1, "")
+        self._micro_batch = 0  # micro-batches of the optimizer step under way, so far
         self._offloader: Offloader | None = None
         self._guard: AccuracyGuard | None = None
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
@@ -233,23 +239,33 @@ class CSwapCallback(TrainerCallback):
 
     def on_substep_end(self, args: TrainingArguments, state: TrainerState,
                        control: TrainerControl, **kwargs: Any) -> None:
-        self._record()  # a micro-batch that does not end an optimizer step
+        # a micro-batch that does not end an optimizer step: of the one after global_step
+        self._record(state.global_step + 1, args.gradient_accumulation_steps)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState,
                     control: TrainerControl, **kwargs: Any) -> None:
-        self._record()  # the micro-batch that ends an optimizer step
+        # the micro-batch that ends an optimizer step, which global_step counts already
+        self._record(state.global_step, args.gradient_accumulation_steps)
+        self._micro_batch = 0
 
-    def _record(self) -> None:
+    def _record(self, global_step: int, accumulation: int) -> None:
         if self._offloader is None:
             return
+        self._micro_batch += 1
         self.last = self._offloader.last_step(device=False)  # no device sync per micro-batch
-        self.metrics.update(**step_values(self.last))
+        tracked = self._offloader.tracked_step(device=False)
+        if tracked is self.last:  # the engine counts micro-batches, the Trainer steps
+            name = f"global step {global_step}" + (
+                f", micro-batch {self._micro_batch} of {accumulation}" if accumulation > 1 else "")
+            self.tracked_label = (self.last.step, name)
+        self.metrics.update(**step_values(self.last, tracked))
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: dict[str, float] | None = None, **kwargs: Any) -> None:
         if logs is None or not self.metrics["ratio"].update_called:
             return  # nothing trained since the last log line (e.g. an evaluation's)
-        values = {name: value.item() for name, value in self.metrics.compute().items()}
+        values = {name: value.item() for name, value in self.metrics.compute().items()
+                  if not value.isnan()}  # the ratio where nothing moved, ...
         values |= plan_values(self.offloader)
         self.metrics.reset()
         report = self.guard.new_report()  # the latest probe since the last log line
@@ -264,5 +280,8 @@ class CSwapCallback(TrainerCallback):
         self._remove_hooks()
         if self.last is not None and state.is_world_process_zero:
             self.last = self.offloader.last_step()  # with the sparsities it measured
-            table, plot = write_summary(self.offloader.tracked_step(), args.output_dir)
-            logger.info(f"cswap: per-site summary in {table}, memory timeline in {plot}")
+            tracked = self.offloader.tracked_step()
+            step, label = self.tracked_label
+            label = label if step == tracked.step else f"step {tracked.step}"
+            table, plot = write_summary(tracked, args.output_dir, label)
+            print(run_summary(tracked, label, table, plot))  # the Trainer logs below warnings

@@ -48,7 +48,14 @@ from ..core.engine import Offloader
 from ..core.guard import AccuracyGuard
 from ..core.stats import StepStats
 from ..planning.profiler import measure_link
-from .metrics import offload_metrics, plan_values, step_values, write_summary
+from .metrics import (
+    offload_metrics,
+    plan_values,
+    run_summary,
+    step_values,
+    undefined,
+    write_summary,
+)
 
 # The default as a value, not None, so LightningCLI's --print_config lists every field.
 DEFAULT_CONFIG = CSwapConfig()
@@ -261,6 +268,8 @@ class CSwapHooks(Callback):
         self.strategy = strategy
         self.metrics = offload_metrics()
         self.last: StepStats | None = None  # the most recent training step's statistics
+        # the engine's count of the latest step that tracked every site, and the Trainer's name
+        self.tracked_label: tuple[int, str] = (-1, "")
 
     @property
     def state_key(self) -> str:
@@ -294,16 +303,26 @@ class CSwapHooks(Callback):
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.strategy.offloader.new_epoch()  # sparsity drifts as the model learns: measure again
+        self.metrics.reset()  # Lightning resets only those it logged (not a ratio never defined)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
         batch_idx: int,
     ) -> None:
-        self.last = self.strategy.offloader.last_step(device=False)  # no device sync per step
-        self.metrics(**step_values(self.last))
+        offloader = self.strategy.offloader
+        self.last = offloader.last_step(device=False)  # no device sync per step
+        tracked = offloader.tracked_step(device=False)
+        if tracked is self.last:  # what the summary at the end names it by
+            name = (f"global step {trainer.global_step} (batch {batch_idx} of epoch "
+                    f"{trainer.current_epoch})")
+            self.tracked_label = (self.last.step, name)
+        values = step_values(self.last, tracked)
+        self.metrics(**values)
+        skip = {f"cswap/{name}" for name in undefined(values)}
         for name, metric in self.metrics.items():
-            pl_module.log(name, metric, on_step=True, on_epoch=True, metric_attribute=name)
-        for name, value in plan_values(self.strategy.offloader).items():
+            if name not in skip:
+                pl_module.log(name, metric, on_step=True, on_epoch=True, metric_attribute=name)
+        for name, value in plan_values(offloader).items():
             pl_module.log(name, value, on_step=True, on_epoch=False)
         report = self.strategy.guard.new_report()  # a probe ran before this step
         if report is not None:
@@ -314,8 +333,11 @@ class CSwapHooks(Callback):
         if self.last is None or not trainer.is_global_zero:
             return
         self.last = self.strategy.offloader.last_step()  # with the sparsities it measured
-        table, plot = write_summary(self.strategy.offloader.tracked_step(), log_dir)
-        rank_zero_info(f"cswap: per-site summary in {table}, memory timeline in {plot}")
+        tracked = self.strategy.offloader.tracked_step()
+        step, label = self.tracked_label
+        label = label if step == tracked.step else f"step {tracked.step}"
+        table, plot = write_summary(tracked, log_dir, label)
+        rank_zero_info(run_summary(tracked, label, table, plot))
 
 
 for _strategy in (CSwapStrategy, CSwapDDPStrategy, CSwapFSDPStrategy, CSwapModelParallelStrategy):
