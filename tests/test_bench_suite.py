@@ -66,7 +66,9 @@ def test_skipped_methods_carry_reasons(suite):
     _, data, _ = suite
     for model in data["models"]:
         runs = by_label(model)
-        assert "CUDA" in runs["torchtune OffloadActivations"]["skipped"]
+        # torchtune is in the benchmarks' environment (.venv-bench), not in the tests'
+        skipped = runs["torchtune OffloadActivations"]["skipped"]
+        assert "CUDA" in skipped or skipped == "torchtune is not installed"
         hf = runs["HF built-in offload"]
         if model["model"] in ("resnet50", "vgg16"):
             assert "not a Hugging Face model" in hf["skipped"]
