@@ -2,7 +2,7 @@
 VENV ?= .venv
 BENCH_VENV ?= .venv-bench
 
-.PHONY: setup demo test bench lint
+.PHONY: setup demo test test-fast bench lint
 
 setup:
 	@VENV=$(VENV) bash scripts/setup.sh
@@ -13,10 +13,14 @@ demo: setup
 test: setup
 	$(VENV)/bin/python -m pytest -q
 
+# While developing: the suite without the tests marked slow (`make test` runs everything).
+test-fast: setup
+	$(VENV)/bin/python -m pytest -q -m "not slow"
+
 # The benchmarks' own environment: torchtune's torchao pin would break peft in .venv.
 bench:
 	@VENV=$(BENCH_VENV) EXTRAS=bench,hf,dali bash scripts/setup.sh
 	$(BENCH_VENV)/bin/cswap bench step --out benchmarks/results/step-$$(date +%F)-$$(hostname)
 
 lint: setup
-	$(VENV)/bin/ruff check cswap_lightning tests
+	$(VENV)/bin/ruff check cswap_lightning tests examples

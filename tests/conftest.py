@@ -9,13 +9,18 @@ from cswap_lightning.codecs import codec_names, get_codec, register
 from cswap_lightning.codecs.reference import RawCodec
 from cswap_lightning.recipes.nets import build_cnn
 
+# Module fixtures that build for a while before their first test (nvcc or g++ harnesses, 4 to 5
+# s each; the benchmark suite, 18 s; `pytest --durations` on a 2-core machine): their tests are
+# slow, whichever runs first.
+SLOW_FIXTURES = {"built_library", "lossy_harness", "emulated_harness", "suite"}
+
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
+        if SLOW_FIXTURES.intersection(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip)
 
 

@@ -84,6 +84,7 @@ def test_real_relu_activations_are_sparse_and_non_negative():
         assert 0.05 < zeros < 0.95 and t.min() >= 0
 
 
+@pytest.mark.slow
 def test_cli_writes_markdown_and_json(tmp_path, capsys):
     stem = tmp_path / "tmp"
     assert main(["bench", "codec", "--sizes", "64KiB", "--quick", "--out", str(stem)]) == 0

@@ -32,6 +32,7 @@ def no_command_line(monkeypatch):
     monkeypatch.setattr(sys, "argv", sys.argv[:1])
 
 
+@pytest.mark.slow
 def test_compare_trains_both_plans_and_reports_the_lossy_savings(tmp_path, capsys):
     lossless, lossy = compare(cnn_args(tmp_path), lossy="int8", out=str(tmp_path / "result"))
     assert (lossless.plan, lossy.plan) == ("auto", "int8")

@@ -142,6 +142,7 @@ def test_a_copy_or_a_pickle_of_a_compiled_model_runs_its_own_weights():
     assert all(is_compiled(block) for block in back) and back[0].forward.block is back[0]
 
 
+@pytest.mark.slow
 def test_every_block_of_a_deep_model_is_compiled_past_dynamos_recompile_limit():
     """Each GPT-2 block reads its own cache slot, so Dynamo compiles each one again; past its
     limit of 8 the rest ran eagerly, with only a log line to say so."""
@@ -201,6 +202,7 @@ def test_a_hugging_face_model_compiles_each_decoder_layer_and_trains_alike():
     (CSwapConfig(plan="raw", min_bytes=0), 2),
     # A run that fits: after its plan is checked, the engine only counts what is saved.
     (CSwapConfig(budget=1 << 40, profile_steps=1, min_bytes=0), 4)], ids=["raw", "counted"])
+@pytest.mark.slow
 def test_a_module_compiled_with_its_compile_method_trains_under_the_engine(config, steps):
     """``module.compile()`` compiles the module's forward; Dynamo must not trace the engine's
     hooks, which the forward's ops call (it inlined them and failed before), nor the frames

@@ -539,8 +539,14 @@ def problems(kind: str, name: str, attn: str | None, plan: str) -> list[str]:
 
 
 # the cases --------------------------------------------------------------------------------
+# An encoder, a decoder and a decoder with grouped-query attention run in `make test-fast`;
+# the other architectures (4 minutes more on a 2-core machine) in `make test`.
+FAST_HF = ("bert", "gpt2", "llama")
+
+
 def hf_cases() -> list:
-    return [pytest.param(name, attn, plan, id=f"{name}-{attn}-{plan}")
+    return [pytest.param(name, attn, plan, id=f"{name}-{attn}-{plan}",
+                         marks=() if name in FAST_HF else pytest.mark.slow)
             for name, (_, attns) in HF.items() for attn in attns for plan in PLANS]
 
 

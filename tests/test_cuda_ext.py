@@ -92,6 +92,7 @@ def assert_same_values(a: torch.Tensor, b: torch.Tensor) -> None:
 # --- build -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @needs_nvcc
 def test_build_produces_private_library_for_sm80_and_sm90(tmp_path):
     path = cuda_build.build(cache_dir=tmp_path)

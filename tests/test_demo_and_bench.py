@@ -13,6 +13,7 @@ from cswap_lightning.commands.demo import run_demo
 from cswap_lightning.config import CSwapConfig
 
 
+@pytest.mark.slow
 def test_demo_trains_with_the_advisor_and_keeps_gradients(capsys):
     result = run_demo(epochs=2)
     out = capsys.readouterr().out
@@ -42,6 +43,7 @@ def test_demo_with_zvc_compresses_relu_outputs():
     assert any(s["decision"] == "zvc" for s in step["sites"])
 
 
+@pytest.mark.slow
 def test_cli_demo_exit_code_and_module_entry_point():
     assert main(["demo", "--epochs", "1", "--plan", "raw"]) == 0
     proc = subprocess.run([sys.executable, "-m", "cswap_lightning", "demo", "--epochs", "1"],
@@ -56,6 +58,7 @@ def test_cli_rejects_unknown_plan(capsys):
     assert "invalid choice: 'lz4'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_step_bench_measures_every_method(tmp_path):
     rows = run_step_bench("mlp", "cpu", batch_size=64, steps=1, warmup=1,
                           out=str(tmp_path / "step"))

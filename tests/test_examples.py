@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -30,6 +32,7 @@ def said_saving(output: str) -> re.Match:
     return line
 
 
+@pytest.mark.slow
 def test_the_lightning_example_trains_and_lowers_the_peak(tmp_path):
     output = run_example("lightning_fit.py", tmp_path / "run", "--epochs", "2")
     before, after = map(float, re.search(r"loss on the training data: ([\d.]+) before, "
@@ -39,6 +42,7 @@ def test_the_lightning_example_trains_and_lowers_the_peak(tmp_path):
     assert len(list((tmp_path / "run").rglob("cswap_summary.txt"))) == 1
 
 
+@pytest.mark.slow
 def test_the_hugging_face_example_fine_tunes_lora_adapters(tmp_path):
     output = run_example("hf_trainer.py", tmp_path / "run", "--steps", "10", "--lora")
     first, last = map(float, re.search(r"loss: first logged ([\d.]+), last ([\d.]+)",

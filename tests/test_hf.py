@@ -121,6 +121,7 @@ def test_every_micro_batch_is_offloaded_and_weights_match(tmp_path, capsys):
     assert "cswap/ratio" not in metrics
 
 
+@pytest.mark.slow
 def test_a_compiled_model_is_offloaded_and_weights_match(tmp_path):
     from torch._dynamo.utils import counters
 

@@ -116,6 +116,7 @@ def test_registered_name_builds_the_strategy_on_the_accelerator_device():
     assert type(pl.Trainer(strategy="cswap_ddp", accelerator="cpu").strategy) is CSwapDDPStrategy
 
 
+@pytest.mark.slow
 def test_the_package_imports_lightning_and_transformers_only_when_asked():
     code = ("import sys, cswap_lightning\n"
             "print(any(m in sys.modules for m in ('lightning', 'transformers')))\n"
@@ -462,6 +463,7 @@ def run_ddp(worker: str, out: Path) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.slow
 def test_ddp_on_two_cpu_processes_packs_and_probes_on_both_ranks(tmp_path):
     ranks = run_ddp("probes", tmp_path)
     for rank in ranks:
@@ -472,6 +474,7 @@ def test_ddp_on_two_cpu_processes_packs_and_probes_on_both_ranks(tmp_path):
     assert ranks[0]["weights"] == ranks[1]["weights"]  # DDP kept the replicas equal
 
 
+@pytest.mark.slow
 def test_ddp_measures_the_link_with_every_rank_copying_and_plans_with_it(tmp_path):
     ranks = run_ddp("link", tmp_path)
     for rank in ranks:

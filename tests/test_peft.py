@@ -40,7 +40,8 @@ def adapter_grads(offloader: Offloader | None, ids: torch.Tensor) -> dict[str, t
     return {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("plan", ["auto", "raw", "zvc", "rle"])
+@pytest.mark.parametrize("plan", ["raw", "zvc", pytest.param("auto", marks=pytest.mark.slow),
+                                  pytest.param("rle", marks=pytest.mark.slow)])  # 11 s, 6 s
 def test_lora_adapters_get_bitwise_gradients_and_frozen_weights_stay(plan):
     ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
     plain = adapter_grads(None, ids)

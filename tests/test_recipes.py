@@ -249,6 +249,7 @@ def test_recipe_argument_refused_when_built_is_a_short_usage_error(capsys, tmp_p
                                        "(RGB), got 2\n")
 
 
+@pytest.mark.slow
 def test_console_entry_runs_without_lightningclis_args_warning_and_fails_cleanly(tmp_path):
     args = small_args(CNN, tmp_path)
     args[1] = "cnn"  # a recipe name, resolved by `cswap fit`
@@ -267,6 +268,7 @@ def test_console_entry_runs_without_lightningclis_args_warning_and_fails_cleanly
                                                   "CSwapConfig.budget must be")
 
 
+@pytest.mark.slow
 def test_cnn_recipe_as_shipped_learns_through_the_console_entry(tmp_path):
     run = subprocess.run(  # by name, from a directory with no recipes/ in it
         [sys.executable, "-m", "cswap_lightning", "fit", "--config", "cnn",

@@ -27,6 +27,7 @@ def peak(plan: str, prefetch_bytes: int, steps: int = 2) -> int:
     return stats.peak_resident_bytes
 
 
+@pytest.mark.slow
 def test_offloading_lowers_the_measured_peak_by_what_the_prefetch_window_allows():
     keep = peak("keep", 4 * MiB)
     # Keep: the input and the outputs of all 8 ReLUs (the Linear inputs) are on the device.
