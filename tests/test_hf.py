@@ -376,3 +376,13 @@ def test_the_predicted_peak_is_logged_beside_the_measured_one(tmp_path):
 def test_the_callback_names_what_it_takes():
     with pytest.raises(TypeError, match=r"CSwapCallback\(\) takes a CSwapConfig .* got 'raw'"):
         CSwapCallback("raw")
+
+
+def test_the_global_module_hooks_of_lossy_exclude_go_when_training_ends(tmp_path):
+    from torch.nn.modules import module as hooks
+
+    before = (dict(hooks._global_forward_pre_hooks), dict(hooks._global_forward_hooks))
+    cswap = CSwapCallback(replace(LOSSLESS, lossy_exclude=("classifier*",)))
+    bert_trainer(tmp_path, [cswap]).train()
+    assert cswap.offloader.modules is not None  # it named sites by module
+    assert (dict(hooks._global_forward_pre_hooks), dict(hooks._global_forward_hooks)) == before

@@ -575,3 +575,14 @@ def test_a_strategy_names_what_it_takes(strategy):
     with pytest.raises(TypeError, match=rf"{strategy.__name__}\(\) takes a CSwapConfig .*"
                        r"got 'zvc' \(str\); for that plan: .*\(CSwapConfig\(plan='zvc'\)\)"):
         strategy("zvc")
+
+
+def test_the_global_module_hooks_of_lossy_exclude_go_when_training_ends():
+    """Not when the strategy is garbage-collected: a collection in the middle of a later
+    torch.compile, which guards on the global hooks, failed it (KeyError in Dynamo)."""
+    from torch.nn.modules import module as hooks
+
+    before = (dict(hooks._global_forward_pre_hooks), dict(hooks._global_forward_hooks))
+    trainer, _ = train(CSwapStrategy(replace(LOSSLESS, lossy_exclude=("head*",))))
+    assert trainer.strategy.offloader.modules is not None  # it named sites by module
+    assert (dict(hooks._global_forward_pre_hooks), dict(hooks._global_forward_hooks)) == before

@@ -207,6 +207,10 @@ class CSwapCallback(TrainerCallback):
             handle.remove()
         self._hooks = []
         self._loop = None
+        if self._offloader is not None and self._offloader.modules is not None:
+            # the global module hooks of watch(), now rather than when garbage-collected
+            # (mid-way through a later torch.compile, which guards on them)
+            self._offloader.modules.close()
 
     # Trainer events -------------------------------------------------------------------------
     def on_init_end(self, args: TrainingArguments, state: TrainerState,

@@ -329,6 +329,9 @@ class CSwapHooks(Callback):
             pl_module.log_dict(report.log_values(), on_step=True, on_epoch=False)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        modules = self.strategy.offloader.modules
+        if modules is not None:  # its global module hooks go now, not when garbage-collected
+            modules.close()  # (mid-way through a later torch.compile, which guards on them)
         log_dir = trainer.log_dir or trainer.default_root_dir  # every rank: it broadcasts
         if self.last is None or not trainer.is_global_zero:
             return
