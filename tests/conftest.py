@@ -9,10 +9,10 @@ from cswap_lightning.codecs import codec_names, get_codec, register
 from cswap_lightning.codecs.reference import RawCodec
 from cswap_lightning.recipes.nets import build_cnn
 
-# Module fixtures that build for a while before their first test (nvcc or g++ harnesses, 4 to 5
-# s each; the benchmark suite, 18 s; `pytest --durations` on a 2-core machine): their tests are
-# slow, whichever runs first.
-SLOW_FIXTURES = {"built_library", "lossy_harness", "emulated_harness", "suite"}
+# Module fixtures that take 5 s or more before their first test (`pytest --durations` on a
+# 2-core machine): the nvcc and g++ harness builds, the benchmark suite, test_compile's
+# compiled runs. Their tests are slow, whichever of them runs first.
+SLOW_FIXTURES = {"built_library", "lossy_harness", "emulated_harness", "suite", "runs"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -274,6 +274,7 @@ def test_calibration_is_measured_once_and_validated_on_held_out_runs():
     assert big > small > 0
 
 
+@pytest.mark.slow
 def test_advisor_picks_the_measured_faster_swap_on_real_activations(capsys):
     cases = run_advisor_check("cpu")
     assert len(cases) >= 20 and {c.sparsity > 0.4 for c in cases} == {True, False}

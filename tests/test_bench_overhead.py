@@ -8,6 +8,7 @@ import torch
 from cswap_lightning.commands.bench_overhead import run_overhead_bench
 
 
+@pytest.mark.slow
 def test_the_overhead_bench_reports_every_method_against_no_engine(tmp_path, capsys):
     rows = run_overhead_bench(tensors=50, rounds=1, out=str(tmp_path / "overhead"),
                               steady_steps=2)

@@ -56,6 +56,7 @@ def test_the_default_budget_is_auto_and_none_still_means_everything():
 SMALL_WINDOW = 4 * MiB
 
 
+@pytest.mark.slow
 def test_a_budget_between_keeping_and_moving_everything_is_met_by_measurement():
     keep = keep_peak(SMALL_WINDOW)
     assert keep == 17 * 2 * MiB  # the input and the 16 activations inside
@@ -98,6 +99,7 @@ def test_a_budget_no_window_can_meet_is_said_not_to_fit():
     assert stats[-1].peak_resident_bytes > budget
 
 
+@pytest.mark.slow
 def test_room_to_spare_moves_nothing_even_while_profiling():
     budget = int(1.5 * keep_peak(SMALL_WINDOW))
     off, stats = train(CSwapConfig(budget=budget, profile_steps=3,
@@ -109,6 +111,7 @@ def test_room_to_spare_moves_nothing_even_while_profiling():
     assert off.plan.predicted_peak == pytest.approx(off.plan.measured_peak, rel=0.15)
 
 
+@pytest.mark.slow
 def test_the_default_moves_nothing_on_a_run_that_fits_not_even_at_a_new_epoch():
     off, stats = train(CSwapConfig(), steps=3, epochs=2)
     assert stats[0].offloaded_bytes > 0  # the very first step measures by swapping
@@ -144,6 +147,7 @@ def _transformer(kind: str) -> tuple[nn.Module, torch.Tensor]:
     return model.train(), torch.randint(0, 500, (8, 128))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_a_budget_is_met_on_transformers_too(kind):
     """Attention, residuals, views and dropout masks: 40% of what keeping everything holds
@@ -192,6 +196,7 @@ def train_beside_plain(off: Offloader, model: nn.Module, x: torch.Tensor,
     return stats
 
 
+@pytest.mark.slow
 def test_a_run_that_fits_is_not_tracked_tensor_by_tensor_once_its_plan_is_checked():
     """Once a step has checked a plan that moves nothing, later steps only count their saved
     tensors (as `save_on_cpu`-cheap as the hooks allow) and keep PyTorch's version check;
@@ -216,6 +221,7 @@ def test_a_run_that_fits_is_not_tracked_tensor_by_tensor_once_its_plan_is_checke
     off.close()
 
 
+@pytest.mark.slow
 def test_a_step_that_saves_more_is_measured_and_planned_again():
     """Counting is enough to see a batch grow: the next step measures, and a plan for the
     bigger step moves what the budget needs."""
@@ -240,6 +246,7 @@ def test_a_step_that_saves_more_is_measured_and_planned_again():
     off.close()
 
 
+@pytest.mark.slow
 def test_under_a_budget_the_kept_sites_are_only_counted_and_the_moved_ones_still_move():
     """A plan that moves some sites: once it is checked, the sites it keeps are counted and
     the ones it moves are moved, bitwise, neither tracked one by one."""
@@ -260,6 +267,7 @@ def test_under_a_budget_the_kept_sites_are_only_counted_and_the_moved_ones_still
     off.close()
 
 
+@pytest.mark.slow
 def test_a_fixed_keep_plan_is_only_counted_once_a_step_has_checked_it():
     """plan="keep": after the measured steps, one step checks what it keeps; later steps
     only count their saved tensors (version check kept), with plain training's gradients."""
@@ -279,6 +287,7 @@ def test_a_fixed_keep_plan_is_only_counted_once_a_step_has_checked_it():
     off.close()
 
 
+@pytest.mark.slow
 def test_a_fixed_plan_tracks_again_without_measuring_when_the_saved_tensors_change():
     """plan="raw": the kept sites (weights) are counted once checked and the moved ones still
     move; a bigger batch makes the next step track every site and check again, with no
@@ -331,6 +340,7 @@ def test_sites_that_trade_places_are_tracked_again():
     off.close()
 
 
+@pytest.mark.slow
 def test_varying_lengths_are_planned_for_the_longest_without_measuring_again():
     """Dynamic padding: each batch has another length. A step longer than the plan's is
     planned for from its own rows (its larger sites moved raw meanwhile); shorter ones run
@@ -354,6 +364,7 @@ def test_varying_lengths_are_planned_for_the_longest_without_measuring_again():
     off.close()
 
 
+@pytest.mark.slow
 def test_a_budget_plan_for_the_longest_meets_the_budget_on_shorter_steps():
     """Under a budget, the plan made for the longest step serves the shorter ones. Steps
     that run a checked plan untracked report the checking step's peak (and say when their
@@ -383,6 +394,7 @@ def test_a_budget_plan_for_the_longest_meets_the_budget_on_shorter_steps():
         fresh.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_transformers_with_varying_lengths_are_never_measured_again(kind):
     """Dynamic padding on real architectures, default config: every batch another length,

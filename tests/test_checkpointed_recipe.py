@@ -1,11 +1,13 @@
 """The gpt2_checkpointed recipe: with its blocks checkpointed, the engine moves only what they
 keep for backward (their inputs), never what they recompute."""
 
+import pytest
 from test_recipes import ROOT, SMALL, no_command_line, small_args  # noqa: F401 (autouse)
 
 from cswap_lightning.commands.fit import main as fit
 
 
+@pytest.mark.slow
 def test_checkpointed_gpt2_leaves_the_engine_only_what_blocks_do_not_recompute(tmp_path):
     moved = {}
     for name in ("gpt2", "gpt2_checkpointed"):

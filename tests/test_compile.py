@@ -85,6 +85,7 @@ def test_per_block_gradients_are_bitwise_those_without_engine_or_compile(runs):
         assert torch.equal(got, want)
 
 
+@pytest.mark.slow
 def test_inductor_blocks_give_the_gradients_of_inductor_blocks_without_the_engine():
     """Inductor reorders float operations (the bias gradients differ from eager's by up to
     2e-4), so it is compared with itself: the engine changes nothing, bit for bit. Backward
@@ -202,7 +203,6 @@ def test_a_hugging_face_model_compiles_each_decoder_layer_and_trains_alike():
     (CSwapConfig(plan="raw", min_bytes=0), 2),
     # A run that fits: after its plan is checked, the engine only counts what is saved.
     (CSwapConfig(budget=1 << 40, profile_steps=1, min_bytes=0), 4)], ids=["raw", "counted"])
-@pytest.mark.slow
 def test_a_module_compiled_with_its_compile_method_trains_under_the_engine(config, steps):
     """``module.compile()`` compiles the module's forward; Dynamo must not trace the engine's
     hooks, which the forward's ops call (it inlined them and failed before), nor the frames

@@ -13,7 +13,6 @@ from cswap_lightning.commands.demo import run_demo
 from cswap_lightning.config import CSwapConfig
 
 
-@pytest.mark.slow
 def test_demo_trains_with_the_advisor_and_keeps_gradients(capsys):
     result = run_demo(epochs=2)
     out = capsys.readouterr().out
@@ -58,7 +57,6 @@ def test_cli_rejects_unknown_plan(capsys):
     assert "invalid choice: 'lz4'" in capsys.readouterr().err
 
 
-@pytest.mark.slow
 def test_step_bench_measures_every_method(tmp_path):
     rows = run_step_bench("mlp", "cpu", batch_size=64, steps=1, warmup=1,
                           out=str(tmp_path / "step"))

@@ -241,6 +241,7 @@ def test_inplace_modification_after_pack_raises_like_pytorch(plan, after_forward
     assert (off.last_step().offloaded_bytes > 0) == (plan != "keep")
 
 
+@pytest.mark.slow
 def test_exception_in_forward_leaves_no_state_and_nothing_leaks():
     model, x, y = model_and_batch("cnn")
     off = Offloader(CSwapConfig(plan="zvc", min_bytes=0))
