@@ -62,6 +62,9 @@ class StepStats:
     untracked_stored_bytes: int = 0
     untracked_wait_s: float = 0.0
     resized: bool = False
+    # The checked plan moves nothing, so the step ran without the engine's hooks: autograd
+    # kept every saved tensor itself (the figures are the checking step's).
+    hooks_off: bool = False
 
     def _sum(self, attr: str, include: Callable[[str], bool] = lambda decision: True) -> float:
         return sum(getattr(s, attr) for s in self.sites if include(s.decision))
@@ -121,6 +124,7 @@ class StepStats:
             "untracked_stored_bytes": self.untracked_stored_bytes,
             "untracked_wait_s": self.untracked_wait_s,
             "resized": self.resized,
+            "hooks_off": self.hooks_off,
             "sites": [asdict(s) | {"ratio": s.ratio} for s in self.sites],
         }
 
@@ -155,7 +159,11 @@ class StepStats:
                         f"{self.untracked_moved_tensors} saved tensors "
                         f"({fmt_bytes(self.untracked_moved_bytes)} stored as "
                         f"{fmt_bytes(self.untracked_stored_bytes)})")
-        if self.untracked_tensors or self.untracked_moved_tensors or self.resized:
+        if self.hooks_off:
+            rows.append("ran without the engine's hooks: the checked plan moves nothing, so "
+                        "autograd kept every saved tensor itself")
+        if self.untracked_tensors or self.untracked_moved_tensors or self.resized or (
+                self.hooks_off):
             measured = " (as measured on the step that checked the plan"
             measured += ", whose saved tensors differ in size from this step's)" if (
                 self.resized) else ")"
