@@ -21,6 +21,7 @@
 #include <barrier>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <thread>
 #include <vector>
 

@@ -39,7 +39,6 @@
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 #include <type_traits>
 
 namespace {
@@ -86,8 +85,10 @@ struct Pack {
   uint32_t w[4];
 
   __device__ T get(int e) const {
-    if constexpr (sizeof(T) == 8) return T{w[2 * e]} | T{w[2 * e + 1]} << 32;
-    return static_cast<T>(w[e * sizeof(T) / 4] >> (8 * (e * sizeof(T) % 4)));
+    if constexpr (sizeof(T) == 8)
+      return T{w[2 * e]} | T{w[2 * e + 1]} << 32;
+    else
+      return static_cast<T>(w[e * sizeof(T) / 4] >> (8 * (e * sizeof(T) % 4)));
   }
   // Sets element e of a pack whose element e is still zero.
   __device__ void put(int e, T x) {
@@ -218,8 +219,8 @@ __device__ V block_exclusive_scan(V v, Op op, V *sums, V *total) {
 
 // Tile-relative positions, in element order, of the items marked by bits[k][j] (kind k of
 // item, pack j): pos[k][j] is where pack j's first item of kind k goes; totals[k] is the
-// tile's count. Up to two kinds, scanned at once in 16-bit fields (a tile has at most
-// 1024 * 32 elements, and a pack's bits are counted once, so no field overflows).
+// tile's count. Up to two kinds, scanned at once in 16-bit fields, one per kind and pack row:
+// a row holds at most 1024 threads x 16 elements, so no field overflows.
 template <int K>
 __device__ void tile_positions(const uint32_t (&bits)[K][kPacks], uint32_t (&pos)[K][kPacks],
                                uint32_t (&totals)[K], uint64_t *sums) {
@@ -228,7 +229,8 @@ __device__ void tile_positions(const uint32_t (&bits)[K][kPacks], uint32_t (&pos
 #pragma unroll
   for (int k = 0; k < K; ++k)
 #pragma unroll
-    for (int j = 0; j < kPacks; ++j) counts |= uint64_t{static_cast<uint32_t>(__popc(bits[k][j]))} << 16 * (k * kPacks + j);
+    for (int j = 0; j < kPacks; ++j)
+      counts |= static_cast<uint64_t>(__popc(bits[k][j])) << 16 * (k * kPacks + j);
   uint64_t total;
   const uint64_t before = block_exclusive_scan(counts, Add{}, sums, &total);
 #pragma unroll
@@ -343,7 +345,8 @@ struct TileStates {
     uint32_t status = kInvalid;
 #pragma unroll
     for (int i = 0; i < S::N; ++i) {
-      const uint64_t w = DeviceU64(words[uint64_t{tile} * S::N + i]).load(cuda::memory_order_relaxed);
+      const uint64_t w =
+          DeviceU64(words[uint64_t{tile} * S::N + i]).load(cuda::memory_order_relaxed);
       const uint32_t word_status = static_cast<uint32_t>(w >> 32);
       s->v[i] = static_cast<uint32_t>(w);
       status = i == 0 || word_status == status ? word_status : kInvalid;
@@ -547,7 +550,8 @@ __global__ void __launch_bounds__(1024) rle_encode_scan(const T *in, CodecArgs a
         if (tile == a.ntiles - 1) {
           const RunCount all = RunCount::combine(before, aggregate);
           const uint64_t nruns = all.v[RunCount::kRuns], nnz = all.v[RunCount::kNnz];
-          const uint64_t lengths_at = 16 + align16(4 * nruns), values_at = lengths_at + align16(4 * nruns);
+          const uint64_t lengths_at = 16 + align16(4 * nruns);
+          const uint64_t values_at = lengths_at + align16(4 * nruns);
           auto *preamble = reinterpret_cast<uint64_t *>(a.payload);
           preamble[0] = nruns;
           preamble[1] = nnz;
@@ -710,7 +714,8 @@ __global__ void __launch_bounds__(1024) decode(CodecArgs a, T *out) {
   for (uint32_t tile = next_tile; tile < a.ntiles; tile = next_tile) {
     const uint32_t claimed = t == 0 ? claim_tile(a.counter) : 0;
     const uint64_t tile_first = tile_start<E>(tile);
-    const uint32_t tile_elems = static_cast<uint32_t>(min(a.numel - tile_first, uint64_t{B} * kPacks * E));
+    const uint32_t tile_elems =
+        static_cast<uint32_t>(min(a.numel - tile_first, uint64_t{B} * kPacks * E));
     uint32_t word_bits[1][kPacks], nonzero[1][kPacks], pos[1][kPacks], count[1];
 #pragma unroll
     for (int j = 0; j < kPacks; ++j) {
@@ -1021,7 +1026,7 @@ int check_common(uint64_t numel, int elem_size, int grid, int block, const void 
     return fail(CSWAP_ERR_INVALID_ARGUMENT, "workspace has %llu bytes, needs %llu",
                 static_cast<unsigned long long>(workspace_bytes),
                 static_cast<unsigned long long>(need));
-  const uint64_t tile_elems = uint64_t{static_cast<uint32_t>(block)} * kTileBytesPerThread / elem_size;
+  const uint64_t tile_elems = static_cast<uint64_t>(block) * kTileBytesPerThread / elem_size;
   const uint64_t ntiles = numel ? cdiv(numel, tile_elems) : 1;
   launch->numel = numel;
   launch->ntiles = static_cast<uint32_t>(ntiles);
@@ -1262,7 +1267,8 @@ uint64_t cswap_max_payload_bytes(int codec, uint64_t numel, int elem_size) {
 uint64_t cswap_workspace_bytes(uint64_t numel, int grid) {
   (void)grid;  // tiles are claimed by however many blocks run: the grid sizes nothing here
   const uint64_t max_tiles = numel ? cdiv(numel, kMinTileElems) : 1;
-  return kWorkspaceHeader + align16(8 * kMaxSummaryWords * max_tiles) + align16(4 * cdiv(numel, 32));
+  return kWorkspaceHeader + align16(8 * kMaxSummaryWords * max_tiles) +
+         align16(4 * cdiv(numel, 32));
 }
 
 uint64_t cswap_lossy_payload_bytes(int codec, uint64_t numel, uint32_t block_size) {
