@@ -246,14 +246,17 @@ def emulated_source(cu: str) -> str:
 @pytest.fixture(scope="module")
 def emulated_harness(tmp_path_factory) -> Path:
     """tests/emulated_codec_harness.cpp: the library's kernels on CPU threads, built with the
-    address sanitizer where the host compiler has it."""
+    address and alignment sanitizers where the host compiler has them (a 16-byte load from an
+    address that is not 16-byte aligned stops the harness, as it would fault on a GPU)."""
     if NVCC is None:
         pytest.skip(f"no nvcc: {cuda_build.NVCC_MISSING}")
     folder = tmp_path_factory.mktemp("emulated")
     cu = (cuda_build.source_dir() / "cswap_codec.cu").read_text()
     (folder / "cswap_codec_emulated.cpp").write_text(emulated_source(cu))
     out = folder / "emulated_codec_harness"
-    for sanitize in (["-Xcompiler", "-fsanitize=address"], []):
+    sanitizers = ["-Xcompiler", "-fsanitize=address", "-Xcompiler", "-fsanitize=alignment",
+                  "-Xcompiler", "-fno-sanitize-recover=alignment"]
+    for sanitize in (sanitizers, []):
         obj = folder / "harness.o"
         compile_ = [NVCC, "-std=c++20", "-O1", "-c", *sanitize, "-Xcompiler", "-pthread",
                     "-I", str(folder), "-I", str(cuda_build.source_dir()),
