@@ -528,13 +528,13 @@ def test_gpu_many_tiles_at_once(cuda_lib, name, dtype):
     """Thousands of tiles in flight (the look-back under the GPU's real concurrency and memory
     model), with long runs and alternating zeros, from 16-byte aligned and misaligned starts;
     repeated encodes give the same bytes."""
-    codec = CUDA_CODECS[name](grid=4096, block=64)
+    codec = CUDA_CODECS[name](grid=4096, block=64)  # 512 to 4096 elements a tile
     for pattern in (0.5, "runs", "alternate"):
-        t = patterned(2**22 + 13, dtype, pattern, seed=3).cuda()
+        t = patterned(2**21 + 13, dtype, pattern, seed=3).cuda()
         assert_matches_reference(name, t)
         assert_matches_reference(name, t[1:], codec)
         first = codec.encode(t).payload
-        for _ in range(4):
+        for _ in range(3):
             assert torch.equal(codec.encode(t).payload, first)
 
 
