@@ -33,7 +33,10 @@ from .reference import RLECodec, ZVCCodec
 
 ABI_VERSION = 2  # CSWAP_CODEC_ABI_VERSION in cswap_codec.h
 DEFAULT_BLOCK = 256
-BLOCKS_PER_SM = 4
+# Default grid: 8 blocks of DEFAULT_BLOCK threads per SM, the 2048 threads an SM holds when a
+# kernel uses at most 32 registers a thread (all zvc and rle kernels but rle's second encode
+# pass do), so that an SM has blocks to run while others wait on their look-backs.
+BLOCKS_PER_SM = 8
 
 _c_int, _c_u32, _c_u64, _c_ptr = ctypes.c_int, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p
 _COMPRESS_ARGS = [_c_ptr, _c_u64, _c_int, _c_ptr, _c_u64, _c_ptr, _c_ptr, _c_u64, _c_int, _c_int,
