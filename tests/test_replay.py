@@ -3,6 +3,9 @@ of the four H100 profiles against what the H100 measured (``planning/profiled.py
 
 from __future__ import annotations
 
+from fnmatch import fnmatch
+from pathlib import Path
+
 import pytest
 
 from cswap_lightning.planning import profiled as evidence
@@ -239,9 +242,9 @@ def test_every_model_is_compared_for_no_offload_checkpointing_and_swapping_every
 def test_the_readme_rows_are_all_found():
     found = {(c.model, c.method) for c in COMPARISONS if c.source == "README"}
     assert found == set(evidence._README_ROWS.values())
-    assert evidence._ratio("1.21-1.45x", 0) == (1.21, 1.45)
-    assert evidence._ratio("7.2x / 7.3x / 2.9x", 1) == (7.3, 7.3)
-    assert evidence._ratio("0.32 (no lower than checkpointing)", 0) == (0.32, 0.32)
+    assert evidence._figure("1.21-1.45x") == (1.21, 1.45)
+    assert evidence._figure("7.2x / 7.3x / 2.9x") == (7.2, 7.2)
+    assert evidence._figure("0.32 (no lower than checkpointing)") == (0.32, 0.32)
 
 
 def test_the_table_labels_every_figure_a_prediction():
@@ -257,12 +260,23 @@ def test_bench_suite_gets_a_prediction_for_what_the_replay_models():
     assert evidence.predict_method("llama", "no offload") is None
 
 
-def test_the_readme_counts_what_the_table_shows():
-    from pathlib import Path
+ROOT = Path(__file__).resolve().parents[1]
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+
+def test_the_readme_counts_what_the_table_shows():
+    readme = (ROOT / "README.md").read_text()
     within = sum(abs(c.error) <= evidence.TOLERANCE for c in COMPARISONS)
     missed = sum(c.known_miss is not None for c in COMPARISONS)
     assert within + missed == len(COMPARISONS)
     assert f"within 15% of {within} of the {len(COMPARISONS)} measured figures" in readme
     assert f"the {missed} others are listed" in readme
+
+
+def test_the_evidence_ships_with_the_package():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"]["cswap_lightning"]
+    package = ROOT / "cswap_lightning"
+    files = [p.relative_to(package).as_posix() for p in evidence.EVIDENCE.iterdir()]
+    assert len(files) >= 8
+    assert all(any(fnmatch(f, g) for g in globs) for f in files), files
