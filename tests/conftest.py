@@ -126,3 +126,25 @@ def as_int8():
     yield install
     if previous is not None:
         register(previous)
+
+
+def with_checkpointing_of_5_17(model_class: type) -> type:
+    """``model_class`` (a transformers model) with the checkpointing API of transformers
+    5.17-5.22, whichever release is installed: no ``activation_checkpointing_enable``, and a
+    ``gradient_checkpointing_enable(gradient_checkpointing_kwargs, every_n_layers, offload)``
+    that checkpoints through the installed release's own code. A later release's Trainer falls
+    back to that method, and calls it as 5.17's Trainer does."""
+    if not hasattr(model_class, "activation_checkpointing_enable"):
+        return model_class  # the installed transformers has that API
+
+    class Checkpointing517(model_class):
+        @property
+        def activation_checkpointing_enable(self):
+            raise AttributeError("activation_checkpointing_enable came in transformers 5.23")
+
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None,
+                                          every_n_layers=1, offload=False):
+            self._activation_checkpointing_enable(gradient_checkpointing_kwargs, every_n_layers,
+                                                  offload)
+
+    return Checkpointing517
