@@ -42,6 +42,7 @@ from typing_extensions import Self
 from ..config import CSwapConfig
 from ..core.engine import Offloader
 from ..core.stats import fmt_bytes
+from ..integrations.hf_checkpointing import checkpointing_switch, has_offload
 from .args import number
 from .bench_step import _Counted, result_meta, write_results
 
@@ -61,10 +62,11 @@ DESCRIPTIONS = {
     NO_OFFLOAD: "autograd keeps every saved tensor on the device (the baseline of every ratio)",
     CHECKPOINTING: "torch.utils.checkpoint (non-reentrant) around each block (ResNet "
     "bottleneck, VGG stage, transformer layer); Hugging Face models through their own "
-    "activation_checkpointing_enable()",
+    "activation_checkpointing_enable() (gradient_checkpointing_enable() before transformers 5.23)",
     HF_OFFLOAD: "transformers' activation_checkpointing_enable(offload=True), what the Trainer "
-    "does for activation_checkpointing_kwargs={'offload': True} (transformers >= 5.17): each "
-    "checkpointed layer runs inside save_on_cpu(pin_memory=True), synchronous copies",
+    "does for activation_checkpointing_kwargs={'offload': True} (transformers 5.17-5.22: "
+    "gradient_checkpointing_enable and gradient_checkpointing_kwargs): each checkpointed layer "
+    "runs inside save_on_cpu(pin_memory=True), synchronous copies",
     SAVE_ON_CPU: "torch.autograd.graph.save_on_cpu(pin_memory=True) around forward: every "
     "saved tensor copied to host memory, copied back on use",
     TORCHTUNE: "torchtune.training.OffloadActivations: side stream, pinned memory, no "
@@ -208,20 +210,16 @@ class Skip(Exception):
 
 
 def _hf_checkpointing(model: nn.Module, offload: bool) -> None:
-    import inspect
-
+    """Non-reentrant checkpointing of each layer through the model's own switch, with its
+    built-in offload where asked."""
     import transformers
 
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if offload and (enable is None or "offload" not in inspect.signature(enable).parameters):
+    enable = checkpointing_switch(model)
+    if offload and not has_offload(enable):
         raise Skip(f"transformers {transformers.__version__} has no built-in activation offload "
-                   "(activation_checkpointing_enable(offload=True), transformers >= 5.17)")
-    if offload:
-        enable(offload=True)
-    elif enable is not None:
-        enable()
-    else:  # transformers before activation_checkpointing_enable
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                   "(offload=True to gradient_checkpointing_enable, transformers >= 5.17, or "
+                   "to activation_checkpointing_enable, >= 5.23)")
+    enable({"use_reentrant": False}, **({"offload": True} if offload else {}))
 
 
 # -- what a method does ---------------------------------------------------------------------

@@ -3,7 +3,9 @@
 The metrics are torchmetrics ``Metric``s, so Lightning's ``self.log`` gives per-step values,
 epoch aggregates and the sum across ranks. Their states are float64 tensors updated with
 plain Python numbers or device tensors, and ``compute`` is tensor arithmetic only: neither
-reads a value back to the host.
+reads a value back to the host. Under a process group, torchmetrics' ``compute`` first gathers
+every rank's states for the sum across ranks, which synchronises: in Lightning at epoch ends
+(its per-step values are computed without it), in the Hugging Face callback at each log line.
 """
 
 from __future__ import annotations
