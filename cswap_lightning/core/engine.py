@@ -25,6 +25,7 @@ from ..codecs.lossy import LOSSY_DTYPES as _LOSSY_TORCH_DTYPES
 from ..config import LOSSY_CODECS, CSwapConfig
 from ..planning.advisor import HELD_ELSEWHERE, Advisor, Plan, resolve_budget
 from ..planning.predictor import CodecTimeModel, calibrate
+from ..planning.prefetch import lookahead_bytes
 from ..planning.profiler import Link, Profiler, measure_link
 from .module_names import ModuleTracker
 from .stats import SiteStats, StepStats, fmt_bytes
@@ -200,11 +201,15 @@ class Offloader:
         return (named and self._step.probe != "lossless"
                 and self.lossy_allowed(site, stats.dtype, stats.module))
 
-    def prefetch_window(self) -> int:
-        """Bytes backward may bring back ahead of use: ``prefetch_bytes``, or less where the
-        plan needed a smaller window to fit its budget."""
+    def prefetch_window(self) -> int | None:
+        """Bytes backward may bring back ahead of use: ``prefetch_bytes`` (for ``"auto"``, what
+        hides the link measured for the plan), or less where the plan needed a smaller window
+        to fit its budget; None where nothing is measured yet, for the step to choose (two
+        of its largest moved tensors)."""
         window = self.config.prefetch_bytes
-        if self.plan is not None and self.config.plan == "auto":
+        if window == "auto":
+            window = self.plan.prefetch_bytes if self.plan is not None else None
+        elif self.plan is not None and self.config.plan == "auto":
             window = min(window, self.plan.prefetch_bytes)
         return window
 
@@ -494,11 +499,16 @@ class Offloader:
             self._measured = (self.link or measure_link(device),
                               self.time_model or calibrate(device, codecs).model)
         link, model = self._measured
-        advisor = Advisor(cfg.compressor, link, model, lossy,
-                          lambda p: self.lossy_allowed(p.site, p.dtype, p.module),
-                          cfg.prefetch_bytes)
         profiles = [replace(p, offloadable=False, reason=HELD_ELSEWHERE)
                     if p.site in self.held_elsewhere else p for p in self.profiler.profile()]
+        window = cfg.prefetch_bytes
+        if window == "auto":  # what hides the link, were every movable site moved
+            window = lookahead_bytes(
+                self.profiler.order or [p.site for p in reversed(profiles)],
+                {p.site: p.nbytes for p in profiles if p.offloadable},
+                {p.site: p.backward_s for p in profiles}, link.h2d)
+        advisor = Advisor(cfg.compressor, link, model, lossy,
+                          lambda p: self.lossy_allowed(p.site, p.dtype, p.module), window)
         beside = max((stats.peak_allocated_bytes or 0) - stats.peak_resident_bytes, 0)
         return advisor.plan(profiles, beside, resolve_budget(cfg.budget, device),
                             self.profiler.order or None)

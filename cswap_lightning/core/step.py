@@ -32,6 +32,7 @@ import torch
 from ..codecs import Codec, get_codec
 from ..codecs.lossy import relative_error
 from ..config import LOSSY_CODECS
+from ..planning.prefetch import resident_window
 from ..planning.profiler import StepTimer
 from .residency import Residency
 from .stats import SiteStats, StepStats, fmt_bytes
@@ -318,6 +319,9 @@ class Step:
             return
         self._by_storage.clear()
         self.transfer.poll()
+        if self.prefetch_bytes is None:  # nothing measured: two of its largest moved tensors
+            self.prefetch_bytes = resident_window(
+                [entry.nbytes for entry in self.live_entries() if entry.kept is None])
         if self.checked is not None:
             self.stats.resized = self.sizes != self.checked.counted
         self.stats.forward_wait_s += self.transfer.take_waited()

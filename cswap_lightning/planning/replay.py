@@ -159,7 +159,7 @@ class Engine:
     """The engine's settings the replay follows (``CSwapConfig``'s)."""
 
     min_bytes: int = CSwapConfig.min_bytes
-    prefetch_bytes: int = CSwapConfig.prefetch_bytes
+    prefetch_bytes: int = 512 << 20  # the engine's fixed window when the H100 run was made
     inflight_bytes: int = CSwapConfig.inflight_bytes
 
 
