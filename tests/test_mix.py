@@ -93,3 +93,14 @@ def test_the_table_labels_the_figures_predictions():
     text = mix.table(chosen, w)
     assert "recompute" in text and "a prediction" in text
     assert text.count("\n") == len(w.blocks) + 1  # a header, a row per block, the total
+
+
+def test_the_plan_bench_writes_predictions_for_every_model_and_budget(tmp_path):
+    from cswap_lightning.commands.bench_plan import LEVELS, run_plan_bench
+
+    rows = run_plan_bench(["bert-large"], out=str(tmp_path / "plan"))
+    assert [r["budget"] for r in rows][-1] == "checkpointing's peak" and len(rows) == len(LEVELS) + 1
+    assert all(r["fits"] and r["peak_bytes"] <= r["budget_bytes"] for r in rows)
+    assert all(r["throughput_vs_checkpointing"] >= 0.999 for r in rows)
+    report = (tmp_path / "plan.md").read_text()
+    assert "prediction" in report and "not a measurement" in report
