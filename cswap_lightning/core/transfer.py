@@ -475,8 +475,11 @@ class _on:  # a context manager, named like torch.cuda.stream
         stream = self._stream
         if stream is None:
             return
-        self._device = torch.cuda.device(stream.device)
-        self._device.__enter__()
+        # the device switch only where it is not current (a model over several GPUs)
+        self._device = (torch.cuda.device(stream.device)
+                        if stream.device.index != torch.cuda.current_device() else None)
+        if self._device is not None:
+            self._device.__enter__()
         self._previous = torch.cuda.current_stream(stream.device)
         torch.cuda.set_stream(stream)
 
@@ -484,7 +487,8 @@ class _on:  # a context manager, named like torch.cuda.stream
         if self._stream is None:
             return
         torch.cuda.set_stream(self._previous)
-        self._device.__exit__(*exc)
+        if self._device is not None:
+            self._device.__exit__(*exc)
 
 
 class _Worker:
