@@ -77,13 +77,14 @@ def test_a_budget_between_keeping_and_moving_everything_is_met_by_measurement():
 
 @pytest.mark.parametrize("fraction, narrowed", [(0.4, True), (0.6, False)])
 def test_the_plan_narrows_the_prefetch_window_to_meet_the_budget(fraction, narrowed):
-    """With the default window backward would bring back every moved tensor at once on the
-    CPU, and no choice of sites meets 40% of keeping everything: the plan halves the window
-    until one does, the engine uses it, and the measured peak meets the budget. At 60% the
-    default window fits as it is."""
-    default_window = CSwapConfig().prefetch_bytes
+    """With a 512 MiB window (the default before "auto") backward would bring back every
+    moved tensor at once on the CPU, and no choice of sites meets 40% of keeping everything:
+    the plan halves the window until one does, the engine uses it, and the measured peak
+    meets the budget. At 60% the window fits as it is."""
+    default_window = 512 * MiB
     budget = int(fraction * keep_peak(default_window))
-    off, stats = train(CSwapConfig(budget=budget, profile_steps=1), steps=2)
+    off, stats = train(CSwapConfig(budget=budget, profile_steps=1,
+                                   prefetch_bytes=default_window), steps=2)
     measured = stats[-1].peak_resident_bytes
     assert off.plan.fits, off.plan.table()
     assert (off.plan.prefetch_bytes < default_window) == narrowed, off.plan.table()

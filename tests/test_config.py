@@ -23,7 +23,8 @@ from cswap_lightning import CSwapConfig
         ({"min_bytes": "1MB"}, TypeError, r"min_bytes must be of type int, got '1MB' \(str\)"),
         ({"min_bytes": 1.5}, TypeError, r"min_bytes must be of type int"),
         ({"pin_memory": "yes"}, TypeError, r"pin_memory must be of type bool"),
-        ({"prefetch_bytes": True}, TypeError, r"prefetch_bytes must be of type int, got True"),
+        ({"prefetch_bytes": True}, TypeError, r"prefetch_bytes must be of type int or str, got True"),
+        ({"prefetch_bytes": "big"}, ValueError, r"prefetch_bytes must be .auto. or a number"),
         ({"plan": None}, TypeError, r"plan must be of type str, got None"),
     ],
 )
