@@ -31,7 +31,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "guard_every": (int,),
     "guard_tolerance": (float, int),
     "min_bytes": (int,),
-    "prefetch_bytes": (int,),
+    "prefetch_bytes": (int, str),
     "inflight_bytes": (int,),
     "pin_memory": (bool,),
 }
@@ -70,7 +70,10 @@ class CSwapConfig:
         guard_tolerance: largest relative gradient error (``|g_lossy - g| / |g|``, per parameter)
             the guard accepts before moving the worst lossy sites back to lossless.
         min_bytes: saved tensors smaller than this stay where they are.
-        prefetch_bytes: how many bytes backward may bring back ahead of use.
+        prefetch_bytes: how many bytes backward may bring back ahead of use; ``"auto"``: as few
+            as hide the measured link (the largest tensors backward uses during the link's time
+            for a tensor, at least two of the largest moved ones), since every byte brought
+            back early is held on the device.
         inflight_bytes: how many bytes forward may leave on their way off the device
             (copies not yet done, tensors not yet compressed) before it waits for the
             oldest; the wait is reported as ``StepStats.forward_wait_s``.
@@ -86,7 +89,7 @@ class CSwapConfig:
     guard_every: int = 100
     guard_tolerance: float = 0.1
     min_bytes: int = 256 * 1024
-    prefetch_bytes: int = 512 * MiB
+    prefetch_bytes: int | Literal["auto"] = "auto"
     inflight_bytes: int = 1024 * MiB
     pin_memory: bool = True
 
@@ -115,12 +118,15 @@ class CSwapConfig:
             )
         if self.profile_steps < 1:
             raise ValueError(f"CSwapConfig.profile_steps must be >= 1, got {self.profile_steps!r}")
+        if isinstance(self.prefetch_bytes, str) and self.prefetch_bytes != "auto":
+            raise ValueError("CSwapConfig.prefetch_bytes must be 'auto' or a number of bytes "
+                             f">= 0; got {self.prefetch_bytes!r}")
         for name in ("min_bytes", "prefetch_bytes", "inflight_bytes"):
-            if getattr(self, name) < 0:
-                raise ValueError(
-                    f"CSwapConfig.{name} must be >= 0 bytes, got {getattr(self, name)!r}"
-                )
-            _check_size(name, getattr(self, name))
+            nbytes = getattr(self, name)
+            if isinstance(nbytes, int) and nbytes < 0:
+                raise ValueError(f"CSwapConfig.{name} must be >= 0 bytes, got {nbytes!r}")
+            if isinstance(nbytes, int):
+                _check_size(name, nbytes)
 
 
 def as_config(config: object, caller: str) -> CSwapConfig:

@@ -45,13 +45,12 @@ def main() -> None:
                           num_labels=1, seed=0)
     training = TrainingArguments(
         output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=16,
-        learning_rate=1e-3 if args.lora else 3e-3, logging_steps=5, save_strategy="no",
+        learning_rate=1e-2 if args.lora else 3e-3, logging_steps=5, save_strategy="no",
         report_to="none", disable_tqdm=True,
     )
     # budget=None moves every saved tensor it can, to show the engine at work on a model
-    # this small (the default, budget="auto", moves only what the device cannot hold), and
-    # backward brings back 2 MiB ahead of use (default 512 MiB: here, all of it at once).
-    cswap = CSwapCallback(CSwapConfig(budget=None, min_bytes=64 * 1024, prefetch_bytes=2 << 20))
+    # this small; the default, budget="auto", moves only what the device cannot hold.
+    cswap = CSwapCallback(CSwapConfig(budget=None, min_bytes=64 * 1024))
     trainer = Trainer(model, training, train_dataset=data, callbacks=[cswap])
     trainer.train()
 

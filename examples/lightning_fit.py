@@ -64,10 +64,8 @@ def main() -> None:
     model, data = Classifier(), teacher_data()
     before = loss_on(model, data)
     # budget=None moves every saved tensor it can, to show the engine at work on a model
-    # this small (the default, budget="auto", moves only what the device cannot hold), and
-    # backward brings back 2 MiB ahead of use (default 512 MiB: here, all of it at once).
-    strategy = CSwapStrategy(CSwapConfig(budget=None, min_bytes=64 * 1024,
-                                         prefetch_bytes=2 << 20))
+    # this small; the default, budget="auto", moves only what the device cannot hold.
+    strategy = CSwapStrategy(CSwapConfig(budget=None, min_bytes=64 * 1024))
     trainer = pl.Trainer(strategy=strategy, max_epochs=args.epochs,
                          default_root_dir=args.output_dir, enable_checkpointing=False,
                          enable_progress_bar=False)

@@ -1,3 +1,4 @@
+import os
 import sys
 
 import pytest
@@ -8,6 +9,12 @@ from torch.nn import functional as F
 from cswap_lightning.codecs import codec_names, get_codec, register
 from cswap_lightning.codecs.reference import RawCodec
 from cswap_lightning.recipes.nets import build_cnn
+
+# cuBLAS is deterministic only with a fixed workspace (torch.use_deterministic_algorithms
+# refuses cuBLAS calls without this setting). PyTorch reads it once, to size its cuBLAS
+# workspaces at the process's first cuBLAS call, so it is set here, before any test runs one;
+# on an H100 it is PyTorch's default size anyway (8 x 4 MiB).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 # Module fixtures that take 5 s or more before their first test (`pytest --durations` on a
 # 2-core machine): the nvcc and g++ harness builds, the benchmark suite, test_compile's
@@ -30,6 +37,20 @@ def _fresh_dynamo():
     whole process, and many tests compile an ``nn.Sequential`` (one ``forward`` code)."""
     if "torch._dynamo" in sys.modules:
         torch._dynamo.reset()
+
+
+@pytest.fixture
+def deterministic():
+    """Deterministic kernels for a bitwise comparison on the GPU (cuDNN otherwise picks its
+    convolution algorithms per run, and some differ in rounding); the previous settings after."""
+    cudnn = torch.backends.cudnn
+    before = (cudnn.deterministic, cudnn.benchmark, torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    cudnn.deterministic, cudnn.benchmark = True, False
+    torch.use_deterministic_algorithms(True)
+    yield
+    cudnn.deterministic, cudnn.benchmark = before[:2]
+    torch.use_deterministic_algorithms(before[2], warn_only=before[3])
 
 
 def wide_mlp(activation: type[nn.Module]) -> tuple[nn.Module, torch.Tensor]:
@@ -110,3 +131,25 @@ def as_int8():
     yield install
     if previous is not None:
         register(previous)
+
+
+def with_checkpointing_of_5_17(model_class: type) -> type:
+    """``model_class`` (a transformers model) with the checkpointing API of transformers
+    5.17-5.22, whichever release is installed: no ``activation_checkpointing_enable``, and a
+    ``gradient_checkpointing_enable(gradient_checkpointing_kwargs, every_n_layers, offload)``
+    that checkpoints through the installed release's own code. A later release's Trainer falls
+    back to that method, and calls it as 5.17's Trainer does."""
+    if not hasattr(model_class, "activation_checkpointing_enable"):
+        return model_class  # the installed transformers has that API
+
+    class Checkpointing517(model_class):
+        @property
+        def activation_checkpointing_enable(self):
+            raise AttributeError("activation_checkpointing_enable came in transformers 5.23")
+
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None,
+                                          every_n_layers=1, offload=False):
+            self._activation_checkpointing_enable(gradient_checkpointing_kwargs, every_n_layers,
+                                                  offload)
+
+    return Checkpointing517

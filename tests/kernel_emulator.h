@@ -1,13 +1,15 @@
 // A CPU stand-in for the CUDA features cswap_codec.cu uses, so that its kernels run, unchanged,
 // on a machine without a GPU. tests/test_cuda_ext.py force-includes this header into
 // tests/emulated_codec_harness.cpp, which includes a copy of the .cu whose `<<<...>>>` launches
-// and `extern __shared__` arrays the test has rewritten, and builds it with the host compiler.
+// and `__shared__` declarations the test has rewritten, and builds it with the host compiler.
 //
-// Every CUDA thread of a block runs on its own OS thread; the blocks of a launch run one after
-// another (the kernels never wait on another block). __syncthreads and the warp intrinsics are
-// barriers, so a missing __syncthreads or a lane reading before another wrote shows up as wrong
-// bytes or a crash. "Device" pointers are host pointers. Dynamic shared memory starts out as
-// garbage, as on a GPU; static shared memory keeps what the previous block left.
+// Every CUDA thread runs on its own OS thread, and all the blocks of a launch run at once, so
+// blocks that wait on each other (the look-back of a single-pass scan) make progress as on a
+// GPU, in an order the OS scheduler picks. __syncthreads and the warp intrinsics are barriers,
+// so a missing __syncthreads or a lane reading before another wrote shows up as wrong bytes or
+// a crash. "Device" pointers are host pointers; the kernels' atomics are libcu++'s, which work
+// on the host. Shared memory, static and dynamic, belongs to its block and starts out as
+// garbage, as on a GPU.
 
 #ifndef CSWAP_KERNEL_EMULATOR_H
 #define CSWAP_KERNEL_EMULATOR_H
@@ -16,8 +18,7 @@
 #define __device__
 #define __global__
 #define __forceinline__ inline
-// One block runs at a time, so a static local is the block's shared memory.
-#define __shared__ static
+#define __launch_bounds__(...)
 
 #include <cuda_runtime.h>
 
@@ -28,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -51,10 +53,12 @@ struct Block {
   std::vector<std::unique_ptr<std::barrier<>>> warps;
   std::vector<uint64_t> slots;  // one per thread, for the warp exchanges
   std::vector<unsigned char> smem;
+  std::mutex statics_mutex;
+  std::map<int, std::vector<unsigned char>> statics;  // by declaration
 };
 
 inline thread_local Idx thread_idx, block_idx, block_dim, grid_dim;
-inline Block *current = nullptr;
+inline thread_local Block *current = nullptr;
 
 inline std::barrier<> &warp_barrier() { return *current->warps[thread_idx.x / 32]; }
 
@@ -112,33 +116,47 @@ class Pool {
 
 inline Pool pool;
 
-// Runs `kernel` on `cfg.grid` blocks of `cfg.block` threads; returns when all have finished.
+// Runs `kernel` on `cfg.grid` blocks of `cfg.block` threads, all at once; returns when all
+// have finished.
 inline void launch(const Config &cfg, const std::function<void()> &kernel) {
+  std::vector<std::unique_ptr<Block>> blocks;
   for (unsigned b = 0; b < cfg.grid; ++b) {
-    Block block;
-    block.all = std::make_unique<std::barrier<>>(cfg.block);
+    auto block = std::make_unique<Block>();
+    block->all = std::make_unique<std::barrier<>>(cfg.block);
     for (unsigned w = 0; w < cfg.block / 32; ++w)
-      block.warps.push_back(std::make_unique<std::barrier<>>(32));
-    block.slots.assign(cfg.block, 0);
-    block.smem.assign(cfg.smem, 0xA5);
-    current = &block;
-    pool.run(cfg.block, [&, b](unsigned t) {
-      thread_idx = {t, 0, 0};
-      block_idx = {b, 0, 0};
-      block_dim = {cfg.block, 1, 1};
-      grid_dim = {cfg.grid, 1, 1};
-      kernel();
-      // An exited thread no longer holds up the others, as on a GPU.
-      block.warps[t / 32]->arrive_and_drop();
-      block.all->arrive_and_drop();
-    });
-    current = nullptr;
+      block->warps.push_back(std::make_unique<std::barrier<>>(32));
+    block->slots.assign(cfg.block, 0);
+    block->smem.assign(cfg.smem, 0xA5);
+    blocks.push_back(std::move(block));
   }
+  pool.run(cfg.grid * cfg.block, [&](unsigned i) {
+    const unsigned b = i / cfg.block, t = i % cfg.block;
+    Block &block = *blocks[b];
+    current = &block;
+    thread_idx = {t, 0, 0};
+    block_idx = {b, 0, 0};
+    block_dim = {cfg.block, 1, 1};
+    grid_dim = {cfg.grid, 1, 1};
+    kernel();
+    // An exited thread no longer holds up the others, as on a GPU.
+    block.warps[t / 32]->arrive_and_drop();
+    block.all->arrive_and_drop();
+    current = nullptr;
+  });
 }
 
 template <typename T>
 T *dynamic_smem() {
   return reinterpret_cast<T *>(current->smem.data());
+}
+
+// The block's copy of the `__shared__` variable declared at `line` (type A: T or T[N]).
+template <typename A>
+A &static_smem(int line) {
+  std::lock_guard<std::mutex> lock(current->statics_mutex);
+  std::vector<unsigned char> &bytes = current->statics[line];
+  if (bytes.empty()) bytes.assign(sizeof(A), 0xA5);
+  return *reinterpret_cast<A *>(bytes.data());
 }
 
 template <typename T>
@@ -177,6 +195,10 @@ T exchange(T v, F src) {
 
 inline void __syncthreads() { emu::current->all->arrive_and_wait(); }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __ffs(unsigned x) { return __builtin_ffs(static_cast<int>(x)); }
+inline int __clz(unsigned x) { return x ? __builtin_clz(x) : 32; }
+// A waiting thread lets the others run: they may be the ones it waits for.
+inline void __nanosleep(unsigned) { std::this_thread::yield(); }
 
 template <typename T>
 T __shfl_up_sync(unsigned, T v, int d) {
@@ -189,6 +211,10 @@ T __shfl_down_sync(unsigned, T v, int d) {
 template <typename T>
 T __shfl_xor_sync(unsigned, T v, int d) {
   return emu::exchange(v, [d](int lane) { return lane ^ d; });
+}
+template <typename T>
+T __shfl_sync(unsigned, T v, int src) {
+  return emu::exchange(v, [src](int) { return src; });
 }
 inline unsigned __ballot_sync(unsigned, int predicate) {
   const unsigned lane = threadIdx.x % 32, base = threadIdx.x - lane;
@@ -208,6 +234,10 @@ using std::isnan;
 template <typename T>
 T min(T a, T b) {
   return b < a ? b : a;
+}
+template <typename T>
+T max(T a, T b) {
+  return a < b ? b : a;
 }
 
 // The runtime calls the library makes, on host memory.

@@ -5,13 +5,18 @@ import math
 
 import pytest
 import torch
+from conftest import with_checkpointing_of_5_17
 
 from cswap_lightning.commands.bench_suite import (
     GOALS,
+    HF_OFFLOAD,
     METHODS,
     MODELS,
     DeviceLedger,
     HookTap,
+    Settings,
+    measure,
+    workload,
 )
 from cswap_lightning.commands.cli import main
 
@@ -98,6 +103,22 @@ def test_plots_are_written(suite):
         png = out / f"suite-{model['model']}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"]({png.name})" in report
+
+
+@pytest.mark.parametrize("api", ["installed", "5.17-5.22"])
+def test_hf_offload_is_found_under_either_name(api):
+    """transformers 5.17-5.22 have the offload switch on gradient_checkpointing_enable, later
+    releases on activation_checkpointing_enable: the method runs under either."""
+    wl = workload("gpt2-medium", small=True)
+    base = wl.build()
+    if api == "5.17-5.22":
+        base = with_checkpointing_of_5_17(type(base))(base.config)
+    row = measure(wl, base, HF_OFFLOAD, 2, Settings(torch.device("cpu"), steps=1, warmup=0,
+                                                    min_bytes=0))
+    if torch.cuda.is_available():  # host memory can be pinned: the run completes
+        assert "skipped" not in row, row["skipped"]
+    else:  # the offload's first copy into pinned host memory fails: there is none without one
+        assert "pin_memory" in row.get("skipped", ""), row.get("skipped")
 
 
 def test_ledger_counts_allocations_not_views_and_not_pack_copies():

@@ -78,13 +78,14 @@ def test_a_budget_between_keeping_and_moving_everything_is_met_by_measurement():
 
 @pytest.mark.parametrize("fraction, narrowed", [(0.4, True), (0.6, False)])
 def test_the_plan_narrows_the_prefetch_window_to_meet_the_budget(fraction, narrowed):
-    """With the default window backward would bring back every moved tensor at once on the
-    CPU, and no choice of sites meets 40% of keeping everything: the plan halves the window
-    until one does, the engine uses it, and the measured peak meets the budget. At 60% the
-    default window fits as it is."""
-    default_window = CSwapConfig().prefetch_bytes
+    """With a 512 MiB window (the default before "auto") backward would bring back every
+    moved tensor at once on the CPU, and no choice of sites meets 40% of keeping everything:
+    the plan halves the window until one does, the engine uses it, and the measured peak
+    meets the budget. At 60% the window fits as it is."""
+    default_window = 512 * MiB
     budget = int(fraction * keep_peak(default_window))
-    off, stats = train(CSwapConfig(budget=budget, profile_steps=1), steps=2)
+    off, stats = train(CSwapConfig(budget=budget, profile_steps=1,
+                                   prefetch_bytes=default_window), steps=2)
     measured = stats[-1].peak_resident_bytes
     assert off.plan.fits, off.plan.table()
     assert (off.plan.prefetch_bytes < default_window) == narrowed, off.plan.table()
@@ -197,20 +198,25 @@ def train_beside_plain(off: Offloader, model: nn.Module, x: torch.Tensor,
 
 
 @pytest.mark.slow
-def test_a_run_that_fits_is_not_tracked_tensor_by_tensor_once_its_plan_is_checked():
-    """Once a step has checked a plan that moves nothing, later steps only count their saved
-    tensors (as `save_on_cpu`-cheap as the hooks allow) and keep PyTorch's version check;
-    gradients are those of plain training."""
+def test_a_run_that_fits_runs_without_hooks_once_its_plan_is_checked():
+    """Once a step has checked a plan that moves nothing, later steps run without the
+    engine's hooks at all: autograd keeps every saved tensor and does its own version
+    check; gradients are those of plain training. new_epoch() brings the hooks back."""
     model, x = wide_mlp(nn.GELU)
     off = Offloader(CSwapConfig(budget=1 << 40, profile_steps=1))
     stats = train_beside_plain(off, model, x, steps=4)
-    # Measured (swapping), then the plan's first step checks it, then only counted.
+    # Measured (swapping), then the plan's first step checks it, then no hooks.
     assert [bool(s.sites) for s in stats] == [True, True, False, False]
-    assert [s.untracked_tensors for s in stats[2:]] == [len(stats[1].sites)] * 2
-    assert stats[3].saved_bytes == stats[1].saved_bytes and stats[3].offloaded_bytes == 0
+    assert [s.hooks_off for s in stats] == [False, False, True, True]
+    assert stats[3].saved_bytes == stats[3].offloaded_bytes == 0  # the engine saw nothing
     # Its peak is the one measured on the step that checked the plan (and saved the same).
     assert stats[3].peak_resident_bytes == off.plan.measured_peak == stats[1].peak_resident_bytes
-    assert "not tracked one by one" in stats[3].table()
+    assert "without the engine's hooks" in stats[3].table()
+    with off:
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    off.new_epoch()
+    stats = train_beside_plain(off, model, x, steps=1)
+    assert stats[0].sites and not stats[0].hooks_off  # measured again, with hooks
 
     with off:
         y = model[0](x)
@@ -268,15 +274,14 @@ def test_under_a_budget_the_kept_sites_are_only_counted_and_the_moved_ones_still
 
 
 @pytest.mark.slow
-def test_a_fixed_keep_plan_is_only_counted_once_a_step_has_checked_it():
+def test_a_fixed_keep_plan_runs_without_hooks_once_a_step_has_checked_it():
     """plan="keep": after the measured steps, one step checks what it keeps; later steps
-    only count their saved tensors (version check kept), with plain training's gradients."""
+    run without hooks (autograd's own version check), with plain training's gradients."""
     model, x = wide_mlp(nn.GELU)
     off = Offloader(CSwapConfig(plan="keep", profile_steps=1, min_bytes=0))
     stats = train_beside_plain(off, model, x, steps=4)
     assert [bool(s.sites) for s in stats] == [True, True, False, False]
-    assert [s.untracked_tensors for s in stats] == [0, 0, len(stats[1].sites), len(stats[1].sites)]
-    assert stats[3].saved_bytes == stats[1].saved_bytes and stats[3].offloaded_bytes == 0
+    assert [s.hooks_off for s in stats] == [False, False, True, True]
     assert stats[3].peak_resident_bytes == stats[1].peak_resident_bytes > 0
 
     with off:
@@ -420,8 +425,7 @@ def test_transformers_with_varying_lengths_are_never_measured_again(kind):
     with off:  # closes the last step
         pass
     assert off._replans == 0 and off._measure_left == 0
-    # planned for 128 tokens, the steps after only count what they keep, and say their
-    # sizes differ from the checking step's
-    assert [(not s.sites, s.resized) for s in stats[-3:]] == [(True, True)] * 3, [
+    # the run fits: once its plan is checked, the steps run without hooks
+    assert [s.hooks_off for s in stats[-3:]] == [True] * 3, [
         (len(s.sites), s.untracked_tensors, s.resized) for s in stats]
     off.close()

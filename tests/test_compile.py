@@ -201,8 +201,11 @@ def test_a_hugging_face_model_compiles_each_decoder_layer_and_trains_alike():
 
 @pytest.mark.parametrize("config, steps", [
     (CSwapConfig(plan="raw", min_bytes=0), 2),
-    # A run that fits: after its plan is checked, the engine only counts what is saved.
-    (CSwapConfig(budget=1 << 40, profile_steps=1, min_bytes=0), 4)], ids=["raw", "counted"])
+    # A run that fits: after its plan is checked, the steps run without the engine's hooks.
+    (CSwapConfig(budget=1 << 40, profile_steps=1, min_bytes=0), 4),
+    # A budget the run does not fit with room to spare: the kept sites are only counted.
+    (CSwapConfig(budget=3000, profile_steps=1, min_bytes=0), 4)],
+    ids=["raw", "no hooks", "counted"])
 def test_a_module_compiled_with_its_compile_method_trains_under_the_engine(config, steps):
     """``module.compile()`` compiles the module's forward; Dynamo must not trace the engine's
     hooks, which the forward's ops call (it inlined them and failed before), nor the frames
@@ -226,6 +229,8 @@ def test_a_module_compiled_with_its_compile_method_trains_under_the_engine(confi
     last = off.last_step()
     if config.plan == "raw":
         assert last.offloaded_bytes > 0
+    elif config.budget == 1 << 40:
+        assert last.hooks_off and not last.sites
     else:
-        assert last.untracked_tensors > 0 and not last.sites
+        assert last.untracked_tensors > 0 and not last.sites and not last.hooks_off
     off.close()

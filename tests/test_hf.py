@@ -7,9 +7,11 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import with_checkpointing_of_5_17
 from transformers import (
     BertConfig,
     BertForSequenceClassification,
@@ -23,6 +25,7 @@ from transformers import (
 from cswap_lightning import CSwapConfig
 from cswap_lightning.core.compile import is_compiled
 from cswap_lightning.integrations.hf import CSwapCallback
+from cswap_lightning.integrations.hf_checkpointing import trainer_checkpointing
 from cswap_lightning.integrations.metrics import run_summary
 
 LOSSLESS = CSwapConfig(plan="zvc", min_bytes=0)
@@ -279,7 +282,8 @@ class RandomText(RandomTokens):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def llama_trainer(tmp_path, callbacks: list[TrainerCallback], **arguments) -> Trainer:
+def llama_trainer(tmp_path, callbacks: list[TrainerCallback],
+                  model_class: type[LlamaForCausalLM] = LlamaForCausalLM, **arguments) -> Trainer:
     """A tiny Llama (two decoder layers), trained for two steps."""
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -289,15 +293,26 @@ def llama_trainer(tmp_path, callbacks: list[TrainerCallback], **arguments) -> Tr
         per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=1, save_strategy="no",
         dataloader_num_workers=0, disable_tqdm=True, **arguments,
     )
-    return Trainer(LlamaForCausalLM(config), args, train_dataset=RandomText(),
+    return Trainer(model_class(config), args, train_dataset=RandomText(),
                    callbacks=callbacks)
 
 
+# The Trainer's checkpointing arguments and the model's switch, as transformers names them:
+# from 5.23, and in 5.17-5.22 (the offload switch's first releases; later ones take those
+# argument names as aliases, and their Trainer calls the old switch where it is the only one).
+CHECKPOINTING_NAMES = {
+    "activation_checkpointing": LlamaForCausalLM,
+    "gradient_checkpointing": with_checkpointing_of_5_17(LlamaForCausalLM),
+}
+
+
 def checkpointed_llama_trainer(tmp_path, callbacks: list[TrainerCallback],
-                               checkpointing: dict | None) -> Trainer:
-    """The tiny Llama with activation checkpointing (``checkpointing``: its kwargs)."""
-    return llama_trainer(tmp_path, callbacks, activation_checkpointing=True,
-                         activation_checkpointing_kwargs=checkpointing)
+                               checkpointing: dict | None,
+                               names: str = "activation_checkpointing") -> Trainer:
+    """The tiny Llama with activation checkpointing (``checkpointing``: its kwargs), under the
+    names of ``CHECKPOINTING_NAMES[names]``."""
+    return llama_trainer(tmp_path, callbacks, CHECKPOINTING_NAMES[names],
+                         **{names: True, f"{names}_kwargs": checkpointing})
 
 
 def logged_bytes(trainer: Trainer) -> list[float]:
@@ -305,22 +320,37 @@ def logged_bytes(trainer: Trainer) -> list[float]:
             if "cswap/offloaded_bytes" in h]
 
 
-def test_the_engine_takes_the_checkpoint_boundaries_over_from_hf_offload(tmp_path, caplog):
+def test_the_trainers_checkpointing_arguments_are_read_under_either_name(tmp_path):
+    checkpointing = {"offload": True, "every_n_layers": 2}
+    for names in CHECKPOINTING_NAMES:
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                                 **{names: True, f"{names}_kwargs": checkpointing})
+        assert trainer_checkpointing(args) == checkpointing
+    assert trainer_checkpointing(TrainingArguments(output_dir=str(tmp_path), use_cpu=True,
+                                                   report_to=[])) is None
+    # The fields of transformers 5.17-5.22's TrainingArguments (no activation_checkpointing):
+    older = SimpleNamespace(gradient_checkpointing=True, gradient_checkpointing_kwargs=checkpointing)
+    assert trainer_checkpointing(older) == checkpointing
+
+
+@pytest.mark.parametrize("names", sorted(CHECKPOINTING_NAMES))
+def test_the_engine_takes_the_checkpoint_boundaries_over_from_hf_offload(tmp_path, caplog,
+                                                                          names):
     raw = CSwapConfig(plan="raw", min_bytes=0)
     with caplog.at_level(logging.WARNING, logger=CSwapCallback.__module__):
         offloading = checkpointed_llama_trainer(tmp_path / "offload", [CSwapCallback(raw)],
-                                                {"offload": True})
+                                                {"offload": True}, names)
         offloading.train()
     told = [r.getMessage() for r in caplog.records if "cswap" in r.getMessage()]
     assert len(told) == 1 and "offload" in told[0]
 
     checkpointing = checkpointed_llama_trainer(tmp_path / "checkpoint", [CSwapCallback(raw)],
-                                               None)
+                                               None, names)
     checkpointing.train()
     assert logged_bytes(offloading) == logged_bytes(checkpointing)  # per optimizer step
     assert len(logged_bytes(offloading)) == 2 and logged_bytes(offloading)[0] > 0
 
-    plain = checkpointed_llama_trainer(tmp_path / "plain", [], None)
+    plain = checkpointed_llama_trainer(tmp_path / "plain", [], None, names)
     plain.train()
     for (name, p), q in zip(offloading.model.state_dict().items(),
                             plain.model.state_dict().values(), strict=True):

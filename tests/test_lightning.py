@@ -426,24 +426,28 @@ def test_fsdp_strategy_selects_lightnings_fsdp_precision():
 @pytest.mark.gpu
 def test_one_gpu_follows_the_accelerator_and_matches_the_plain_strategy():
     trainer, model = train(CSwapStrategy(LOSSLESS), accelerator="cuda")
-    assert trainer.strategy.root_device == torch.device("cuda", torch.cuda.current_device())
-    _, plain = train(SingleDeviceStrategy("cuda"), accelerator="cuda")
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert trainer.strategy.root_device == device
+    _, plain = train(SingleDeviceStrategy(device), accelerator="cuda")  # Lightning needs the index
     assert_same_weights(model, plain)
     assert trainer.strategy.offloader.last_step().offloaded_bytes > 0
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("_leave_no_process_group")
 def test_fsdp_on_one_gpu_offloads_activations():
     trainer, _ = train(CSwapFSDPStrategy(LOSSLESS), accelerator="cuda", precision="bf16-mixed")
     assert trainer.strategy.offloader.last_step().offloaded_bytes > 0
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("_leave_no_process_group")
 def test_fsdp_activation_checkpointing_leaves_the_block_inputs_to_the_engine():
     # Lightning's policy wraps blocks in torch's checkpoint_wrapper, which never offloads.
-    checkpointed = {"activation_checkpointing_policy": {Block}, "accelerator": "cuda"}
-    trainer, model = train(CSwapFSDPStrategy(LOSSLESS, **checkpointed), model=BlockReluNet)
-    _, plain = train(FSDPStrategy(**checkpointed), model=BlockReluNet)
+    checkpointed = {"activation_checkpointing_policy": {Block}}
+    trainer, model = train(CSwapFSDPStrategy(LOSSLESS, **checkpointed), model=BlockReluNet,
+                           accelerator="cuda")
+    _, plain = train(FSDPStrategy(**checkpointed), model=BlockReluNet, accelerator="cuda")
     assert_same_weights(model, plain)
     assert_the_engine_moves_the_block_inputs(trainer)
 

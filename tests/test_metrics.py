@@ -113,6 +113,9 @@ def test_compute_stays_on_the_device_without_a_process_group():
 
 @pytest.mark.gpu
 def test_update_and_compute_never_synchronize_on_cuda():
+    # With a process group, compute() gathers every rank's states (the sum across ranks, by
+    # design), which synchronises; a group an earlier test left behind would do the same.
+    assert not torch.distributed.is_initialized()
     metrics = offload_metrics().to("cuda")
     error = ReconstructionError().to("cuda")
     x = torch.randn(1024, device="cuda")

@@ -7,10 +7,12 @@ through the reference codecs. They are not registered by default: ``enable_cuda_
 opts in, and so does the environment variable ``CSWAP_CUDA_CODECS=1`` for every ``Offloader``
 a process builds (for command-line tools: ``CSWAP_CUDA_CODECS=1 cswap fit ...``).
 
-zvc and rle encoding enqueues its kernels on ``torch.cuda.current_stream()`` and then reads
-the payload size back, which waits for that stream (the offload worker's side stream in
-``transfer.py``). Lossy payload sizes are known up front, so lossy encoding never waits.
-Decoding never waits: counts and block sizes are read on the device.
+zvc and rle encoding enqueues its kernels on ``torch.cuda.current_stream()``; trimmed (the
+default), it then reads the payload size back, which waits for that stream. Untrimmed
+(``encode(t, trim=False)``, what the engine does), it returns the whole output buffer and
+never waits: the length is in the payload's first bytes, read from host memory once copied.
+Lossy payload sizes are known up front, so lossy encoding never waits. Decoding never waits:
+counts and block sizes are read on the device.
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ from .reference import RLECodec, ZVCCodec
 
 ABI_VERSION = 2  # CSWAP_CODEC_ABI_VERSION in cswap_codec.h
 DEFAULT_BLOCK = 256
-BLOCKS_PER_SM = 4
+# Default grid: 8 blocks of DEFAULT_BLOCK threads per SM, the 2048 threads an SM holds when a
+# kernel uses at most 32 registers a thread (all zvc and rle kernels but rle's second encode
+# pass do), so that an SM has blocks to run while others wait on their look-backs.
+BLOCKS_PER_SM = 8
 
 _c_int, _c_u32, _c_u64, _c_ptr = ctypes.c_int, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p
 _COMPRESS_ARGS = [_c_ptr, _c_u64, _c_int, _c_ptr, _c_u64, _c_ptr, _c_ptr, _c_u64, _c_int, _c_int,
@@ -164,10 +169,17 @@ class _CudaCodec(_Launches):
         stream = torch.cuda.current_stream(device).cuda_stream
         return grid, block, workspace, workspace_bytes, stream
 
-    def _encode_bits(self, bits: torch.Tensor) -> torch.Tensor:
+    def capacity(self, numel: int, elem_size: int) -> int:
+        lib = load_extension()
+        if lib is None:
+            return super().capacity(numel, elem_size)  # type: ignore[misc]
+        return max(lib.cswap_max_payload_bytes(CODEC_IDS[self.name], numel, elem_size),
+                   super().capacity(numel, elem_size))  # type: ignore[misc]
+
+    def _encode_bits(self, bits: torch.Tensor, trim: bool = True) -> torch.Tensor:
         lib = load_extension() if bits.is_cuda else None
         if lib is None:
-            return super()._encode_bits(bits)  # type: ignore[misc]
+            return super()._encode_bits(bits, trim)  # type: ignore[misc]
         bits = bits.contiguous()
         numel, elem_size, device = bits.numel(), bits.element_size(), bits.device
         with torch.cuda.device(device):
@@ -183,7 +195,8 @@ class _CudaCodec(_Launches):
                 nbytes.data_ptr(), workspace.data_ptr(), workspace_bytes, grid, block, stream,
             )
             check_status(lib, status, f"{self.name} compress")
-            return payload[: int(nbytes.item())]  # waits for the current stream only
+            # Trimming reads the length back: it waits for the current stream.
+            return payload[: int(nbytes.item())] if trim else payload
 
     def _decode_bits(self, payload: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
         lib = load_extension() if payload.is_cuda else None

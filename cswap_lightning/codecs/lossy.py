@@ -189,7 +189,7 @@ class LossyCodec(Codec):
 
     # Codec's bit-pattern hooks serve the bit-exact codecs; quantizing needs the values and
     # their dtype, which is why encode and decode are overridden.
-    def _encode_bits(self, bits: torch.Tensor) -> torch.Tensor:
+    def _encode_bits(self, bits: torch.Tensor, trim: bool = True) -> torch.Tensor:
         raise TypeError(f"lossy codec {self.name!r} quantizes values: call encode(tensor)")
 
     def _decode_bits(self, payload: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -30,17 +30,20 @@ class Codec(abc.ABC):
     max_numel: int = 2**63 - 1
     exact_size: bool = True  # the payload's size follows from the shape: no read-back
 
-    def encode(self, t: torch.Tensor) -> Packed:
+    def encode(self, t: torch.Tensor, trim: bool = True) -> Packed:
         """Pack ``t`` (any shape and strides) in logical row-major order; payload on ``t.device``.
 
-        The payload may share memory with ``t`` (raw does when ``t`` is contiguous)."""
+        The payload may share memory with ``t`` (raw does when ``t`` is contiguous). With
+        ``trim=False`` an implementation may return its whole output buffer, of
+        :meth:`capacity` bytes, instead of reading the payload's length back from the device:
+        the length is then in the payload's first 16 bytes (:meth:`payload_length`)."""
         header = format_header(self.name, t.dtype, tuple(t.shape))
         if t.numel() > self.max_numel:
             raise ValueError(
                 f"codec {self.name!r} handles at most {self.max_numel} elements "
                 f"(numel < 2**32 for zvc and rle), got {t.numel()}"
             )
-        return Packed(header, self._encode_bits(bit_view(t.detach().reshape(-1))))
+        return Packed(header, self._encode_bits(bit_view(t.detach().reshape(-1)), trim))
 
     def decode(self, packed: Packed) -> torch.Tensor:
         """A new contiguous tensor of the header's dtype and shape, on the payload's device."""
@@ -54,9 +57,20 @@ class Codec(abc.ABC):
     def payload_nbytes(self, numel: int, nnz: int, elem_size: int, nruns: int = 0) -> int:
         """Exact payload size, for the cost model."""
 
+    def capacity(self, numel: int, elem_size: int) -> int:
+        """The most bytes a payload of ``numel`` elements can take (an untrimmed buffer's
+        size): room enough for any tensor of that size."""
+        return self.payload_nbytes(numel, numel, elem_size)
+
+    def payload_length(self, preamble: torch.Tensor, numel: int, elem_size: int
+                       ) -> tuple[int, int | None]:
+        """The payload's length in bytes and its count of non-zero elements (None where the
+        format does not say), from its first 16 bytes (``preamble``, uint8 in host memory)."""
+        return self.payload_nbytes(numel, numel, elem_size), None
+
     @abc.abstractmethod
-    def _encode_bits(self, bits: torch.Tensor) -> torch.Tensor:
-        """Payload for the 1-D integer bit view ``bits``."""
+    def _encode_bits(self, bits: torch.Tensor, trim: bool = True) -> torch.Tensor:
+        """Payload for the 1-D integer bit view ``bits`` (untrimmed: see :meth:`encode`)."""
 
     @abc.abstractmethod
     def _decode_bits(self, payload: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -71,7 +85,7 @@ class RawCodec(Codec):
     def payload_nbytes(self, numel: int, nnz: int, elem_size: int, nruns: int = 0) -> int:
         return numel * elem_size
 
-    def _encode_bits(self, bits: torch.Tensor) -> torch.Tensor:
+    def _encode_bits(self, bits: torch.Tensor, trim: bool = True) -> torch.Tensor:
         # A byte view when possible: copying a tensor that is about to leave the device
         # would briefly double its memory.
         bits = bits.contiguous()
@@ -94,7 +108,12 @@ class ZVCCodec(Codec):
     def payload_nbytes(self, numel: int, nnz: int, elem_size: int, nruns: int = 0) -> int:
         return _zvc_values_offset(numel) + nnz * elem_size
 
-    def _encode_bits(self, bits: torch.Tensor) -> torch.Tensor:
+    def payload_length(self, preamble: torch.Tensor, numel: int, elem_size: int
+                       ) -> tuple[int, int | None]:
+        nnz = int(preamble[:8].view(torch.int64))
+        return self.payload_nbytes(numel, nnz, elem_size), nnz
+
+    def _encode_bits(self, bits: torch.Tensor, trim: bool = True) -> torch.Tensor:
         numel = bits.numel()
         # One flag byte per element, padded with zeros to whole u32 mask words.
         flags = torch.zeros(_cdiv(numel, 32) * 32, dtype=torch.bool, device=bits.device)
@@ -121,7 +140,17 @@ class RLECodec(Codec):
     def payload_nbytes(self, numel: int, nnz: int, elem_size: int, nruns: int = 0) -> int:
         return 16 + 2 * _align16(4 * nruns) + nnz * elem_size
 
-    def _encode_bits(self, bits: torch.Tensor) -> torch.Tensor:
+    def capacity(self, numel: int, elem_size: int) -> int:
+        # at most one run per two elements (runs are maximal), then the rest non-zero
+        runs = _cdiv(numel, 2)
+        return self.payload_nbytes(numel, numel - runs, elem_size, runs)
+
+    def payload_length(self, preamble: torch.Tensor, numel: int, elem_size: int
+                       ) -> tuple[int, int | None]:
+        nruns, nnz = preamble[:16].view(torch.int64).tolist()
+        return self.payload_nbytes(numel, nnz, elem_size, nruns), nnz
+
+    def _encode_bits(self, bits: torch.Tensor, trim: bool = True) -> torch.Tensor:
         zero = bits == 0
         # +1 where a zero run starts, -1 just past where it ends.
         edge = torch.zeros(1, dtype=torch.int8, device=bits.device)

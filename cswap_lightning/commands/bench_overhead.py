@@ -21,7 +21,7 @@ host memory and back, without side streams): the floor of any engine that moves 
 which the engine's raw plan pays too. ``--device cuda`` runs the chain on a GPU, where the
 host time is what the thread that launches the kernels spends. "cswap default, run
 fits" is the default configuration on a run that fits: once its plan (move nothing) is
-checked, the engine only counts what is saved; "cswap budget 50% of keep" moves what half
+checked, the steps run without the engine's hooks; "cswap budget 50% of keep" moves what half
 of keeping everything needs and counts the rest; ``plan=keep`` and ``plan=raw`` are fixed
 plans. Every engine runs its measured steps and the step that checks its plan before the
 timed ones: the rows are what the steps after those cost, which keep and move what the
@@ -142,7 +142,7 @@ def run_overhead_bench(tensors: int = 2000, numel: int = 4096, rounds: int = 7,
                     _timed_step(context, x, tensors)[0] for _ in range(steady_steps)))
             progress(f"steady-state round {round_}/{rounds}")
         moved = engines["raw"].last_step().offloaded_bytes
-        counted = engines["default"].last_step().untracked_tensors
+        hooks_off = engines["default"].last_step().hooks_off
         budgeted = engines["budget"].last_step()
     finally:
         torch.set_num_threads(threads)
@@ -169,13 +169,14 @@ def run_overhead_bench(tensors: int = 2000, numel: int = 4096, rounds: int = 7,
            f"{r['steady_us_per_tensor']:.1f} us |" for r in rows])
     print(table)
     print(f"cswap plan=raw moved {moved / 2**20:.1f} MiB off the device per step; the default's "
-          f"plan moved nothing and its steps only counted their {counted} saved tensors; the "
-          f"budget's moved {budgeted.offloaded_tensors} and counted {budgeted.untracked_tensors}")
+          f"plan moved nothing and its steps ran {'without' if hooks_off else 'with'} hooks; "
+          f"the budget's moved {budgeted.offloaded_tensors} and counted "
+          f"{budgeted.untracked_tensors}")
     if out:
         meta = result_meta(dev, tensors=tensors, tensor_bytes=numel * 4,
                            rounds=rounds, steady_steps=steady_steps,
                            python_objects=len(gc.get_objects()))
-        results = {"rows": rows, "moved_bytes": moved, "default_counted_tensors": counted,
+        results = {"rows": rows, "moved_bytes": moved, "default_hooks_off": hooks_off,
                    "budget_moved_tensors": budgeted.offloaded_tensors,
                    "budget_counted_tensors": budgeted.untracked_tensors}
         write_results(out, "cswap bench overhead", meta, results, table)

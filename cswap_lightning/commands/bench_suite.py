@@ -42,6 +42,7 @@ from typing_extensions import Self
 from ..config import CSwapConfig
 from ..core.engine import Offloader
 from ..core.stats import fmt_bytes
+from ..integrations.hf_checkpointing import checkpointing_switch, has_offload
 from .args import number
 from .bench_step import _Counted, result_meta, write_results
 
@@ -61,10 +62,11 @@ DESCRIPTIONS = {
     NO_OFFLOAD: "autograd keeps every saved tensor on the device (the baseline of every ratio)",
     CHECKPOINTING: "torch.utils.checkpoint (non-reentrant) around each block (ResNet "
     "bottleneck, VGG stage, transformer layer); Hugging Face models through their own "
-    "activation_checkpointing_enable()",
+    "activation_checkpointing_enable() (gradient_checkpointing_enable() before transformers 5.23)",
     HF_OFFLOAD: "transformers' activation_checkpointing_enable(offload=True), what the Trainer "
-    "does for activation_checkpointing_kwargs={'offload': True} (transformers >= 5.17): each "
-    "checkpointed layer runs inside save_on_cpu(pin_memory=True), synchronous copies",
+    "does for activation_checkpointing_kwargs={'offload': True} (transformers 5.17-5.22: "
+    "gradient_checkpointing_enable and gradient_checkpointing_kwargs): each checkpointed layer "
+    "runs inside save_on_cpu(pin_memory=True), synchronous copies",
     SAVE_ON_CPU: "torch.autograd.graph.save_on_cpu(pin_memory=True) around forward: every "
     "saved tensor copied to host memory, copied back on use",
     TORCHTUNE: "torchtune.training.OffloadActivations: side stream, pinned memory, no "
@@ -75,7 +77,6 @@ DESCRIPTIONS = {
     "cswap auto + int8": "this library, plan='auto', lossy='int8': int8 allowed for dense tensors",
 }
 MAX_BATCH_METHODS = (NO_OFFLOAD, CHECKPOINTING, "cswap auto")
-DEFAULT_PREFETCH = CSwapConfig().prefetch_bytes
 LEVELS = (1.0, 0.5, 0.35)
 GOAL_LEVEL = 0.35  # the goals' memory level: a fraction of no offload's measured peak
 GOALS = (
@@ -208,20 +209,16 @@ class Skip(Exception):
 
 
 def _hf_checkpointing(model: nn.Module, offload: bool) -> None:
-    import inspect
-
+    """Non-reentrant checkpointing of each layer through the model's own switch, with its
+    built-in offload where asked."""
     import transformers
 
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if offload and (enable is None or "offload" not in inspect.signature(enable).parameters):
+    enable = checkpointing_switch(model)
+    if offload and not has_offload(enable):
         raise Skip(f"transformers {transformers.__version__} has no built-in activation offload "
-                   "(activation_checkpointing_enable(offload=True), transformers >= 5.17)")
-    if offload:
-        enable(offload=True)
-    elif enable is not None:
-        enable()
-    else:  # transformers before activation_checkpointing_enable
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                   "(offload=True to gradient_checkpointing_enable, transformers >= 5.17, or "
+                   "to activation_checkpointing_enable, >= 5.23)")
+    enable({"use_reentrant": False}, **({"offload": True} if offload else {}))
 
 
 # -- what a method does ---------------------------------------------------------------------
@@ -629,7 +626,7 @@ def run_model(wl: Workload, dev: torch.device, opts: argparse.Namespace, deadlin
     levels = tuple(opts.levels)
     result: dict = {"model": wl.key, "label": wl.label, "shape": wl.shape,
                     "batch": wl.batch_size, "params": 0, "levels": list(levels), "runs": [],
-                    "max_batch": [], "complete": False}
+                    "max_batch": [], "complete": False, "prefetch_bytes": opts.prefetch_bytes}
     torch.manual_seed(0)
     try:
         base = wl.build().train()
@@ -661,12 +658,6 @@ def run_model(wl: Workload, dev: torch.device, opts: argparse.Namespace, deadlin
                       budget_bytes)
         if method == NO_OFFLOAD:
             baseline = row
-            if "skipped" not in row and opts.prefetch_bytes is None:
-                # What backward may bring back ahead of use, in proportion to the step: the
-                # engine's default, or 1/16 of no offload's peak where that is less (a small
-                # model would otherwise get all of its tensors back at once).
-                settings.prefetch_bytes = min(DEFAULT_PREFETCH, row["peak_bytes"] // 16)
-                result["prefetch_bytes"] = settings.prefetch_bytes
         _derive(row, baseline)
         result["runs"].append(row)
         print(f"  [{wl.key} {time.monotonic() - began:5.0f} s] {_progress(row)}", flush=True)
@@ -897,11 +888,15 @@ def markdown(results: list[dict], dev: torch.device, opts: argparse.Namespace) -
     return "\n".join(lines)
 
 
+def _fmt_window(prefetch_bytes: int | None) -> str:
+    return "auto (the engine's)" if prefetch_bytes is None else fmt_bytes(prefetch_bytes)
+
+
 def model_markdown(result: dict, opts: argparse.Namespace) -> list[str]:
     lines = [f"## {result['label']}", "",
              (f"{result['shape']}, batch {result['batch']}, {result['params'] / 1e6:.1f} M "
               f"parameters; cswap's prefetch_bytes "
-              f"{fmt_bytes(result.get('prefetch_bytes') or DEFAULT_PREFETCH)}"
+              f"{_fmt_window(result.get('prefetch_bytes'))}"
               f"{'' if result['complete'] else ' (PARTIAL: still running, or cut off)'}"),
              "", ("| method | samples/s | vs no offload | peak memory | vs no offload | "
                   "link bytes/step | exposed swap | engine's peak | cswap's sites |"),
@@ -1010,8 +1005,8 @@ def add_parser(bench_kinds) -> argparse.ArgumentParser:
                        help="smaller saved tensors stay (cswap, torchtune); default 64 KiB, "
                        "--small 4 KiB")
     suite.add_argument("--prefetch-bytes", type=_whole(0), default=None,
-                       help="cswap's prefetch_bytes (default: the engine's, or 1/16 of no "
-                       "offload's peak where that is less)")
+                       help="cswap's prefetch_bytes (default: the engine's, 'auto': what "
+                       "hides the measured link)")
     suite.add_argument("--max-batch", action=argparse.BooleanOptionalAction, default=True,
                        help="search the largest batch that fits")
     suite.add_argument("--max-factor", type=_whole(2), default=8,

@@ -121,6 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     overhead.add_argument("--device", type=_device, default="cpu", choices=("cpu", "cuda"),
                           help="where the chain runs (cuda: host time of a GPU step)")
     overhead.add_argument("--out", default=None, help="write markdown and JSON results here (stem)")
+    plan = bench_kinds.add_parser(
+        "plan", help="the planner's keep/swap/recompute mix against checkpointing and swapping, "
+        "predicted by the replay of the H100 profiles (no GPU needed)")
+    plan.add_argument("--models", nargs="+", default=None,
+                      choices=("gpt2-medium", "bert-large", "resnet50", "vgg16"))
+    plan.add_argument("--out", default=None, help="write markdown and JSON results here (stem)")
     from .bench_suite import add_parser as add_suite_parser
 
     add_suite_parser(bench_kinds)
@@ -203,6 +209,11 @@ def main(argv: list[str] | None = None) -> int:
 
         run_overhead_bench(args.tensors, rounds=args.rounds, out=args.out,
                            steady_steps=args.steady_steps, device=args.device)
+        return 0
+    if args.bench == "plan":
+        from .bench_plan import run_plan_bench
+
+        run_plan_bench(args.models, args.out)
         return 0
     if args.bench == "suite":
         from .bench_suite import run_suite

@@ -12,7 +12,7 @@ next writer's stream first waits, on the device, for the last copy that touched 
 
 from __future__ import annotations
 
-import math
+import mmap
 import queue
 import threading
 import warnings
@@ -23,19 +23,13 @@ from functools import partial
 
 import torch
 
+from ..codecs import get_codec
 from ..config import COMPRESSORS
 from ..planning import memplan
 from ..planning.memplan import Block, Layout
-from .stats import StepStats, fmt_bytes
+from .stats import SiteStats, StepStats, fmt_bytes
 
-# Room added to each zvc or rle payload's region: its size follows the tensor's sparsity,
-# which drifts from step to step (on the demo CNN learning digits, by at most 9.5% for one
-# site, but mostly down as training sparsifies: no payload outgrew 6% in 3 epochs). Raw and
-# lossy payloads have exact sizes. A payload that does not fit gets memory of its own, and the
-# arena is planned again.
-HEADROOM = 0.06
 ALIGNMENT = 512  # bytes; every region starts at a multiple of it
-_PAGE = 4096
 
 
 @dataclass(eq=False)
@@ -64,6 +58,7 @@ class HostArena:
         self._busy: set[int] = set()
         self._last_use: dict[int, torch.cuda.Event] = {}
         self._released: deque[Lease] = deque()
+        self._unpin: weakref.finalize | None = None
         self.buffer = self._allocate(max(layout.arena_bytes, 1), pin, device)
 
     def acquire(self, key: int, nbytes: int, dtype: torch.dtype = torch.uint8
@@ -104,19 +99,28 @@ class HostArena:
             return torch.empty(nbytes, dtype=torch.uint8)
         # Page-locked in place, not taken from PyTorch's pinned allocator, which would round
         # the arena up to a power of two: the waste the arena exists to avoid. Whole pages of
-        # its own, so that no other registered range shares a page with it. Registered under
-        # ``device``: this thread's own current device (0) would get a CUDA context of its own.
-        size = memplan.align_up(nbytes, _PAGE)
-        base = torch.empty(size + _PAGE, dtype=torch.uint8)
-        start = -base.data_ptr() % _PAGE
+        # its own (an anonymous mapping), so that no other registered range shares a page with
+        # it and its storage starts where the registered range does (``is_pinned`` asks about
+        # the storage's start). Registered under ``device``: this thread's own current device
+        # (0) would get a CUDA context of its own.
+        size = memplan.align_up(nbytes, mmap.PAGESIZE)
+        base = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
         with torch.cuda.device(device):
-            status = int(torch.cuda.cudart().cudaHostRegister(base.data_ptr() + start, size, 1))
+            status = int(torch.cuda.cudart().cudaHostRegister(base.data_ptr(), size, 1))
         if status != 0:
             raise RuntimeError(f"cudaHostRegister of {fmt_bytes(size)} failed with error {status}")
         _start_unpinner()
-        unpin = partial(_unregister, base, start, device, self._last_use, self._released)
-        weakref.finalize(self, _UNPINS.put, unpin).atexit = False  # not once CUDA is gone
-        return base[start : start + nbytes]
+        unpin = partial(_unregister, base, device, self._last_use, self._released)
+        self._unpin = weakref.finalize(self, _UNPINS.put, unpin)
+        self._unpin.atexit = False  # not once CUDA is gone
+        return base[:nbytes]
+
+    def unpin_now(self) -> None:
+        """Unpin it in this thread (once the copies that touched it are done), rather than
+        when it is collected: payloads still viewing it stay valid, in pageable memory."""
+        if self._unpin is not None and self._unpin.alive:
+            _, _, (unpin,), _ = self._unpin.detach()
+            unpin()
 
 
 # Whichever thread drops an arena's last payload (the forward thread, even) must not wait for
@@ -126,14 +130,29 @@ _UNPINS: queue.SimpleQueue = queue.SimpleQueue()
 _unpinner_started = threading.Lock()
 
 
+_unpinner: threading.Thread | None = None
+
+
 def _start_unpinner() -> None:
-    if _unpinner_started.acquire(blocking=False):  # once per process; daemon: exit drops it
-        threading.Thread(target=_unpin_forever, name="cswap-unpin", daemon=True).start()
+    global _unpinner
+    if _unpinner_started.acquire(blocking=False):  # once per process
+        _unpinner = threading.Thread(target=_unpin_forever, name="cswap-unpin", daemon=True)
+        _unpinner.start()
+
+
+def stop_unpinner() -> None:
+    """End the unpinning thread once the unpinning queued so far is done (at interpreter
+    exit: a thread inside a CUDA call when the interpreter goes aborts the process)."""
+    if _unpinner is not None and _unpinner.is_alive():
+        _UNPINS.put(None)
+        _unpinner.join(timeout=30)
 
 
 def _unpin_forever() -> None:
     while True:
         job = _UNPINS.get()
+        if job is None:
+            return
         try:
             job()
         except Exception as err:  # noqa: BLE001 - the thread must go on for the next arena
@@ -143,18 +162,17 @@ def _unpin_forever() -> None:
 
 def _unregister(
     base: torch.Tensor,
-    start: int,
     device: torch.device | None,
     last_use: dict[int, torch.cuda.Event],
     released: deque[Lease],
 ) -> None:
-    """Unpin an arena nobody holds any more, once the copies that touched it are done (on its
-    own thread, so under the device it was registered with)."""
+    """Unpin an arena, once the copies that touched it are done (under the device it was
+    registered with)."""
     with torch.cuda.device(device):
         for event in [*last_use.values(), *(lease.last_use for lease in released)]:
             if event is not None:
                 event.synchronize()
-        torch.cuda.cudart().cudaHostUnregister(base.data_ptr() + start)
+        torch.cuda.cudart().cudaHostUnregister(base.data_ptr())
 
 
 def _sharing(layout: Layout) -> dict[int, tuple[int, ...]]:
@@ -171,14 +189,22 @@ def _sharing(layout: Layout) -> dict[int, tuple[int, ...]]:
 
 
 def payload_blocks(step: StepStats) -> list[Block]:
-    """One block per host payload of ``step``: its stored size, from its pack to its first
-    unpack (or to the step's last tick if backward never needed it, yet)."""
+    """One block per host payload of ``step``: the most its payload can take (its stored
+    size; a zvc or rle one's capacity), from its pack to its first unpack (or to the step's
+    last tick if backward never needed it, yet)."""
     last = max((max(s.packed_at, s.unpacked_at or 0) for s in step.sites), default=0)
     return [
-        Block(s.site, s.stored_bytes, s.packed_at, last if s.unpacked_at is None else s.unpacked_at)
+        Block(s.site, _slot_bytes(s), s.packed_at, last if s.unpacked_at is None else s.unpacked_at)
         for s in step.sites
         if s.stored_bytes > 0
     ]
+
+
+def _slot_bytes(site: SiteStats) -> int:
+    if site.decision not in COMPRESSORS:
+        return site.stored_bytes
+    itemsize = getattr(torch, site.dtype).itemsize
+    return get_codec(site.decision).capacity(site.nbytes // itemsize, itemsize)
 
 
 @dataclass(frozen=True)
@@ -212,22 +238,19 @@ class HostMemory:
     """Host slots for payloads: the planned arena when it can serve, per-tensor otherwise.
 
     Each closed step is accounted for, and re-planned from if its sites changed, a payload
-    did not fit, or the arena is more than ``headroom`` too large, in the transfer's
-    background thread: allocating and pinning a large arena must not hold up forward, which
-    uses per-tensor memory until the new arena is ready. A site whose payload outgrew its slot
-    gets twice the headroom from then on, so that one growing tensor (sparsity falls fast
-    early in training) does not have the arena planned again at every step."""
+    did not fit, or the arena is larger than its slots need, in the transfer's background
+    thread: allocating and pinning a large arena must not hold up forward, which uses
+    per-tensor memory until the new arena is ready. A slot is as large as its payload can be:
+    a raw or lossy payload's size, a zvc or rle payload's capacity (its length is known only
+    once it is in host memory)."""
 
-    def __init__(self, pin: bool, headroom: float = HEADROOM, alignment: int = ALIGNMENT) -> None:
+    def __init__(self, pin: bool, alignment: int = ALIGNMENT) -> None:
         self.pin = pin
-        self.headroom = headroom
         self.alignment = alignment
         self.arena: HostArena | None = None
         self._lock = threading.Lock()
         self._hits = 0
         self._fallbacks: Counter[str] = Counter()
-        self._outgrown: set[int] = set()  # sites whose payload did not fit, this step
-        self._headroom: dict[int, float] = {}  # sites given more than ``headroom``
         self._failed: tuple | None = None  # signature whose arena could not be allocated
         self._warned = False
         self._report: ArenaReport | None = None
@@ -235,13 +258,11 @@ class HostMemory:
     def acquire(self, site: int, nbytes: int, dtype: torch.dtype = torch.uint8
                 ) -> tuple[torch.Tensor, Lease] | None:
         """The planned region for ``site`` (as ``dtype``), or None: allocate one."""
-        with self._lock:  # forward and the compression thread both take regions
+        with self._lock:  # the planning thread takes the counts
             arena = self.arena
             taken = arena.acquire(site, nbytes, dtype) if arena is not None else "no arena"
             if isinstance(taken, str):
                 self._fallbacks[taken] += 1
-                if taken == "too big":
-                    self._outgrown.add(site)
                 return None
             self._hits += 1
         return taken
@@ -253,10 +274,10 @@ class HostMemory:
         pinned for a CUDA device only). A step that moved sites untracked has no rows for
         them to plan from: its report keeps the payload figures of the step planned from."""
         with self._lock:
-            hits, fallbacks, outgrown = self._hits, dict(self._fallbacks), self._outgrown
-            self._hits, self._fallbacks, self._outgrown = 0, Counter(), set()
+            hits, fallbacks = self._hits, dict(self._fallbacks)
+            self._hits, self._fallbacks = 0, Counter()
         if plan or self._report is None:
-            self._plan_from(step, device, hits, fallbacks, outgrown)
+            self._plan_from(step, device, hits, fallbacks)
         else:
             self._report = replace(self._report, step=step.step, hits=hits,
                                    fallbacks=fallbacks, replanned=False)
@@ -271,20 +292,15 @@ class HostMemory:
         return 0 if arena is None else arena.buffer.numel()
 
     def close(self) -> None:
-        self.arena = None
+        """Unpin the arena now (in this thread) and let it go."""
+        arena, self.arena = self.arena, None
+        if arena is not None:
+            arena.unpin_now()
 
-    def _plan_from(
-        self,
-        step: StepStats,
-        device: torch.device | None,
-        hits: int,
-        fallbacks: dict[str, int],
-        outgrown: set[int],
-    ) -> None:
-        for site in outgrown:
-            self._headroom[site] = min(1.0, 2 * self._headroom.get(site, self.headroom))
+    def _plan_from(self, step: StepStats, device: torch.device | None, hits: int,
+                   fallbacks: dict[str, int]) -> None:
         payloads = payload_blocks(step)
-        slots = self._slots(step, payloads)
+        slots = [replace(b, size=memplan.align_up(b.size, self.alignment)) for b in payloads]
         signature = tuple((s.site, s.nbytes, s.decision) for s in step.sites if s.stored_bytes)
         # A step that stored nothing (e.g. a forward under no_grad) says nothing about the next.
         replan = bool(slots) and self._should_replan(signature, slots, fallbacks)
@@ -302,27 +318,12 @@ class HostMemory:
             replan,
         )
 
-    def _slots(self, step: StepStats, payloads: list[Block]) -> list[Block]:
-        """Payload blocks grown into slots: a zvc or rle one by its site's headroom (other
-        sizes are exact), every one up to the alignment: padding the arena has anyway."""
-        drifts = {s.site for s in step.sites if s.decision in COMPRESSORS}
-        return [replace(b, size=self._slot_bytes(b, exact=b.key not in drifts))
-                for b in payloads]
-
-    def _slot_bytes(self, block: Block, exact: bool) -> int:
-        headroom = self._headroom.get(block.key, self.headroom)
-        grown = block.size if exact else math.ceil(block.size * (1 + headroom))
-        return memplan.align_up(grown, self.alignment)
-
     def _should_replan(self, signature: tuple, slots: list[Block], fallbacks: dict) -> bool:
         arena = self.arena
         if arena is None:
             return signature != self._failed
-        return (
-            signature != arena.signature
-            or "too big" in fallbacks
-            or arena.slot_bytes > (1 + self.headroom) * sum(b.size for b in slots)
-        )
+        return (signature != arena.signature or "too big" in fallbacks
+                or arena.slot_bytes > sum(b.size for b in slots))
 
     def _allocate(
         self, slots: list[Block], signature: tuple, device: torch.device | None

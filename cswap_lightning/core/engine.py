@@ -11,6 +11,7 @@ import logging
 import threading
 import warnings
 import weakref
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import replace
 from fnmatch import fnmatch
@@ -24,6 +25,7 @@ from ..codecs.lossy import LOSSY_DTYPES as _LOSSY_TORCH_DTYPES
 from ..config import LOSSY_CODECS, CSwapConfig, as_config
 from ..planning.advisor import HELD_ELSEWHERE, Advisor, Plan, resolve_budget
 from ..planning.predictor import CodecTimeModel, calibrate
+from ..planning.prefetch import lookahead_bytes
 from ..planning.profiler import Link, Profiler, measure_link
 from .module_names import ModuleTracker
 from .stats import SiteStats, StepStats, fmt_bytes
@@ -33,6 +35,12 @@ from .transfer import Transfer
 LOSSY_DTYPES = tuple(str(d).removeprefix("torch.") for d in _LOSSY_TORCH_DTYPES)
 # Re-measuring because the saved tensors changed this many times says something is off.
 _REPLANS_BEFORE_WARNING = 3
+# A run whose steps run without hooks is measured again once the allocator's peak of a step
+# comes this close to the plan's budget.
+_NEAR_BUDGET = 0.95
+# On the CPU, where no allocator says so, steps run without hooks only if the checking step
+# held at most this fraction of the budget.
+_CPU_HEADROOM = 0.5
 _log = logging.getLogger(__name__)
 
 
@@ -86,7 +94,11 @@ class Offloader:
         self._checked: Checked | None = None
         self._steps_alive: weakref.WeakSet[Step] = weakref.WeakSet()  # autograd holds them
         self._step: Step | None = None
-        self._hooks: list[torch.autograd.graph.saved_tensors_hooks] = []  # nested blocks
+        # Closed steps whose figures the device still owes, with the events after their work.
+        self._closing: deque[tuple[Step, list[torch.cuda.Event]]] = deque()
+        self._epoch = 0  # new_epoch() calls: a step measured before one says nothing after
+        # nested blocks' hooks (None: a step without hooks)
+        self._hooks: list[torch.autograd.graph.saved_tensors_hooks | None] = []
         self._owner: int | None = None  # the thread inside the block
         self._steps = 0
         self._replans = 0
@@ -106,12 +118,21 @@ class Offloader:
             self._push_hooks(self._step)
             return self
         self._close_step()
-        measure = self._measure_left > 0
+        if self._checked is not None and self._checked.moves_nothing and self._near_budget():
+            _log.info("cswap: the allocator's peak neared the budget on a step without hooks: "
+                      "measuring again")
+            self.new_epoch()
+        # closed steps whose measurements are still to be read count as measured
+        measure = self._measure_left > sum(step.measure for step, _ in self._closing)
         checked = (self._checked if not measure and self._next_probe is None
                    and self._unchecked is None else None)
         limits = (self.plan.site_bytes if checked is not None and self.config.plan == "auto"
                   else None)
         step = Step(self, self._steps, self._order, measure, checked, limits)
+        step.epoch = self._epoch
+        if checked is not None and checked.moves_nothing and self._watched(checked):
+            step.dormant = step.stats.hooks_off = True
+            step.device = checked.device
         self._push_hooks(step)  # raises where saved-tensor hooks are disabled: nothing changed
         step.probe, self._next_probe = self._next_probe, None
         self._step, self._owner = step, threading.get_ident()
@@ -122,6 +143,9 @@ class Offloader:
         return self
 
     def _push_hooks(self, step: Step) -> None:
+        if step.dormant:
+            self._hooks.append(None)
+            return
         hide_from_dynamo()
         hooks = torch.autograd.graph.saved_tensors_hooks(step.pack, step.unpack)
         hooks.__enter__()
@@ -131,7 +155,9 @@ class Offloader:
         if not self._hooks or self._owner != threading.get_ident():
             raise RuntimeError("this Offloader's block was left without being entered (in "
                                "this thread); use it as `with offloader: ...`")
-        self._hooks.pop().__exit__(exc_type, exc, tb)
+        hooks = self._hooks.pop()
+        if hooks is not None:
+            hooks.__exit__(exc_type, exc, tb)
         if self._hooks:
             return
         self._owner = None
@@ -175,11 +201,15 @@ class Offloader:
         return (named and self._step.probe != "lossless"
                 and self.lossy_allowed(site, stats.dtype, stats.module))
 
-    def prefetch_window(self) -> int:
-        """Bytes backward may bring back ahead of use: ``prefetch_bytes``, or less where the
-        plan needed a smaller window to fit its budget."""
+    def prefetch_window(self) -> int | None:
+        """Bytes backward may bring back ahead of use: ``prefetch_bytes`` (for ``"auto"``, what
+        hides the link measured for the plan), or less where the plan needed a smaller window
+        to fit its budget; None where nothing is measured yet, for the step to choose (two
+        of its largest moved tensors)."""
         window = self.config.prefetch_bytes
-        if self.plan is not None and self.config.plan == "auto":
+        if window == "auto":
+            window = self.plan.prefetch_bytes if self.plan is not None else None
+        elif self.plan is not None and self.config.plan == "auto":
             window = min(window, self.plan.prefetch_bytes)
         return window
 
@@ -209,6 +239,7 @@ class Offloader:
         self._measure_left = self.config.profile_steps
         self.held_elsewhere = set()
         self._checked = None
+        self._epoch += 1
 
     def state_dict(self) -> dict:
         """What was learned (plan, backward order), JSON-able, for checkpoints."""
@@ -281,6 +312,7 @@ class Offloader:
         """Finish the background work and free the host arena. Backward of a step already
         run still works; entering the Offloader again does not."""
         self._closed = True
+        self._finish_closed(wait=True)
         self.transfer.close()
         if self.modules is not None:
             self.modules.close()
@@ -288,18 +320,40 @@ class Offloader:
             del self._registry[self.config]
 
     def _close_step(self) -> None:
+        """Close the step that ran last: at once where its figures are known on the host (a
+        step that ran a checked plan), else once the device is past its work, which each
+        later step's start checks without waiting: a measured step's sparsities and windows,
+        the lengths of compressed payloads the arena is planned from, the allocator's peak
+        of a step that outgrew its plan. Forward never waits for the device here."""
         step = self._step
         if step is None or step.closed:
             return
         step.closed = True
         step.residency.fold()
-        # Only a measured step's figures (sparsity, windows) need its offload work done;
-        # waiting for that otherwise would hold up the forward about to start.
-        if step.measure:
-            self.transfer.drain()
-            step.close()
-        if step.failed:
+        if step.dormant or step.failed:
             return
+        owed = step.device is not None and (step.measure or step.checked is None
+                                            or step.stats.resized)
+        self._closing.append((step, self.transfer.marks(step.device) if owed else []))
+        self._finish_closed(wait=False)
+
+    def _finish_closed(self, wait: bool) -> None:
+        """Finish the closed steps whose device work is done, oldest first (``wait``: all)."""
+        while self._closing:
+            step, marks = self._closing[0]
+            if not wait and not all(event.query() for event in marks):
+                return
+            for event in marks:
+                event.synchronize()  # done already, unless waiting
+            self._closing.popleft()
+            self._finish(step)
+
+    def _finish(self, step: Step) -> None:
+        """What a closed step teaches: the plan it checked, backward's order, its
+        measurements (a plan from them), the host arena planned from its payloads."""
+        if step.device is not None:
+            self.transfer.poll()  # its compressed payloads settled
+            step.close()
         auto = self.config.plan == "auto"
         if step.checked is not None:
             if step.stats.resized:  # it saved other sizes than the checking step
@@ -325,9 +379,11 @@ class Offloader:
                 "cswap: backward asked for every offloaded tensor at once, as the backward of "
                 "a torch.compile'd region does (pytorch/pytorch#148222), so offloading lowered "
                 "nothing at the peak. Compile per block instead of the whole model: "
-                "cswap_lightning.compile_blocks(model).", RuntimeWarning, stacklevel=3)
+                "cswap_lightning.compile_blocks(model).", RuntimeWarning, stacklevel=5)
         # plans the host arena from it, where it tracked every site it moved
         self.transfer.step_closed(step.stats, step.device, plan=not step.untracked_moves)
+        if step.epoch != self._epoch:  # measured before new_epoch(): says nothing now
+            return
         if step.measure and step.device is not None:
             self._measure_left -= 1
         if self.config.plan != "auto" or step.device is None:
@@ -345,6 +401,29 @@ class Offloader:
         elif (step.checked is None and self.plan is not None
               and not self.plan.covers(step.counted())):
             self._outgrown(step)
+
+    def _watched(self, checked: Checked) -> bool:
+        """Whether steps may run without hooks (autograd keeps every saved tensor) under a
+        checked plan that moves nothing: on CUDA, where the allocator's peak says when a step
+        nears the budget (a longer batch, say); on the CPU, where nothing does, only if the
+        checking step held at most half the budget; always where no budget applies."""
+        plan = self.plan
+        if self.config.plan != "auto" or plan is None or plan.budget_bytes is None:
+            return True
+        if checked.device is not None and checked.device.type == "cuda":
+            return True
+        return checked.stats.peak_resident_bytes <= _CPU_HEADROOM * plan.budget_bytes
+
+    def _near_budget(self) -> bool:
+        """On CUDA, whether the allocator's peak since the last step came near the plan's
+        budget (read without waiting for the device; the peak starts again from here)."""
+        device = self._checked.device
+        if (device is None or device.type != "cuda" or self.config.plan != "auto"
+                or self.plan is None or self.plan.budget_bytes is None):
+            return False
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak >= _NEAR_BUDGET * self.plan.budget_bytes
 
     def _use(self, plan: Plan) -> None:
         self.plan = self._unchecked = plan
@@ -370,7 +449,7 @@ class Offloader:
             moves = {s.site: Move(codecs[s.site], getattr(torch, s.dtype), s.nbytes,
                                   s.site in step.shared)
                      for s in sites if s.site in codecs and s.site not in self.held_elsewhere}
-        self._checked = Checked(step.counted(), kept, moves, step.stats)
+        self._checked = Checked(step.counted(), kept, moves, step.stats, step.device)
 
     @staticmethod
     def _check(plan: Plan, stats: StepStats) -> None:
@@ -390,7 +469,7 @@ class Offloader:
                 "between steps (in number, dtype or dimensions), and each time they are "
                 "measured again (profile_steps steps swapping raw). If several models share "
                 "it, give each its own Offloader(config).",
-                RuntimeWarning, stacklevel=3)
+                RuntimeWarning, stacklevel=7)
         self.new_epoch()
 
     def _outgrown(self, step: Step) -> None:
@@ -403,8 +482,6 @@ class Offloader:
                 or not self.plan.same_kinds(step.stats.sites)):
             self._replanning()
             return
-        self.transfer.drain()
-        step.close()  # its sizes, and on CUDA the allocator's peak
         self.profiler.observe(step.stats, {})
         self._use(self._advise(step, measure=False))
 
@@ -422,11 +499,16 @@ class Offloader:
             self._measured = (self.link or measure_link(device),
                               self.time_model or calibrate(device, codecs).model)
         link, model = self._measured
-        advisor = Advisor(cfg.compressor, link, model, lossy,
-                          lambda p: self.lossy_allowed(p.site, p.dtype, p.module),
-                          cfg.prefetch_bytes)
         profiles = [replace(p, offloadable=False, reason=HELD_ELSEWHERE)
                     if p.site in self.held_elsewhere else p for p in self.profiler.profile()]
+        window = cfg.prefetch_bytes
+        if window == "auto":  # what hides the link, were every movable site moved
+            window = lookahead_bytes(
+                self.profiler.order or [p.site for p in reversed(profiles)],
+                {p.site: p.nbytes for p in profiles if p.offloadable},
+                {p.site: p.backward_s for p in profiles}, link.h2d)
+        advisor = Advisor(cfg.compressor, link, model, lossy,
+                          lambda p: self.lossy_allowed(p.site, p.dtype, p.module), window)
         beside = max((stats.peak_allocated_bytes or 0) - stats.peak_resident_bytes, 0)
         return advisor.plan(profiles, beside, resolve_budget(cfg.budget, device),
                             self.profiler.order or None)

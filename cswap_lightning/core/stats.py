@@ -69,6 +69,9 @@ class StepStats:
     untracked_stored_bytes: int = 0
     untracked_wait_s: float = 0.0
     resized: bool = False
+    # The checked plan moves nothing, so the step ran without the engine's hooks: autograd
+    # kept every saved tensor itself (the figures are the checking step's).
+    hooks_off: bool = False
 
     def _sum(self, attr: str, include: Callable[[str], bool] = lambda decision: True) -> float:
         return sum(getattr(s, attr) for s in self.sites if include(s.decision))
@@ -88,7 +91,7 @@ class StepStats:
     @property
     def tracked_all(self) -> bool:
         """Whether every saved tensor of the step has a row (its figures are its own)."""
-        return not (self.untracked_tensors or self.untracked_moved_tensors)
+        return not (self.untracked_tensors or self.untracked_moved_tensors or self.hooks_off)
 
     @property
     def peak_share(self) -> float | None:
@@ -147,6 +150,7 @@ class StepStats:
             "untracked_stored_bytes": self.untracked_stored_bytes,
             "untracked_wait_s": self.untracked_wait_s,
             "resized": self.resized,
+            "hooks_off": self.hooks_off,
             "sites": [asdict(s) | {"ratio": s.ratio} for s in self.sites],
         }
 
@@ -183,6 +187,10 @@ class StepStats:
                       f"{fmt_bytes(self.weight_bytes)} of weights, which stay where they are")]
             kept = ("activations kept in place: "
                     f"{fmt_bytes(self.keep_all_bytes - self.offloaded_bytes)}")
+        elif self.hooks_off:
+            lines = [(f"{label}: ran without the engine's hooks: the checked plan moves "
+                      "nothing, so autograd kept every saved tensor itself")]
+            kept = "every saved tensor kept in place"
         else:  # untracked tensors are summed as they come: a storage once per view of it
             lines = [f"{label}: autograd saved {count} tensors"]
             kept = f"kept in place, weights included: {fmt_bytes(self.kept_bytes)}"

@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ..codecs import Codec, get_codec, nonzero_count
+from ..codecs import Codec, get_codec
 from ..codecs.lossy import relative_error
 from ..config import LOSSY_CODECS
+from ..planning.prefetch import resident_window
 from ..planning.profiler import StepTimer
 from .residency import Residency
 from .stats import SiteStats, StepStats, fmt_bytes
@@ -114,13 +115,19 @@ class Move(NamedTuple):
 
 class Checked(NamedTuple):
     """A plan checked on a step: what that step saved (``Step.counted``), the sites it kept,
-    those it moved with a codec of exact size, and its statistics (a row per site, the
-    measured peak)."""
+    those it moved with a codec of exact size, its statistics (a row per site, the
+    measured peak) and its device."""
 
     counted: list[int]
     kept: frozenset[int]
     moved: dict[int, Move]
     stats: StepStats
+    device: torch.device | None = None
+
+    @property
+    def moves_nothing(self) -> bool:
+        """Every site kept: later steps need no hooks at all."""
+        return len(self.kept) == len(self.counted)
 
 
 class Step:
@@ -136,7 +143,11 @@ class Step:
         self.checked = checked
         self.untracked, self.untracked_moves = ((checked.kept, checked.moved)
                                                 if checked is not None else (frozenset(), {}))
-        self.idle = checked is not None and len(self.untracked) == len(checked.counted)
+        self.idle = checked is not None and checked.moves_nothing
+        # Without hooks (autograd keeps every saved tensor), as the engine sets it for a plan
+        # that moves nothing; ``epoch``: the engine's epoch when the step started.
+        self.dormant = False
+        self.epoch = 0
         # The plan's size of each site (bytes): a larger tensor at an untracked site is
         # tracked, so that the plan can be made again for it. None: any size.
         self.limits = limits
@@ -248,7 +259,7 @@ class Step:
         if codec == "keep":
             stats.reason = stats.reason or "plan"
             if self.measure:
-                self._counts.append((stats, t.numel(), nonzero_count(t)))
+                self._counts.append((stats, t.numel(), self.transfer.nonzero(t)))
             return saved, saved._version, site
         entry = _Entry(site, t, held, rebuild, stats)
         stats.decision, stats.nbytes = codec, storage.nbytes()
@@ -286,12 +297,8 @@ class Step:
         flat = data if whole else data.as_strided((nbytes // t.element_size(),), (1,), 0)
         if self.probe == "measure errors" and codec.name in LOSSY_CODECS:
             self._originals[entry.id] = flat.detach()  # kept alive for the guard's probe step
-        if codec.exact_size:  # copied (on CUDA: queued) by the time offload returns
-            self.transfer.offload(entry, flat, codec, entry.id, self.measure)
-            if entry.stats is not None:
-                self._record(entry)
-        else:
-            self.transfer.offload(entry, flat, codec, entry.id, self.measure, self._record)
+        self.transfer.offload(entry, flat, codec, entry.id, self.measure,
+                              self._record if entry.stats is not None else None)
         if not whole or entry.header is not None or entry.lease is not None:
             entry.shape, entry.stride, entry.offset = t.shape, t.stride(), t.storage_offset()
         # A failed offload keeps ``flat``, which may be ``data``: then it is the probe as it is.
@@ -308,7 +315,13 @@ class Step:
             self.timer = StepTimer(device)
 
     def end_forward(self) -> None:
+        if self.dormant:
+            return
         self._by_storage.clear()
+        self.transfer.poll()
+        if self.prefetch_bytes is None:  # nothing measured: two of its largest moved tensors
+            self.prefetch_bytes = resident_window(
+                [entry.nbytes for entry in self.live_entries() if entry.kept is None])
         if self.checked is not None:
             self.stats.resized = self.sizes != self.checked.counted
         self.stats.forward_wait_s += self.transfer.take_waited()
@@ -398,8 +411,7 @@ class Step:
         original = self._originals.pop(entry.id, None) if self._originals else None
         if original is not None:
             entry.stats.error = relative_error(original, base).item()
-        elif entry.held() is not None and self.probe is None and (
-                entry.ready is None or entry.ready.is_set()):
+        elif entry.held() is not None and self.probe is None:
             # Still alive although copied out: something else holds it (the training loop,
             # the user's code), so moving it freed nothing. Later steps keep it.
             self.offloader.held_elsewhere.add(entry.id)
@@ -479,16 +491,16 @@ class Step:
             stats.reason = f"{stats.decision} out of device memory"
             stats.decision = entry.codec
         if entry.nonzero is not None:
-            self._counts.append((stats, stats.nbytes // entry.payload.element_size()
-                                 if entry.header is None else entry.header.numel,
-                                 entry.nonzero))
+            numel = (entry.header.numel if entry.header is not None
+                     else stats.nbytes // entry.payload.element_size())
+            self._counts.append((stats, numel, entry.nonzero))
 
     def close(self) -> None:
         """Turn the zero counts of finished offloads into sparsities (call after a drain),
         and read the allocator's peak."""
         counts, self._counts = self._counts, []
-        for stats, numel, nonzero in counts:
-            stats.sparsity = 1.0 - nonzero.item() / numel if numel else 0.0
+        for stats, numel, nonzero in counts:  # ints, or counts copied to host memory
+            stats.sparsity = 1.0 - int(nonzero) / numel if numel else 0.0
         if self.device is not None and self.device.type == "cuda":
             self.stats.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device)
 

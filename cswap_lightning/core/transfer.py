@@ -1,15 +1,25 @@
 """Moving saved tensors off the device and back, from autograd's hooks themselves.
 
-A payload whose size the tensor's shape tells (raw, lossy) is copied from the pack hook, as
-the peers do: on CUDA the hook orders a side stream after the compute stream and queues the
-copy into pinned memory there, so it returns at once; on the CPU it copies in place. A
-compressed payload (zvc, rle) has a size only its data tells, and reading that size back
-would make forward wait for the device: those tensors go to one compression thread, which
-takes whatever has queued up in one batch. Forward never waits, except when the bytes it has
-left in flight (copies not yet done, tensors not yet compressed) pass ``inflight_bytes``.
+Every payload leaves from the pack hook, on the thread that runs forward, as the peers do,
+and nothing there waits for the device. On CUDA the hook orders side streams after the
+compute stream and queues the work there: a raw tensor is copied into pinned host memory on
+the offload stream; an encoded one (zvc, rle, lossy) is encoded on the compress stream and
+its payload copied on the offload stream. The original is released when the stream that
+reads it is done with it (the caching allocator is told through ``record_stream``).
 
-Restores are issued from the unpack hook on a second stream (prefetching is issuing them
-early). Nothing is lost: a tensor that cannot be offloaded stays where it was.
+A zvc or rle payload's length follows from the data, and reading it back would make forward
+wait for the device. So the encoder writes into a buffer of the codec's capacity, and the
+copy takes as many bytes as the site's payload needed last time (the whole capacity the
+first time) into a host slot of that capacity. Once the copy's event has passed (polled, at
+later packs and unpacks), the host reads the payload's true length from its first bytes, in
+host memory, copies the rest if the payload outgrew the copy, and drops the device buffer:
+the payload is *settled*. A compressed swap holds its buffer (the payload's bound) instead of
+the original, for as long as its shorter copy takes.
+
+Forward waits only when the bytes it has left in flight pass ``inflight_bytes``, and then on
+the oldest copy's event. Restores are issued from the unpack hook on a third stream
+(prefetching is issuing them early). On the CPU the same steps run synchronously, into host
+memory of their own. Nothing is lost: a tensor that cannot be offloaded stays where it was.
 
 Payloads of CUDA tensors go into the planned pinned host arena (``arena.py``) when it can
 take them, and into pinned memory of their own otherwise.
@@ -17,7 +27,7 @@ take them, and into pinned memory of their own otherwise.
 
 from __future__ import annotations
 
-import contextlib
+import atexit
 import os
 import threading
 import time
@@ -25,63 +35,65 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from ..codecs import Codec, Header, Packed, get_codec, nonzero_count
-from .arena import ArenaReport, HostMemory, Lease
+from .arena import ArenaReport, HostMemory, Lease, stop_unpinner
 from .stats import StepStats
 
 OFFLOAD, RESTORE, COMPRESS = range(3)  # a device's side streams
 _CPU = torch.device("cpu")  # compared with, as ``device.type`` makes a string (0.3 us)
-_IDLE_EXIT_S = 5.0  # the compression thread ends after this long without work
+_PREAMBLE = 16  # bytes at a payload's start that tell its length
+HEADROOM = 0.06  # more than last time's length copied at first: sparsity drifts a little
 
 
 class Stored:
     """A tensor's bytes in host memory, or on their way there: a raw payload is the tensor's
-    own elements (``header`` None), a compressed one the codec's packed bytes.
+    own elements (``header`` None), an encoded one the codec's packed bytes.
 
     ``kept`` holds the tensor itself if it could not be offloaded; ``nonzero`` its count of
-    non-zero elements (a 0-dim tensor, in host memory once ``done``) where it was measured.
-    The engine's per-storage record subclasses it, so that one object serves both."""
+    non-zero elements (an int, or a 0-dim tensor in host memory once ``done``) where it was
+    measured. Until a compressed payload is settled, ``pending`` holds its device buffer and
+    ``copied`` the bytes copied so far; ``length`` is the payload's length in bytes (None: all
+    of ``payload``). The engine's per-storage record subclasses it, so that one object serves
+    both."""
 
-    __slots__ = ("codec", "done", "header", "kept", "lease", "nonzero", "payload", "ready",
-                 "seconds", "source")
+    __slots__ = ("codec", "copied", "done", "header", "kept", "lease", "length", "nonzero",
+                 "on_done", "payload", "pending", "seconds", "site", "source")
 
     def __init__(self, source: torch.device) -> None:
         self.source = source  # the device it came from and goes back to
         self.codec = "raw"  # the codec that made the payload
         self.header: Header | None = None
         self.payload: torch.Tensor | None = None
+        self.length: int | None = None
         self.kept: torch.Tensor | None = None
-        self.nonzero: torch.Tensor | None = None
+        self.nonzero: torch.Tensor | int | None = None
         self.done: torch.cuda.Event | None = None  # recorded after the device-to-host copy
         self.lease: Lease | None = None  # the arena region holding the payload, if any
-        self.seconds = 0.0  # host time spent compressing and copying
-        self.ready: threading.Event | None = None  # set by the compression thread
+        self.seconds = 0.0  # host time spent launching the encode and the copy
+        self.pending: torch.Tensor | None = None
+        self.copied = 0
+        self.site: int | None = None
+        self.on_done: Callable[[Stored], None] | None = None
 
     @property
     def stored_bytes(self) -> int:
-        """Bytes held in host memory for it."""
-        return 0 if self.payload is None else self.payload.nbytes
+        """Bytes of its payload in host memory (those that crossed the link); 0 until
+        settled."""
+        if self.payload is None or self.pending is not None:
+            return 0
+        return self.payload.nbytes if self.length is None else self.length
 
-
-@dataclass(slots=True)
-class _Job:
-    """A tensor queued for compression."""
-
-    flat: torch.Tensor | None
-    codec: Codec
-    ready: torch.cuda.Event | None  # recorded on the compute stream after the tensor
-    site: int | None
-    stored: Stored
-    on_done: Callable[[Stored], None] | None
+    def host_payload(self) -> torch.Tensor:
+        """The payload in host memory, as long as it is."""
+        return self.payload if self.length is None else self.payload[: self.length]
 
 
 class Transfer:
-    """Offloads and restores with one CUDA stream per direction (and one for compression).
+    """Offloads and restores with one CUDA stream per direction, and one for encoding.
 
     ``arena``: payloads of CUDA tensors use the planned pinned arena (pinning is what it
     saves); ``"always"`` plans one for CPU payloads too (for testing the arena on the CPU).
@@ -96,10 +108,15 @@ class Transfer:
             self.arena_everywhere = True
         self.host_memory = HostMemory(pin=pin_memory) if arena else None
         self.inflight_limit = inflight_bytes
-        self._inflight: deque[tuple[torch.cuda.Event | threading.Event, int]] = deque()
+        # device copies not yet done: (event after the copy, bytes, the compressed payload to
+        # settle once it is done or None), oldest first
+        self._inflight: deque[tuple[torch.cuda.Event, int, Stored | None]] = deque()
         self._inflight_bytes = 0
+        # Backward's threads (one per device) restore while another may settle: one at a time.
+        self._lock = threading.Lock()
         self.waited_s = 0.0  # forward's waits at the in-flight bound, since the last take
-        self._compressor = _Compressor(self._compress)
+        self._expect: dict[int, int] = {}  # site -> its compressed payload's last length
+        self._worker = _Worker()
         self._streams: dict[torch.device, tuple[torch.cuda.Stream, ...]] = {}
         self._warned: set[str] = set()
 
@@ -111,98 +128,170 @@ class Transfer:
         ``stored``; never raises. It comes back in the same shape, or 1-D; a raw payload
         outside the arena in the same strides too.
 
-        ``site`` lets the payload use its arena region; ``count_nonzero`` measures its
-        sparsity (compressed payloads always do); ``on_done`` is called, in the compression
-        thread, when a compressed payload is ready."""
+        ``site`` lets the payload use its arena region, and sizes a compressed payload's first
+        copy; ``count_nonzero`` measures its sparsity (compressed payloads always do);
+        ``on_done`` is called once the payload is settled (its length known), or the offload
+        failed: at once, or at a later pack, unpack or drain."""
         if self._inflight:
             self._bound(flat.nbytes)
-        if not codec.exact_size:
-            stored.ready = threading.Event()
-            self._compressor.submit(_Job(flat, codec, self._record(flat), site, stored, on_done))
-            self._track(stored.ready, flat.nbytes)
-            return stored
+        stored.site = site
         try:
             if flat.is_cuda:
                 start = time.perf_counter()
-                with self._on_stream(flat.device, OFFLOAD, after=torch.cuda.current_stream):
-                    self._pack(stored, flat, codec, site, count_nonzero)
+                self._offload_cuda(stored, flat, codec, count_nonzero)
                 stored.seconds = time.perf_counter() - start
-                self._track(stored.done, flat.nbytes)
             else:
-                self._pack(stored, flat, codec, site, count_nonzero)
+                self._offload_cpu(stored, flat, codec, count_nonzero)
         except Exception as err:  # noqa: BLE001 - any failure must keep the tensor intact
             self._failed(stored, flat, err)
+        if stored.pending is not None:
+            stored.on_done = on_done  # called when it is settled
+        elif on_done is not None:
+            on_done(stored)
         return stored
 
-    def _pack(self, stored: Stored, flat: torch.Tensor, codec: Codec, site: int | None,
-              count_nonzero: bool) -> None:
-        """Encode ``flat`` (raw: as it is) and copy the payload to the host, on the current
-        stream."""
-        if count_nonzero:
-            stored.nonzero = self._to_host(nonzero_count(flat), flat)
-        payload = flat if codec.name == "raw" else self._encode(codec, stored, flat)
-        cuda = flat.is_cuda
-        if cuda or self.arena_everywhere:
-            stored.payload, stored.lease = self._payload_to_host(payload, flat, site)
+    def _offload_cpu(self, stored: Stored, flat: torch.Tensor, codec: Codec,
+                     count_nonzero: bool) -> None:
+        if count_nonzero and codec.exact_size:
+            stored.nonzero = nonzero_count(flat)
+        payload = flat if codec.name == "raw" else self._encode(codec, stored, flat, trim=True)
+        if self.arena_everywhere:
+            self._place(stored, flat, payload, codec)
+            if stored.pending is not None:
+                self._settle(stored)  # as on CUDA, from what the first copy took
+            return
+        stored.payload = self._to_host(payload, flat)
+        if stored.header is not None and not codec.exact_size:
+            stored.length, stored.nonzero = codec.payload_length(
+                payload[:_PREAMBLE], stored.header.numel, stored.header.dtype.itemsize)
+
+    def _offload_cuda(self, stored: Stored, flat: torch.Tensor, codec: Codec,
+                      count_nonzero: bool) -> None:
+        device = flat.device
+        compute = torch.cuda.current_stream(device)
+        offload = self._stream(device, OFFLOAD)
+        payload = flat
+        if codec.name != "raw":  # encoded on its own stream, so copies of others go on
+            encoder = self._stream(device, COMPRESS)
+            encoder.wait_stream(compute)
+            with _on(encoder):
+                payload = self._encode(codec, stored, flat, trim=False)
+            flat.record_stream(encoder)
+            offload.wait_stream(encoder)
         else:
-            stored.payload = self._to_host(payload, flat)
-        if cuda:
-            stored.done = torch.cuda.current_stream().record_event()
+            offload.wait_stream(compute)
+        with _on(offload):
+            if count_nonzero and codec.exact_size:
+                stored.nonzero = self.nonzero(flat)
+            self._place(stored, flat, payload, codec)
+            stored.done = offload.record_event()
             if stored.lease is not None:
                 stored.lease.last_use = stored.done
-            # The caching allocator must not reuse the original's memory before this stream
-            # has read it, whichever thread drops the last reference.
-            flat.record_stream(torch.cuda.current_stream())
+            payload.record_stream(offload)
+        self._track(stored.done, flat.nbytes, stored if stored.pending is not None else None)
 
-    def _compress(self, job: _Job) -> None:
-        """A compressed offload, in the compression thread."""
-        flat, stored, start = job.flat, job.stored, time.perf_counter()
+    def _place(self, stored: Stored, flat: torch.Tensor, payload: torch.Tensor,
+               codec: Codec) -> None:
+        """Copy ``payload`` (on CUDA: queued on the current stream) into host memory: its
+        site's arena region, or memory of its own, where a raw one keeps ``flat``'s shape
+        and strides. Of a payload whose length is not known yet, the first part only."""
+        exact = stored.header is None or codec.exact_size
+        capacity = payload.nbytes if exact else codec.capacity(stored.header.numel,
+                                                                stored.header.dtype.itemsize)
+        slot, stored.lease = self._slot(capacity, payload.dtype, stored.site, flat)
+        stored.payload = slot
+        if not exact:
+            stored.pending = payload
+            self._copy_head(stored, payload)
+            return
+        if stored.lease is None and payload is flat:
+            stored.payload = slot = slot.as_strided(flat.shape, flat.stride())
+        slot.copy_(payload if slot.dim() == payload.dim() else payload.view(-1),
+                   non_blocking=True)
+
+    def _copy_head(self, stored: Stored, payload: torch.Tensor) -> None:
+        """Copy what the site's payload needed last time (and some headroom), or all of it."""
+        last = self._expect.get(stored.site) if stored.site is not None else None
+        head = payload.numel()
+        if last is not None:
+            head = min(head, max(_PREAMBLE, int(last * (1 + HEADROOM)) + _PREAMBLE))
+        stored.payload[:head].copy_(payload[:head], non_blocking=True)
+        stored.copied = head
+
+    def _settle(self, stored: Stored) -> None:
+        """A compressed payload's first copy is done: read its length from host memory, copy
+        the rest if it was longer than what was copied, release the device buffer."""
+        header, buffer = stored.header, stored.pending
+        length, stored.nonzero = get_codec(stored.codec).payload_length(
+            stored.payload[:_PREAMBLE], header.numel, header.dtype.itemsize)
         try:
-            with self._on_stream(flat.device, COMPRESS):
-                if job.ready is not None:
-                    torch.cuda.current_stream().wait_event(job.ready)
-                self._pack(stored, flat, job.codec, job.site, count_nonzero=True)
-            stored.seconds = time.perf_counter() - start
-        except Exception as err:  # noqa: BLE001 - any failure must keep the tensor intact
-            self._failed(stored, flat, err)
-        job.flat = flat = None  # before anyone is told: the original may be freed now
-        stored.ready.set()
-        if job.on_done is not None:
-            job.on_done(stored)
+            if length > stored.copied:  # it grew: the rest, ordered after the first copy
+                with _on(self._stream(buffer.device, OFFLOAD) if buffer.is_cuda else None):
+                    stored.payload[stored.copied:length].copy_(buffer[stored.copied:length],
+                                                               non_blocking=True)
+                    if buffer.is_cuda:
+                        stored.done = torch.cuda.current_stream(buffer.device).record_event()
+                        if stored.lease is not None:
+                            stored.lease.last_use = stored.done
+        except Exception as err:  # noqa: BLE001 - the buffer still holds the payload
+            stored.kept = get_codec(stored.codec).decode(Packed(header, buffer[:length]))
+            stored.payload, stored.lease = None, None
+            self._warn_once(type(err).__name__, f"cswap: could not copy a payload to host "
+                            f"memory ({type(err).__name__}: {err}); it stays on its device.")
+        else:
+            stored.length = length
+            if stored.site is not None:
+                self._expect[stored.site] = length
+        stored.pending = None
+        if stored.on_done is not None:
+            stored.on_done(stored)
 
-    def _bound(self, nbytes: int) -> None:
-        """Let go of finished work; wait for the oldest while too much is in flight."""
+    def _bound(self, nbytes: int | None) -> None:
+        """Settle finished copies; wait for the oldest while too much is in flight with
+        ``nbytes`` more (None: never wait)."""
+        with self._lock:
+            self._settle_done(nbytes)
+
+    def _settle_done(self, nbytes: int | None) -> None:
         while self._inflight:
-            marker, size = self._inflight[0]
-            compressing = isinstance(marker, threading.Event)
-            busy = not marker.is_set() if compressing else not marker.query()
-            if busy and self._inflight_bytes + nbytes <= self.inflight_limit:
+            event, size, stored = self._inflight[0]
+            busy = not event.query()
+            if busy and (nbytes is None or self._inflight_bytes + nbytes <= self.inflight_limit):
                 return
             if busy:
                 start = time.perf_counter()
-                marker.wait() if compressing else marker.synchronize()
+                event.synchronize()
                 self.waited_s += time.perf_counter() - start
             self._inflight.popleft()
             self._inflight_bytes -= size
+            if stored is not None and stored.pending is not None:
+                self._settle(stored)
 
-    def _track(self, marker: torch.cuda.Event | threading.Event, nbytes: int) -> None:
-        self._inflight.append((marker, nbytes))
+    def poll(self) -> None:
+        """Settle the copies that are done, without waiting (unpack and end of forward)."""
+        if self._inflight:
+            self._bound(None)
+
+    def _track(self, event: torch.cuda.Event, nbytes: int, stored: Stored | None) -> None:
+        self._inflight.append((event, nbytes, stored))
         self._inflight_bytes += nbytes
 
     def _failed(self, stored: Stored, flat: torch.Tensor, err: Exception) -> None:
-        stored.kept, stored.payload, stored.lease = flat, None, None
+        stored.kept, stored.payload, stored.lease, stored.pending = flat, None, None, None
+        stored.header, stored.codec = None, "raw"
         self._warn_once(
             type(err).__name__,
             f"cswap: could not offload a saved tensor ({type(err).__name__}: {err}); "
             "it stays on its device. Further failures of this kind are not reported.",
         )
 
-    def _encode(self, codec: Codec, stored: Stored, flat: torch.Tensor) -> torch.Tensor:
+    def _encode(self, codec: Codec, stored: Stored, flat: torch.Tensor,
+                trim: bool) -> torch.Tensor:
         """``codec``'s payload (its header into ``stored``), or ``flat`` itself, to go raw,
         where the codec's scratch does not fit on the device: near the memory limit is
         where offloading matters most."""
         try:
-            packed = codec.encode(flat)
+            packed = codec.encode(flat) if codec.exact_size else codec.encode(flat, trim=trim)
         except torch.OutOfMemoryError as err:
             self._warn_once(
                 "encode oom",
@@ -213,39 +302,48 @@ class Transfer:
         stored.codec, stored.header = codec.name, packed.header
         return packed.payload
 
-    def _payload_to_host(
-        self, payload: torch.Tensor, source: torch.Tensor, site: int | None
-    ) -> tuple[torch.Tensor, Lease | None]:
-        """The payload copied into its site's arena region if it can have it, else to host
-        memory of its own."""
-        taken = None
+    def _slot(self, nbytes: int, dtype: torch.dtype, site: int | None, source: torch.Tensor
+              ) -> tuple[torch.Tensor, Lease | None]:
+        """``nbytes`` of host memory for a payload (as a 1-D ``dtype`` tensor): its site's
+        arena region if it can have it (the copy into it first waits for the region's earlier
+        holders), else pinned memory of its own."""
         if site is not None and self.host_memory is not None:
-            taken = self.host_memory.acquire(site, payload.nbytes, payload.dtype)
-        if taken is None:
-            return self._to_host(payload, source), None
-        region, lease = taken
-        if payload.is_cuda:
-            for event in lease.wait_for:  # earlier holders' copies out of the region
-                torch.cuda.current_stream().wait_event(event)
-        region.copy_(payload.view(-1), non_blocking=True)
-        return region, lease
+            taken = self.host_memory.acquire(site, nbytes, dtype)
+            if taken is not None:
+                region, lease = taken
+                if source.is_cuda:
+                    for event in lease.wait_for:  # earlier holders' copies out of the region
+                        torch.cuda.current_stream().wait_event(event)
+                return region, lease
+        return self._host_empty(nbytes // dtype.itemsize, dtype, source.is_cuda), None
 
-    def _to_host(self, payload: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-        if not payload.is_cuda:  # memory of its own: a new payload, or a copy of the source
-            shares = payload is source or (
-                payload.untyped_storage().data_ptr() == source.untyped_storage().data_ptr())
-            return payload.clone() if shares else payload
+    def _host_empty(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        """Host memory of its own: pinned where ``pin`` (and the config allows)."""
+        if not (pin and self.pin_memory):
+            return torch.empty(numel, dtype=dtype)
         try:
-            # in the payload's strides, which a raw payload comes back in (Step._offload)
-            host = torch.empty_strided(payload.shape, payload.stride(), dtype=payload.dtype,
-                                       pin_memory=self.pin_memory)
+            return torch.empty(numel, dtype=dtype, pin_memory=True)
         except RuntimeError as err:
             self._warn_once(
                 "pin",
                 f"cswap: pinned host memory is exhausted ({err}); using pageable memory, "
                 "whose copies are slower and synchronous.",
             )
-            host = torch.empty_strided(payload.shape, payload.stride(), dtype=payload.dtype)
+            return torch.empty(numel, dtype=dtype)
+
+    def nonzero(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``'s count of non-zero elements, in host memory once the current stream is past
+        this point (no wait)."""
+        return self._to_host(nonzero_count(t), t)
+
+    def _to_host(self, payload: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        """A CPU payload in memory of its own (a new payload, or a copy of the source); a
+        CUDA one copied to pinned memory, queued on the current stream."""
+        if not payload.is_cuda:
+            shares = payload is source or (
+                payload.untyped_storage().data_ptr() == source.untyped_storage().data_ptr())
+            return payload.clone() if shares else payload
+        host = self._host_empty(payload.numel(), payload.dtype, pin=True).view(payload.shape)
         host.copy_(payload, non_blocking=True)
         return host
 
@@ -253,22 +351,29 @@ class Transfer:
     def restore(self, stored: Stored) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Bring a payload back (on CUDA: queued on the restore stream); the tensor (in the
         shape it left in, or 1-D) and the event after which it is complete."""
-        if stored.ready is not None:
-            stored.ready.wait()  # the compression thread is done with it
+        if stored.pending is not None:  # its first copy was not seen done yet
+            with self._lock:
+                if stored.pending is not None:
+                    if stored.done is not None:
+                        stored.done.synchronize()
+                    self._settle(stored)
+        if self._inflight:
+            self.poll()
         if stored.kept is not None:  # the offload failed: the tensor never left
             return stored.kept, None
         device = stored.source
+        payload = stored.host_payload()
         if device == _CPU:
             # Memory of its own (not an arena region, which goes back when the payload
             # does) can be the tensor itself: on the CPU it is where the tensor lives.
-            return self._decode(stored, stored.payload, owned=stored.lease is None), None
-        with self._on_stream(device, RESTORE):
-            stream = torch.cuda.current_stream()
+            return self._decode(stored, payload, owned=stored.lease is None), None
+        stream = self._stream(device, RESTORE)
+        with _on(stream):
             stream.wait_event(stored.done)
-            payload = stored.payload.to(device, non_blocking=True)
+            copy = payload.to(device, non_blocking=True)
             if stored.lease is not None:
                 stored.lease.last_use = stream.record_event()
-            out = self._decode(stored, payload, owned=True)
+            out = self._decode(stored, copy, owned=True)
             return out, stream.record_event()
 
     def _decode(self, stored: Stored, payload: torch.Tensor, owned: bool) -> torch.Tensor:
@@ -287,7 +392,8 @@ class Transfer:
                 "are decoded on the host instead (slower). Further cases are not reported.",
             )
             del payload
-            return codec.decode(Packed(stored.header, stored.payload)).to(stored.source)
+            host = Packed(stored.header, stored.host_payload())
+            return codec.decode(host).to(stored.source)
 
     # steps and lifetime ----------------------------------------------------------------
     def take_waited(self) -> float:
@@ -296,29 +402,36 @@ class Transfer:
         return waited
 
     def drain(self, device: bool = True) -> None:
-        """Wait until the work started so far is done on the host and, with ``device``, on
-        the device."""
-        self._compressor.drain()
-        if not device:
-            return
-        for streams in list(self._streams.values()):
-            for stream in streams:
-                stream.synchronize()
+        """Settle what can be settled without waiting; with ``device``, wait for the work
+        started so far on the device and settle all."""
+        if device:
+            for streams in list(self._streams.values()):
+                for stream in streams:
+                    stream.synchronize()
+        self.poll()
+
+    def marks(self, device: torch.device | None) -> list[torch.cuda.Event]:
+        """Events after the work queued so far on ``device``'s streams (compute and side):
+        once all have passed, a step's figures can be read without waiting."""
+        if device is None or device == _CPU:
+            return []
+        streams = [torch.cuda.current_stream(device), *self._streams.get(device, ())]
+        return [stream.record_event() for stream in streams]
 
     def step_closed(self, step: StepStats, device: torch.device | None = None,
                     plan: bool = True) -> None:
         """Plan the arena from a finished step on ``device`` (with ``plan``: a step that
-        tracked every site it moved), in the background (after the compressions queued so
-        far, whose sizes it needs)."""
+        tracked every site it moved), in the background."""
         if self.host_memory is not None and (self.arena_everywhere or (
                 device is not None and device.type == "cuda")):
-            self._compressor.submit(partial(self.host_memory.step_closed, step, device, plan))
+            self._worker.submit(partial(self.host_memory.step_closed, step, device, plan))
 
     def held_bytes(self) -> int:
-        """Host memory kept between steps: the arena (once the work queued so far is done)."""
+        """Host memory kept between steps: the arena (once the planning queued so far is
+        done)."""
         if self.host_memory is None:
             return 0
-        self._compressor.drain()
+        self._worker.drain()
         return self.host_memory.held_bytes()
 
     def arena_report(self) -> ArenaReport | None:
@@ -326,41 +439,20 @@ class Transfer:
         without an arena or before the first closed step)."""
         if self.host_memory is None:
             return None
-        self._compressor.drain()
+        self._worker.drain()
         return self.host_memory.report()
 
     def close(self) -> None:
-        self._compressor.close()
+        """Finish the background work and give back the host arena's pinning."""
+        self._worker.close()
         if self.host_memory is not None:
             self.host_memory.close()
 
-    def _record(self, flat: torch.Tensor) -> torch.cuda.Event | None:
-        if not flat.is_cuda:
-            return None
-        event = torch.cuda.current_stream(flat.device).record_event()
-        flat.record_stream(self._stream(flat.device, COMPRESS))
-        return event
-
     def _stream(self, device: torch.device, which: int) -> torch.cuda.Stream:
-        if device not in self._streams:
-            self._streams[device] = tuple(torch.cuda.Stream(device) for _ in range(3))
-        return self._streams[device][which]
-
-    @contextlib.contextmanager
-    def _on_stream(self, device: torch.device, which: int, after: Callable | None = None):
-        """Run the block on ``device``'s side stream ``which``, ordered after the stream
-        ``after(device)`` gives (the compute stream) if given; nothing on the CPU."""
-        if device == _CPU:
-            yield
-            return
-        stream = self._stream(device, which)
-        if after is not None:
-            stream.wait_stream(after(device))
-        # The device first, so that leaving the stream does not set the thread's own device
-        # back with cudaSetDevice, which creates a context there (CUDA 12) in a process that
-        # never used that GPU; torch.cuda.device's exit does not.
-        with torch.cuda.device(device), torch.cuda.stream(stream):
-            yield
+        streams = self._streams.get(device)
+        if streams is None:
+            streams = self._streams[device] = tuple(torch.cuda.Stream(device) for _ in range(3))
+        return streams[which]
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:
@@ -368,84 +460,124 @@ class Transfer:
             warnings.warn(message, RuntimeWarning, stacklevel=2)
 
 
-class _Compressor:
-    """One thread running queued jobs in order, taking all that have queued up at once.
+class _on:  # a context manager, named like torch.cuda.stream
+    """Make ``stream`` current (and its device, where it is not), then restore both; None
+    does nothing (the CPU). The device first, so that leaving does not set the thread's own
+    device back with cudaSetDevice, which creates a context there (CUDA 12) in a process that
+    never used that GPU."""
 
-    It starts on the first job and ends after a few idle seconds, so an unused engine holds
-    no thread; in a forked child it starts afresh (the parent's thread did not come over)."""
+    __slots__ = ("_device", "_previous", "_stream")
 
-    def __init__(self, run: Callable[[_Job], None]) -> None:
-        self._run_job = run
+    def __init__(self, stream: torch.cuda.Stream | None) -> None:
+        self._stream = stream
+
+    def __enter__(self) -> None:
+        stream = self._stream
+        if stream is None:
+            return
+        # the device switch only where it is not current (a model over several GPUs)
+        self._device = (torch.cuda.device(stream.device)
+                        if stream.device.index != torch.cuda.current_device() else None)
+        if self._device is not None:
+            self._device.__enter__()
+        self._previous = torch.cuda.current_stream(stream.device)
+        torch.cuda.set_stream(stream)
+
+    def __exit__(self, *exc) -> None:
+        if self._stream is None:
+            return
+        torch.cuda.set_stream(self._previous)
+        if self._device is not None:
+            self._device.__exit__(*exc)
+
+
+class _Worker:
+    """One background thread running queued calls in order (the arena's planning).
+
+    It starts on the first call and ends after a few idle seconds, so an unused engine holds
+    no thread; in a forked child it starts afresh (the parent's thread did not come over);
+    at interpreter exit it is stopped first, so that no thread of ours is inside a call that
+    released the GIL when the interpreter goes (which aborts the process)."""
+
+    IDLE_EXIT_S = 5.0
+
+    def __init__(self) -> None:
         self._reset()
-        _COMPRESSORS.add(self)
+        _WORKERS.add(self)
 
     def _reset(self) -> None:
         self._cond = threading.Condition()
-        self._jobs: deque[_Job | Callable[[], None]] = deque()
-        self._taken: deque[_Job | Callable[[], None]] = deque()  # the batch being run
+        self._calls: deque[Callable[[], object]] = deque()
+        self._running = False
         self._thread: threading.Thread | None = None
-        self._closed = False
+        self._stopped = False
 
-    def submit(self, job: _Job | Callable[[], None]) -> None:
-        """Queue a job for ``run``, or a call to make after the jobs queued so far."""
+    def submit(self, call: Callable[[], object]) -> None:
         with self._cond:
-            self._jobs.append(job)
-            self._start()
+            if self._stopped:
+                return
+            self._calls.append(call)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="cswap-worker",
+                                                daemon=True)
+                self._thread.start()
             self._cond.notify()
 
     def drain(self) -> None:
-        """Wait until every job queued so far has run."""
+        """Wait until every call queued so far has run."""
         with self._cond:
-            while self._jobs or self._taken:
+            while (self._calls or self._running) and not self._stopped:
                 self._cond.wait()
 
     def close(self) -> None:
         self.drain()
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
 
-    def _start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="cswap-compress",
-                                            daemon=True)
-            self._thread.start()
+    def stop(self) -> None:
+        """Drop what is queued, let the running call finish, and end the thread."""
+        with self._cond:
+            self._stopped = True
+            self._calls.clear()
+            thread = self._thread
+            self._cond.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=30)
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                if not self._jobs:
-                    self._cond.wait_for(lambda: self._jobs or self._closed, _IDLE_EXIT_S)
-                if not self._jobs:
+                if not self._calls and not self._stopped:
+                    self._cond.wait_for(lambda: self._calls or self._stopped, self.IDLE_EXIT_S)
+                if not self._calls or self._stopped:
                     self._thread = None
-                    return
-                self._taken, self._jobs = self._jobs, deque()
-            while self._taken:
-                self._run(self._taken[0])
-                with self._cond:  # done with it: no reference left here to its tensors
-                    self._taken.popleft()
                     self._cond.notify_all()
-
-    def _run(self, job: _Job | Callable[[], None]) -> None:
-        try:
-            self._run_job(job) if isinstance(job, _Job) else job()
-        except Exception as err:  # noqa: BLE001 - the thread must go on
-            warnings.warn(f"cswap: background work failed: {err}", RuntimeWarning,
-                          stacklevel=1)
+                    return
+                call = self._calls.popleft()
+                self._running = True
+            try:
+                call()
+            except Exception as err:  # noqa: BLE001 - the thread must go on
+                warnings.warn(f"cswap: background work failed: {err}", RuntimeWarning,
+                              stacklevel=1)
+            finally:
+                with self._cond:
+                    self._running = False
+                    self._cond.notify_all()
 
     def _after_fork(self) -> None:
         """In a forked child, where the parent's thread is gone and its lock may be held:
-        the jobs it had not finished run again (a job only writes its own result)."""
-        jobs = [*self._taken, *self._jobs]
-        for job in jobs:
-            if isinstance(job, _Job) and job.flat is None:  # packed, not yet announced
-                job.stored.ready.set()
-        jobs = [job for job in jobs if not isinstance(job, _Job) or job.flat is not None]
+        the calls it had not run yet run in the child's own thread."""
+        calls = list(self._calls)
         self._reset()
-        if jobs:
-            self._jobs.extend(jobs)
-            self._start()
+        for call in calls:
+            self.submit(call)
 
 
-_COMPRESSORS: weakref.WeakSet[_Compressor] = weakref.WeakSet()
-os.register_at_fork(after_in_child=lambda: [c._after_fork() for c in list(_COMPRESSORS)])
+_WORKERS: weakref.WeakSet[_Worker] = weakref.WeakSet()
+os.register_at_fork(after_in_child=lambda: [w._after_fork() for w in list(_WORKERS)])
+
+
+@atexit.register
+def _stop_threads() -> None:
+    for worker in list(_WORKERS):
+        worker.stop()
+    stop_unpinner()

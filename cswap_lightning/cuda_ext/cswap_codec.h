@@ -8,7 +8,8 @@
  * Conventions for every entry point:
  *   - All pointers are device pointers on the current device. Input/output element buffers are
  *     aligned to elem_size; payload and workspace buffers are 16-byte aligned.
- *   - numel < 2**32. grid >= 1 blocks; block is a multiple of 32 in [32, 1024].
+ *   - numel < 2**32. grid >= 1 blocks; block is a multiple of 32 in [32, 1024]. zvc and rle
+ *     launch at most `grid` blocks, which take tiles of 32 * block bytes until none is left.
  *   - Work is enqueued on `stream`; no call synchronises the host with the device. Arguments are
  *     validated before anything is enqueued.
  *   - Return CSWAP_OK, CSWAP_ERR_INVALID_ARGUMENT or CSWAP_ERR_CUDA; after a failure,
@@ -58,7 +59,8 @@ int cswap_check_device(void);
 /* Capacity the payload buffer of a compress call must have (an upper bound on the payload
  * size); 0 for an unknown codec or element size. */
 uint64_t cswap_max_payload_bytes(int codec, uint64_t numel, int elem_size);
-/* Scratch device memory every call needs, for `numel` elements and `grid` blocks. */
+/* Scratch device memory every zvc and rle call needs for `numel` elements, whatever the grid
+ * and block (`grid` is kept for the ABI; the size no longer depends on it). */
 uint64_t cswap_workspace_bytes(uint64_t numel, int grid);
 
 /* Compress `numel` elements at `input` into `payload` (capacity `payload_capacity` bytes).

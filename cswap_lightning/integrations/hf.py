@@ -39,6 +39,7 @@ from ..core.compile import blocks, compile_blocks
 from ..core.engine import Offloader
 from ..core.guard import AccuracyGuard
 from ..core.stats import StepStats
+from .hf_checkpointing import checkpointing_switch, trainer_checkpointing
 from .metrics import offload_metrics, plan_values, run_summary, step_values, write_summary
 
 logger = logging.get_logger(__name__)
@@ -65,19 +66,19 @@ def _on_stack(code: CodeType | None) -> bool:
 
 def _take_over_checkpoint_offload(args: TrainingArguments, model: nn.Module) -> None:
     """Turn off the Trainer's checkpointing offload (``activation_checkpointing_kwargs=
-    {"offload": True}``), keeping the checkpointing.
+    {"offload": True}``, ``gradient_checkpointing_kwargs`` in transformers 5.17-5.22), keeping
+    the checkpointing.
 
     That offload wraps each checkpointed layer in torch's ``save_on_cpu``, whose hooks, nested
     inside the engine's, take the layer's inputs (all a checkpointed layer saves) and copy them
     synchronously, uncompressed. Without it the engine moves them, as it does the rest.
     """
-    kwargs = dict(args.activation_checkpointing_kwargs or {})
-    if not (args.activation_checkpointing and kwargs.pop("offload", False)):
+    kwargs = trainer_checkpointing(args)
+    if kwargs is None or not kwargs.pop("offload", False):
         return
     every_n_layers = kwargs.pop("every_n_layers", 1)
     model.disable_input_require_grads()  # enabling again adds the Trainer's hook again
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None,
-                                          every_n_layers=every_n_layers, offload=False)
+    checkpointing_switch(model)(kwargs or None, every_n_layers=every_n_layers, offload=False)
     logger.warning("cswap: activation checkpointing stays on, its offload is off for this run: "
                    "cswap moves (and compresses) the checkpointed layers' inputs instead of "
                    "torch's synchronous save_on_cpu")
@@ -109,7 +110,8 @@ class CSwapCallback(TrainerCallback):
     included) or, when ``train()`` raised, at the next forward outside it. Each epoch starts
     with the engine measuring and planning again. With activation checkpointing, the engine
     moves the checkpointed layers' inputs; the Trainer's own offload of them
-    (``activation_checkpointing_kwargs={"offload": True}``) is turned off for the run. With
+    (``activation_checkpointing_kwargs={"offload": True}``, or ``gradient_checkpointing_kwargs``
+    in transformers 5.17-5.22) is turned off for the run. With
     ``torch_compile=True`` the model is compiled per block instead of whole (give the callback
     to the Trainer's constructor: ``add_callback`` comes too late). With lossy sites in the
     plan, every ``config.guard_every`` micro-batches :attr:`guard` first compares that

@@ -4,7 +4,10 @@ The metrics are torchmetrics ``Metric``s, so Lightning's ``self.log`` gives per-
 and epoch aggregates, over every rank. Byte counts and waits aggregate as means per step (of
 one rank), as the step values read; peaks as the highest seen; ratios as ratios of sums.
 Their states are float64 tensors updated with plain Python numbers or device tensors, and
-``compute`` is tensor arithmetic only: neither reads a value back to the host.
+``compute`` is tensor arithmetic only: neither reads a value back to the host. Under a process
+group, torchmetrics' ``compute`` first gathers every rank's states, which synchronises: in
+Lightning at epoch ends (its per-step values are computed without it), in the Hugging Face
+callback at each log line.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ from typing import NoReturn
 import torch
 
 from ..codecs import get_codec
-from ..config import COMPRESSORS, LOSSY_CODECS, CSwapConfig
+from ..config import COMPRESSORS, LOSSY_CODECS
 from ..core.stats import SiteStats, fmt_bytes
 from .predictor import CodecTimeModel
 from .profiler import Link, SiteProfile
@@ -311,13 +311,14 @@ class Advisor:
     """Turns site profiles into a plan with the cost model above.
 
     ``lossy`` (a codec name) is weighed too, for dense sites ``lossy_ok`` accepts;
-    ``prefetch_bytes`` is the engine's prefetch window (``CSwapConfig.prefetch_bytes``).
+    ``prefetch_bytes`` is the engine's prefetch window to plan with (the engine's
+    ``"auto"`` window is worked out before: ``planning.prefetch``); the plan may halve it.
     """
 
     def __init__(self, compressor: str, link: Link, model: CodecTimeModel,
                  lossy: str | None = None,
                  lossy_ok: Callable[[SiteProfile], bool] = lambda p: True,
-                 prefetch_bytes: int = CSwapConfig.prefetch_bytes) -> None:
+                 prefetch_bytes: int = 512 << 20) -> None:
         self.compressor = compressor
         self.link = link
         self.model = model

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torchmetrics.classification import MulticlassAccuracy
 
+from ..integrations.hf_checkpointing import checkpointing_switch
 from .nets import build_cnn, resnet50, vgg16
 
 Arch = Literal["cnn", "vgg16", "resnet50"]
@@ -169,4 +170,4 @@ class GPT2LM(HFModule):
         )
         self.model = GPT2LMHeadModel(config)
         if activation_checkpointing:
-            self.model.activation_checkpointing_enable()
+            checkpointing_switch(self.model)({"use_reentrant": False})

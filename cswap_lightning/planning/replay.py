@@ -1,0 +1,476 @@
+"""The replay: one training step simulated under a plan, to predict its time and peak memory.
+
+A plan decides per block (``workload.py``: a transformer layer, a ResNet bottleneck, a VGG
+stage, or the ops around them): keep its saved tensors on the device, swap them to host memory
+(raw, or through a codec of some ratio and speed), or recompute the block in backward from its
+input (kept, or swapped), as activation checkpointing does. The replay runs the step as the
+engine (``core/step.py``, ``core/transfer.py``) and PyTorch run it:
+
+- forward issues each op on the compute stream; each storage a swapped block saves is copied
+  out on the device-to-host stream after the op that saved it (encoded first for a codec),
+  one copy after another at the link's speed. Forward lets go of the original once its op is
+  done; the host waits, and with it forward, when the bytes it has left in flight would pass
+  ``inflight_bytes``. A storage saved again later is moved once (the engine's de-duplication).
+- backward runs the ops in reverse order, each after the saved tensors it needs are back: a
+  swapped storage is restored on the host-to-device stream when an op needs it, unless it was
+  prefetched; a storage's first use prefetches the next ones in backward's order while the
+  prefetched bytes not yet used stay within ``prefetch_bytes`` (one always goes). A restored
+  copy lives until its op is done: a storage two ops saved comes back twice, as on the H100
+  (``evidence/h100-2026-11-24/trace-raw-all.summary.json``: GPT-2's 13.8 GB out and 15.8 GB
+  back, which the replay gives to the byte). A recomputed block runs its forward again before
+  its first op in backward (after its input is back, if swapped); its saved tensors then live
+  until their ops in backward are done. The host never waits in backward (on the H100 it
+  finished backward at 391 ms of a 564 ms step): its restores queue at once, and the device
+  runs them in order.
+- the optimizer (SGD: reads weights and gradients, writes weights) ends the step at the
+  device's copy bandwidth.
+
+Memory is counted as ``torch.cuda.max_memory_allocated`` counts it (the measured peaks are
+that): a tensor from its allocation until the program drops it, in program order. An original
+being copied out is free by that count once forward drops it, though the allocator cannot
+reuse its memory before the copy ends (up to ``inflight_bytes`` more device memory in use than
+the peak says). At each op the allocator also holds what the workload measured or modelled
+beside the saved tensors (its temporaries in forward; weight gradients so far and activation
+gradients in backward).
+
+Not modelled: a host that issues kernels slower than the device runs them (a profile holds
+device times only), and the device memory that copies in flight keep from reuse (above).
+Every figure the replay gives is a prediction, not a measurement.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..config import CSwapConfig
+from ..core.tensors import MAX_STORAGE_TO_VIEW_RATIO
+from .workload import Workload
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Link:
+    """Bytes per second each way between device and host memory (measured on the H100 PCIe:
+    53.4-54.9 GB/s, also under compute load), and of a device-to-device copy (bytes copied)."""
+
+    d2h: float = 54 * GB
+    h2d: float = 54 * GB
+    device: float = 1440 * GB
+
+    def __post_init__(self) -> None:
+        for name in ("d2h", "h2d", "device"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Link.{name} must be > 0 bytes per second, "
+                                 f"got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class Codec:
+    """How a swapped tensor travels: ``ratio`` of its bytes stored, encoded before the copy
+    out and decoded after the copy back at these speeds (bytes of the tensor per second)."""
+
+    name: str = "raw"
+    ratio: float = 1.0
+    encode: float = math.inf
+    decode: float = math.inf
+
+    def __post_init__(self) -> None:
+        if not 0 < self.ratio:
+            raise ValueError(f"Codec {self.name!r}: ratio must be > 0, got {self.ratio!r}")
+        if not (self.encode > 0 and self.decode > 0):
+            raise ValueError(f"Codec {self.name!r}: encode and decode speeds must be > 0 "
+                             f"bytes per second, got {self.encode!r} and {self.decode!r}")
+
+
+RAW = Codec()
+Action = Literal["keep", "swap", "recompute"]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do with a block's saved tensors. ``codec``: how they (for ``"recompute"``: its
+    input, if ``swap_input``) are swapped."""
+
+    action: Action = "keep"
+    codec: Codec = RAW
+    swap_input: bool = False
+
+    def __post_init__(self) -> None:
+        if self.action not in ("keep", "swap", "recompute"):
+            raise ValueError(f"Decision.action must be 'keep', 'swap' or 'recompute', "
+                             f"got {self.action!r}")
+        if self.swap_input and self.action != "recompute":
+            raise ValueError("Decision.swap_input is for action='recompute' (a recomputed "
+                             f"block's input), got action={self.action!r}")
+
+
+KEEP = Decision("keep")
+SWAP = Decision("swap")
+RECOMPUTE = Decision("recompute")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A decision per block (by name), ``default`` for the others."""
+
+    default: Decision = KEEP
+    blocks: Mapping[str, Decision] = field(default_factory=dict)
+
+    def decisions(self, workload: Workload) -> list[Decision]:
+        """Each of the workload's blocks' decision: ``default`` recomputes only the blocks that
+        can be recomputed (the others keep); a block named to be recomputed must be one."""
+        names = [b.name for b in workload.blocks]
+        unknown = sorted(set(self.blocks) - set(names))
+        if unknown:
+            raise ValueError(f"the plan names blocks {unknown} that {workload.name} does not "
+                             f"have; its blocks: {names}")
+        decisions = []
+        for block in workload.blocks:
+            decision = self.blocks.get(block.name, self.default)
+            if decision.action == "recompute" and not block.recomputable:
+                if block.name in self.blocks:
+                    raise ValueError(f"block {block.name!r} of {workload.name} cannot be "
+                                     "recomputed (only layers, bottlenecks and stages can)")
+                decision = KEEP
+            decisions.append(decision)
+        return decisions
+
+
+def no_offload() -> Plan:
+    return Plan()
+
+
+def checkpoint_all() -> Plan:
+    """Activation checkpointing around every block that can be recomputed, inputs kept."""
+    return Plan(RECOMPUTE)
+
+
+def swap_all(codec: Codec = RAW) -> Plan:
+    """Every saved tensor the engine can move, swapped (``plan="raw"`` for ``RAW``)."""
+    return Plan(Decision("swap", codec))
+
+
+@dataclass(frozen=True)
+class Engine:
+    """The engine's settings the replay follows (``CSwapConfig``'s)."""
+
+    min_bytes: int = CSwapConfig.min_bytes
+    prefetch_bytes: int = 512 << 20  # the engine's fixed window when the H100 run was made
+    inflight_bytes: int = CSwapConfig.inflight_bytes
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Something the step did on a lane (``compute``, ``d2h``, ``h2d``), in seconds."""
+
+    lane: str
+    label: str
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The replay's figures for one step (predictions, not measurements)."""
+
+    step_s: float
+    forward_s: float  # forward on the compute stream, its stalls included
+    backward_s: float  # backward, recomputation and waits for restores included
+    optimizer_s: float
+    forward_stall_s: float  # compute idle in forward: the host waited at the in-flight bound
+    backward_wait_s: float  # compute idle in backward: waiting for restores
+    recompute_s: float
+    peak_bytes: int  # the allocator's peak, as torch.cuda.max_memory_allocated counts it
+    peak_at: str  # where it happens
+    d2h_bytes: int
+    h2d_bytes: int
+    timeline: tuple[Interval, ...] = ()
+
+
+def predict(workload: Workload, plan: Plan | None = None, link: Link | None = None,
+            engine: Engine | None = None, timeline: bool = False) -> Prediction:
+    """Replay ``workload`` under ``plan`` (default: no offload); ``timeline`` records every
+    op and copy."""
+    return _Replay(workload, plan or Plan(), link or Link(), engine or Engine(),
+                   timeline).run()
+
+
+@dataclass
+class _Entry:
+    """A storage moved off the device: its copy out, and its copy back while one lives."""
+
+    nbytes: int  # on the device
+    stored: int  # over the link
+    codec: Codec
+    out_end: float = 0.0  # when the copy out ends
+    back_end: float = 0.0  # when the live copy back ends
+    back: bool = False  # a copy back lives
+    prefetched: bool = False  # that copy was prefetched and no op has used it yet
+    used: bool = False  # backward has asked for it
+
+
+class _Replay:
+    """One step replayed: ``run`` goes through forward, then backward, in program order,
+    keeping the clocks (host, compute stream, copy streams) and the allocator's bytes."""
+
+    def __init__(self, workload: Workload, plan: Plan, link: Link, engine: Engine,
+                 timeline: bool) -> None:
+        self.w, self.link, self.engine = workload, link, engine
+        self.decisions = plan.decisions(workload)
+        self.inputs = [workload.block_input(b) if d.action == "recompute" else None
+                       for b, d in enumerate(self.decisions)]
+        self.record = timeline
+        self.timeline: list[Interval] = []
+        # clocks (seconds) and what they add up
+        self.host = self.compute = self.d2h_free = self.h2d_free = 0.0
+        self.stall = self.wait = self.recompute_s = 0.0
+        self.d2h_bytes = self.h2d_bytes = 0
+        self.inflight: list[tuple[float, int]] = []  # copies out: (end, bytes), oldest first
+        # memory: original storages on the device, the saves holding them there, copies back
+        self.device: dict[int, int] = {}  # storage -> bytes
+        self.device_bytes = 0
+        self.holders: dict[int, int] = {}  # storage -> how many saves hold it
+        self.holding: set[int] = set()  # saves that hold their storage
+        self.entries: dict[int, _Entry] = {}  # moved storage -> its entry
+        self.copies = 0  # bytes of copies back alive
+        self.grads = 0  # weight gradients made so far
+        self.peak, self.peak_at = 0, ""
+        self.last_forward_op: dict[int, int] = {}  # storage -> the last op that saved it
+        for k, op in enumerate(workload.ops):
+            for i in op.saves:
+                self.last_forward_op[workload.saved[i].storage] = k
+        # backward's prefetching (set when backward begins)
+        self.order: list[int] = []
+        self.position: dict[int, int] = {}
+        self.cursor = self.ahead = 0
+
+    def run(self) -> Prediction:
+        self._forward()
+        forward_end = self.compute
+        self._backward()
+        backward_end = self.compute
+        optimizer_s = 3 * self.w.weight_bytes / (2 * self.link.device)
+        self._mark("compute", "optimizer", backward_end, backward_end + optimizer_s)
+        return Prediction(
+            step_s=backward_end + optimizer_s, forward_s=forward_end,
+            backward_s=backward_end - forward_end, optimizer_s=optimizer_s,
+            forward_stall_s=self.stall, backward_wait_s=self.wait,
+            recompute_s=self.recompute_s, peak_bytes=self.peak, peak_at=self.peak_at,
+            d2h_bytes=self.d2h_bytes, h2d_bytes=self.h2d_bytes, timeline=tuple(self.timeline))
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+    def _mark(self, lane: str, label: str, start: float, end: float) -> None:
+        if self.record and end > start:
+            self.timeline.append(Interval(lane, label, start, end))
+
+    def _point(self, other: int, where: str) -> None:
+        """The allocator's bytes now, with ``other`` beside the saved tensors."""
+        now = self.w.start_bytes + self.device_bytes + self.copies + self.grads + other
+        if now > self.peak:
+            self.peak, self.peak_at = now, where
+
+    def _allocate(self, storage: int) -> None:
+        if storage not in self.device:
+            self.device[storage] = self.w.saved[storage].storage_nbytes
+            self.device_bytes += self.device[storage]
+
+    def _free(self, storage: int) -> None:
+        self.device_bytes -= self.device.pop(storage, 0)
+
+    def _hold(self, i: int) -> None:
+        """Save ``i`` keeps its storage on the device until its op in backward is done."""
+        if i not in self.holding:
+            storage = self.w.saved[i].storage
+            self.holding.add(i)
+            self.holders[storage] = self.holders.get(storage, 0) + 1
+            self._allocate(storage)
+
+    def _release(self, i: int) -> None:
+        if i in self.holding:
+            storage = self.w.saved[i].storage
+            self.holding.remove(i)
+            self.holders[storage] -= 1
+            if not self.holders[storage]:
+                del self.holders[storage]
+                self._free(storage)
+
+    def _movable(self, i: int) -> bool:
+        """Whether the engine moves saved tensor ``i`` (``core/tensors.py``'s skip_reason)."""
+        s = self.w.saved[i]
+        return (s.activation and s.nbytes >= max(self.engine.min_bytes, 1)
+                and s.storage_nbytes <= MAX_STORAGE_TO_VIEW_RATIO * s.nbytes)
+
+    # -- forward ------------------------------------------------------------------------------
+    def _forward(self) -> None:
+        w = self.w
+        for k, op in enumerate(w.ops):
+            decision, block_input = self.decisions[op.block], self.inputs[op.block]
+            begin = max(self.compute, self.host)
+            self.stall += begin - self.compute
+            self.compute = begin + op.forward_s
+            self._mark("compute", f"forward {op.module}", begin, self.compute)
+            for i in op.saves:
+                if w.saved[i].storage == i and w.saved[i].activation:
+                    self._allocate(i)
+            self._point(op.forward_other, f"forward {op.module or '(functions)'}")
+            for i in op.saves:
+                s = w.saved[i]
+                if not s.activation or s.storage in self.entries:  # moved already: shared
+                    continue
+                if decision.action == "recompute" and s.storage != block_input:
+                    continue  # recomputed in backward
+                swap = decision.action == "swap" or decision.swap_input
+                if swap and self._movable(i):
+                    self._move_out(s.storage, decision.codec, f"out {i} {s.module}")
+                else:
+                    self._hold(i)
+            for storage in {w.saved[i].storage for i in op.saves}:
+                if self.last_forward_op[storage] == k and storage not in self.holders:
+                    self._free(storage)  # forward lets go of it
+
+    def _move_out(self, storage: int, codec: Codec, label: str) -> None:
+        """Queue a storage's copy out after the op that saved it; the host waits first while
+        the bytes in flight would pass the bound (``Transfer._bound``)."""
+        nbytes = self.w.saved[storage].storage_nbytes
+        stored = round(nbytes * codec.ratio)
+        self.inflight = [(end, n) for end, n in self.inflight if end > self.host]
+        flying = sum(n for _, n in self.inflight)
+        while self.inflight and flying + nbytes > self.engine.inflight_bytes:
+            end, n = self.inflight.pop(0)
+            self.host, flying = max(self.host, end), flying - n
+        start = max(self.compute, self.host, self.d2h_free)
+        end = start + nbytes / codec.encode + stored / self.link.d2h
+        self.d2h_free = end
+        self.inflight.append((end, nbytes))
+        self.entries[storage] = _Entry(nbytes, stored, codec, out_end=end)
+        self.d2h_bytes += stored
+        self._mark("d2h", label, start, end)
+
+    # -- backward -----------------------------------------------------------------------------
+    def _backward(self) -> None:
+        w = self.w
+        self.order = self._prefetch_order()
+        self.position = {storage: n for n, storage in enumerate(self.order)}
+        input_copy: dict[int, int] = {}  # recomputed block -> its input's copy back
+        for k in range(len(w.ops) - 1, -1, -1):
+            op = w.ops[k]
+            if self._recomputes_at(k):
+                self._recompute(op.block, input_copy)
+            ready = self.host
+            used: set[int] = set()
+            for i in op.saves:
+                storage = w.saved[i].storage
+                if not w.saved[i].activation or storage not in self.entries:
+                    continue
+                if input_copy.get(op.block) == storage:  # back for the recompute
+                    ready = max(ready, self.entries[storage].back_end)
+                elif storage not in used:
+                    ready = max(ready, self._unpack(storage))
+                    used.add(storage)
+            begin = max(self.compute, self.host, ready)
+            self.wait += begin - max(self.compute, self.host)
+            self.compute = begin + op.backward_s
+            self._mark("compute", f"backward {op.module}", begin, self.compute)
+            self._point(op.backward_grads, f"backward {op.module or '(functions)'}")
+            self.grads += op.weight_grads
+            if w.blocks[op.block].ops.start == k and op.block in input_copy:
+                used.add(input_copy.pop(op.block))  # the block is done with its input
+            self._drop_copies(used)
+            for i in op.saves:
+                self._release(i)
+
+    def _prefetch_order(self) -> list[int]:
+        """Moved storages in the order backward first asks for them (the order the engine
+        learns from the step before)."""
+        order: dict[int, None] = {}
+        for k in range(len(self.w.ops) - 1, -1, -1):
+            op = self.w.ops[k]
+            if self._recomputes_at(k) and self.inputs[op.block] in self.entries:
+                order.setdefault(self.inputs[op.block])
+            for i in op.saves:
+                if self.w.saved[i].storage in self.entries:
+                    order.setdefault(self.w.saved[i].storage)
+        return list(order)
+
+    def _recomputes_at(self, k: int) -> bool:
+        """Whether op ``k`` is the last op of a recomputed block: backward recomputes there."""
+        block = self.w.ops[k].block
+        return self.inputs[block] is not None and self.w.blocks[block].ops.stop - 1 == k
+
+    def _recompute(self, block: int, input_copy: dict[int, int]) -> None:
+        """Run a block's forward again, once its input is back if it was moved: its saved
+        storages live again, held by their saves."""
+        w = self.w
+        storage_in, ready = self.inputs[block], self.host
+        if storage_in in self.entries:
+            ready = self._unpack(storage_in)
+            input_copy[block] = storage_in
+        begin = max(self.compute, self.host, ready)
+        self.wait += begin - max(self.compute, self.host)
+        ops = w.ops[w.blocks[block].ops.start:w.blocks[block].ops.stop]
+        seconds = sum(op.forward_s for op in ops)
+        self.compute = begin + seconds
+        self.recompute_s += seconds
+        self._mark("compute", f"recompute {w.blocks[block].name}", begin, self.compute)
+        for op in ops:
+            for i in op.saves:
+                if w.saved[i].activation and w.saved[i].storage != storage_in:
+                    self._hold(i)
+
+    def _unpack(self, storage: int) -> float:
+        """The storage's copy back for the op about to run (restored now if none lives),
+        prefetching after it (``Step._prefetch_after``); when the copy is complete."""
+        entry = self.entries[storage]
+        if entry.prefetched:
+            entry.prefetched = False
+            self.ahead -= entry.nbytes
+        elif not entry.back:
+            self._restore(storage, f"back {storage}")
+        if not entry.used:
+            entry.used = True
+            self._prefetch_after(storage)
+        return entry.back_end
+
+    def _prefetch_after(self, storage: int) -> None:
+        if not self.engine.prefetch_bytes:
+            return
+        self.cursor = max(self.cursor, self.position[storage] + 1)
+        while self.cursor < len(self.order):
+            following = self.order[self.cursor]
+            entry = self.entries[following]
+            if not (entry.used or entry.back):
+                if self.ahead and self.ahead + entry.nbytes > self.engine.prefetch_bytes:
+                    break
+                self._restore(following, f"prefetch {following}")
+                entry.prefetched = True
+                self.ahead += entry.nbytes
+            self.cursor += 1
+
+    def _restore(self, storage: int, label: str) -> None:
+        """Queue a copy back: after the copy out, and the copies back queued before it."""
+        entry = self.entries[storage]
+        start = max(self.host, entry.out_end, self.h2d_free)
+        end = start + entry.stored / self.link.h2d + entry.nbytes / entry.codec.decode
+        self.h2d_free = entry.back_end = end
+        entry.back = True
+        self.copies += entry.nbytes
+        self.h2d_bytes += entry.stored
+        self._mark("h2d", label, start, end)
+
+    def _drop_copies(self, storages: set[int]) -> None:
+        """The op is done with these copies back: they are freed."""
+        for storage in storages:
+            entry = self.entries[storage]
+            if entry.back and not entry.prefetched:
+                entry.back = False
+                self.copies -= entry.nbytes
+
+
+if __name__ == "__main__":  # python -m cswap_lightning.planning.replay: the evidence table
+    from .profiled import main
+
+    main()

@@ -1,0 +1,348 @@
+"""A training step as the replay (``replay.py``) sees it, read from a profile measured
+without offload.
+
+A profile (``profile-*.json.gz``; how they were made: ``evidence/h100-2026-11-24/README.md``)
+lists every tensor autograd saved in forward, in order (module, bytes, storage bytes, whether
+it is the first save of its storage, parameter or not, the allocator's bytes at that moment),
+each leaf module's forward and backward times (CUDA events around module hooks), the
+allocator's bytes when a module's backward began, forward and backward without any hook
+(``plain_*_ms``), the allocator's bytes before the step and its peak. From it, a
+:class:`Workload`:
+
+- **ops**: runs of saves by one module, each storage saved once in a run (one autograd op, or a
+  few of one module): the unit of compute, memory and events in the replay. The hooks leave
+  launch gaps in the modules' times, so they are scaled to sum to the plain totals; time spent
+  outside any leaf module (attention's core, the loss) is spread over them in proportion too.
+  Where the profile has no backward times (its backward hooks did not fire), an op's backward
+  takes its forward time times the plain backward/forward ratio.
+- **blocks**: what activation checkpointing recomputes: transformer layers (``...h.3``,
+  ``...layer.3``), ResNet bottlenecks (``layer2.1``), and the stages of a plain ``Sequential``
+  (``features.0`` ...), each ending at a max-pool (the op that saves int64 indices). The ops
+  before, between and after them form blocks that cannot be recomputed.
+- **the allocator's other bytes**: what it holds beside the step's start (weights, the batch)
+  and the saved tensors. In forward, an op's (measured at its saves: outputs not yet saved,
+  temporaries). In backward, the weights' gradients made so far, plus the op's activation
+  gradients: the gradient of its output, measured at its module's backward hook where the
+  profile has one (less the saved tensors and weight gradients then held), else as large as
+  its largest saved activation; and the gradient of its input, which the op allocates, as large
+  as its largest saved activation (at the loss: the logits' two gradients). Replayed without
+  offload, this gives the profile's measured peak within 2% on the four H100 profiles.
+
+A storage the step did not allocate (the batch, which the training loop holds) is found by
+the allocator's count: at its first save, the bytes the step has allocated so far cannot hold
+(half of) it beside the storages saved before. Moving such a tensor frees nothing.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One tensor autograd saved in forward."""
+
+    module: str  # the leaf module running when it was saved ("" outside any)
+    dtype: str
+    nbytes: int  # the tensor's own bytes
+    storage_nbytes: int
+    storage: int  # the index of the first saved tensor of its storage
+    parameter: bool
+    held: bool  # its storage was there before the step (the batch): moving it frees nothing
+
+    @property
+    def activation(self) -> bool:
+        """Bytes the step allocated for forward and keeps for backward (counted once, at the
+        first save of the storage)."""
+        return not (self.parameter or self.held)
+
+
+@dataclass(frozen=True)
+class Op:
+    """A run of saves by one module: the replay's unit of compute and memory."""
+
+    module: str
+    block: int  # index into Workload.blocks
+    saves: range  # indices into Workload.saved
+    forward_s: float
+    backward_s: float
+    forward_other: int  # allocator bytes beside the step's start and saved tensors, in forward
+    backward_grads: int  # activation gradients while its backward runs
+    weight_grads: int  # bytes of the weight gradients its backward makes
+
+
+@dataclass(frozen=True)
+class Block:
+    """Ops that activation checkpointing recomputes together (``recomputable``), or the ops
+    before, between or after such blocks."""
+
+    name: str
+    ops: range  # indices into Workload.ops
+    recomputable: bool
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One training step measured without offload."""
+
+    name: str
+    batch: int
+    saved: tuple[Saved, ...]
+    ops: tuple[Op, ...]
+    blocks: tuple[Block, ...]
+    start_bytes: int  # allocated before the step: weights, the batch
+    peak_bytes: int  # the profile's measured peak
+    weight_bytes: int  # the weights autograd saved (each storage once)
+
+    @property
+    def forward_s(self) -> float:
+        return sum(op.forward_s for op in self.ops)
+
+    @property
+    def backward_s(self) -> float:
+        return sum(op.backward_s for op in self.ops)
+
+    @property
+    def activation_bytes(self) -> int:
+        """The saved tensors' bytes the step allocated (each storage once)."""
+        return sum(s.storage_nbytes for i, s in enumerate(self.saved)
+                   if s.storage == i and s.activation)
+
+    def block_input(self, block: int) -> int | None:
+        """The storage checkpointing keeps for a block: its first saved activation's (the
+        block's input, or the batch)."""
+        for op in self.ops[self.blocks[block].ops.start:self.blocks[block].ops.stop]:
+            for i in op.saves:
+                if not self.saved[i].parameter:
+                    return self.saved[i].storage
+        return None
+
+    def scaled(self, batch: int) -> Workload:
+        """The same step at another batch size: activations, the batch, the allocator's other
+        bytes and compute times in proportion (weights and their gradients as they are)."""
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
+        k = batch / self.batch
+
+        def size(n: int) -> int:
+            return round(n * k)
+
+        saved = tuple(s if s.parameter else replace(s, nbytes=size(s.nbytes),
+                                                     storage_nbytes=size(s.storage_nbytes))
+                      for s in self.saved)
+        ops = tuple(replace(op, forward_s=op.forward_s * k, backward_s=op.backward_s * k,
+                            forward_other=size(op.forward_other),
+                            backward_grads=size(op.backward_grads)) for op in self.ops)
+        batch_bytes = sum(s.storage_nbytes for i, s in enumerate(self.saved)
+                          if s.storage == i and s.held)
+        return replace(self, name=f"{self.name} at batch {batch}", batch=batch, saved=saved,
+                       ops=ops, start_bytes=self.start_bytes + size(batch_bytes) - batch_bytes,
+                       peak_bytes=size(self.peak_bytes - self.start_bytes) + self.start_bytes)
+
+
+# -- reading a profile ------------------------------------------------------------------------
+_LAYER = re.compile(r"^((?:.*\.)?(?:h|layer|layers|blocks)\.\d+|layer\d+\.\d+)\.")
+_SEQUENTIAL_CHILD = re.compile(r"^(.+)\.\d+$")
+_INDICES = "int64"  # what a max-pool saves beside its input
+
+
+def load(path: str | Path) -> Workload:
+    """The workload of a ``profile-*.json.gz`` (or ``.json``) file."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    try:
+        return from_profile(data)
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"{path}: not a profile of the expected schema ({err!r}); see "
+                         "cswap_lightning/planning/evidence/h100-2026-11-24/README.md") from err
+
+
+def from_profile(data: dict) -> Workload:
+    """The workload of a profile's parsed JSON."""
+    start = data["allocated_before_step"]
+    saved = _saved(data["saved"], start)
+    runs = _runs(saved)
+    blocks, block_of_run = _blocks(saved, runs)
+    modules = data["modules"]
+    forward_s, backward_s = _times(modules, saved, runs, data["plain_forward_ms"] / 1e3,
+                                   data["plain_backward_ms"] / 1e3)
+    forward_other = _forward_other(data["saved"], saved, runs, start)
+    weight_grads = [sum(saved[i].storage_nbytes for i in run
+                        if saved[i].parameter and saved[i].storage == i) for run in runs]
+    output_grads = _measured_output_grads(modules, saved, runs, start, weight_grads)
+    ops = []
+    for k, run in enumerate(runs):
+        largest = max((saved[i].storage_nbytes for i in run if not saved[i].parameter),
+                      default=0)
+        output_grad = largest if output_grads[k] is None else output_grads[k]
+        ops.append(Op(saved[run[0]].module, block_of_run[k], run, forward_s[k], backward_s[k],
+                      forward_other[k], output_grad + largest, weight_grads[k]))
+    name = data["name"]
+    batch = re.search(r"-b(\d+)$", name)
+    return Workload(name, int(batch.group(1)) if batch else 1, saved, tuple(ops), blocks, start,
+                    data["peak_allocated"], sum(weight_grads))
+
+
+def _saved(rows: Sequence[dict], start: int) -> tuple[Saved, ...]:
+    """Each saved tensor with its storage found: a later save of a storage shares it with the
+    latest first save of as many bytes (the profile marks first saves, not which storage)."""
+    saved: list[Saved] = []
+    latest: dict[int, int] = {}  # storage bytes -> index of the latest first save
+    fresh = 0  # bytes of the storages the step allocated and saved so far
+    for i, row in enumerate(rows):
+        size = row["storage_nbytes"]
+        if row["first_of_storage"]:
+            storage = latest[size] = i
+            # held: the bytes the step allocated so far cannot hold half of it beside the
+            # storages saved before (a margin for buffers and the allocator's rounding)
+            held = not row["parameter"] and row["allocated"] - start < fresh + size // 2
+            if not (row["parameter"] or held):
+                fresh += size
+        elif size in latest:
+            storage = latest[size]
+            held = saved[storage].held
+        else:
+            raise ValueError(f"saved tensor {i} ({row['module']!r}) shares a storage of "
+                             f"{size} bytes that no earlier tensor was the first save of")
+        saved.append(Saved(row["module"], row["dtype"], row["nbytes"], size, storage,
+                           row["parameter"], held))
+    return tuple(saved)
+
+
+def _runs(saved: Sequence[Saved]) -> list[range]:
+    """Saves cut where the module changes or a storage comes again (a new op of the module)."""
+    runs: list[range] = []
+    begin, storages = 0, set()
+    for i, s in enumerate(saved):
+        if i > begin and (s.module != saved[begin].module or s.storage in storages):
+            runs.append(range(begin, i))
+            begin, storages = i, set()
+        storages.add(s.storage)
+    if saved:
+        runs.append(range(begin, len(saved)))
+    return runs
+
+
+def _blocks(saved: Sequence[Saved], runs: Sequence[range]) -> tuple[tuple[Block, ...], list[int]]:
+    """Blocks over the runs, and each run's block."""
+    keys: list[str | None] = []  # the recomputable block of each run, or None
+    stage: dict[str, int] = {}  # a Sequential -> the stage its children are in
+    for run in runs:
+        module = saved[run[0]].module
+        layer, child = _LAYER.match(module), _SEQUENTIAL_CHILD.match(module)
+        if not module:  # a function outside any leaf module: part of what runs around it
+            key = keys[-1] if keys else None
+        elif layer:
+            key = layer.group(1)
+        elif child:
+            parent = child.group(1)
+            key = f"{parent} stage {stage.setdefault(parent, 0)}"
+            if any(saved[i].dtype == _INDICES for i in run):  # a max-pool ends the stage
+                stage[parent] += 1
+        else:
+            key = None
+        keys.append(key)
+    unfinished = {f"{parent} stage {n}" for parent, n in stage.items()}  # after the last pool
+    keys = [None if key in unfinished else key for key in keys]
+    blocks: list[Block] = []
+    block_of_run: list[int] = []
+    for k, key in enumerate(keys):
+        if k and key == keys[k - 1]:
+            blocks[-1] = replace(blocks[-1], ops=range(blocks[-1].ops.start, k + 1))
+        else:
+            blocks.append(Block(key or "", range(k, k + 1), key is not None))
+        block_of_run.append(len(blocks) - 1)
+    return tuple(_named_span(b, saved, runs) for b in blocks), block_of_run
+
+
+def _named_span(block: Block, saved: Sequence[Saved], runs: Sequence[range]) -> Block:
+    """A block that cannot be recomputed is named by its first and last modules."""
+    if block.recomputable:
+        return block
+    first = saved[runs[block.ops.start][0]].module or "(functions)"
+    last = saved[runs[block.ops.stop - 1][0]].module or "(functions)"
+    return replace(block, name=first if first == last else f"{first} .. {last}")
+
+
+def _times(modules: Sequence[dict], saved: Sequence[Saved], runs: Sequence[range],
+           plain_forward: float, plain_backward: float) -> tuple[list[float], list[float]]:
+    """Each run's forward and backward seconds, scaled to the plain totals (module docstring):
+    a module's time is split evenly over its runs; a module that saved nothing (dropout at
+    rate 0, a pooling that keeps nothing) adds its time to the module registered before it."""
+    runs_of: dict[str, list[int]] = {}
+    for k, run in enumerate(runs):
+        runs_of.setdefault(saved[run[0]].module, []).append(k)
+    forward, backward = [0.0] * len(runs), [0.0] * len(runs)
+    owner: str | None = None
+    for m in modules:
+        name = m["module"]
+        if name in runs_of:
+            owner = name
+        target = runs_of.get(name) or (runs_of[owner][-1:] if owner else [0])
+        for k in target:
+            forward[k] += m["forward_ms"] / len(target)
+            backward[k] += m["backward_ms"] / len(target)
+    total_forward, total_backward = sum(forward), sum(backward)
+    if total_forward <= 0:
+        raise ValueError("the profile's modules have no forward time")
+    forward = [t / total_forward * plain_forward for t in forward]
+    if total_backward > 0:
+        backward = [t / total_backward * plain_backward for t in backward]
+    else:
+        backward = [t * plain_backward / plain_forward for t in forward]
+    return forward, backward
+
+
+def _forward_other(rows: Sequence[dict], saved: Sequence[Saved], runs: Sequence[range],
+                   start: int) -> list[int]:
+    """Each run's most allocator bytes at its saves beyond the step's start and the saved
+    storages the step allocated so far."""
+    other, fresh = [], 0
+    for run in runs:
+        most = 0
+        for i in run:
+            s = saved[i]
+            if s.storage == i and s.activation:
+                fresh += s.storage_nbytes
+            most = max(most, rows[i]["allocated"] - start - fresh)
+        other.append(most)
+    return other
+
+
+def _measured_output_grads(modules: Sequence[dict], saved: Sequence[Saved],
+                           runs: Sequence[range], start: int,
+                           weight_grads: Sequence[int]) -> list[int | None]:
+    """Each run's activation gradients when its backward begins, as its module's backward hook
+    measured them (the allocator's bytes then, less the step's start, the saved storages
+    still held and the weight gradients made so far), where its module had one run and one
+    backward; None elsewhere."""
+    measured: list[int | None] = [None] * len(runs)
+    count: dict[str, int] = {}
+    for run in runs:
+        count[saved[run[0]].module] = count.get(saved[run[0]].module, 0) + 1
+    at = {m["module"]: m["backward_allocated"][0] for m in modules
+          if len(m["backward_allocated"]) == 1 and count.get(m["module"]) == 1}
+    alive = {i: s.storage_nbytes for i, s in enumerate(saved) if s.storage == i and s.activation}
+    last_use = {}  # storage -> the earliest run that saved it: backward frees it there
+    for k, run in enumerate(runs):
+        for i in run:
+            last_use.setdefault(saved[i].storage, k)
+    grads = 0
+    held = sum(alive.values())
+    for k in range(len(runs) - 1, -1, -1):
+        module = saved[runs[k][0]].module
+        if module in at:
+            measured[k] = max(at[module] - start - held - grads, 0)
+        grads += weight_grads[k]
+        for i in runs[k]:
+            storage = saved[i].storage
+            if last_use[storage] == k and storage in alive:
+                held -= alive.pop(storage)
+    return measured

@@ -1,0 +1,106 @@
+"""The planner's mix of keep, swap and recompute (``planning/mix.py``), on hand-built steps
+and on the first H100 run's four profiles (every figure a prediction of the replay)."""
+
+from __future__ import annotations
+
+import pytest
+from test_replay import ENGINE, LINK, MB, step
+
+from cswap_lightning.planning import mix
+from cswap_lightning.planning import profiled as evidence
+from cswap_lightning.planning.replay import Codec, checkpoint_all, predict, swap_all
+
+
+def test_a_budget_the_step_fits_changes_nothing():
+    w = step([(1.0, 1.0, [10 * MB])] * 3)
+    chosen = mix.choose(w, 10**12, LINK, ENGINE)
+    assert chosen.fits and chosen.how == "keep everything" and not chosen.plan.blocks
+    assert mix.choose(w, None, LINK, ENGINE).plan.blocks == {}
+
+
+def blocks4() -> object:
+    """Four blocks, each an input of 2 MB (1 ms of forward) and an activation of 10 MB (9 ms):
+    recomputing a block keeps its input and frees its activation for 9 ms of compute."""
+    ops = [(0.001, 0.001, [2 * MB]), (0.009, 0.009, [10 * MB])] * 4
+    return step(ops, blocks=[(f"b{k}", 2, True) for k in range(4)])
+
+
+def test_the_link_carries_the_earliest_blocks_and_recomputation_the_rest():
+    """At 1 MB/ms the copies of the first two blocks hide behind compute; for a budget of
+    20 MB (48 MB kept) the mix swaps the first and recomputes two: faster than swapping only
+    (which stalls on the link) and than checkpointing every block."""
+    w = blocks4()
+    keep = predict(w, link=LINK, engine=ENGINE)
+    assert keep.peak_bytes == 48 * MB
+    cheap = mix.choose(w, 30 * MB, LINK, ENGINE)
+    assert [d.action for d in cheap.decisions(w)] == ["swap", "swap", "keep", "keep"]
+    assert cheap.prediction.step_s == pytest.approx(keep.step_s)  # inside the link's window
+    chosen = mix.choose(w, 20 * MB, LINK, ENGINE)
+    assert [d.action for d in chosen.decisions(w)] == ["swap", "recompute", "recompute", "keep"]
+    assert chosen.fits and chosen.prediction.peak_bytes <= 20 * MB
+    assert chosen.prediction.step_s == pytest.approx(keep.step_s + 2 * 0.009 + 0.002)
+    assert chosen.prediction.step_s < predict(w, swap_all(), LINK, ENGINE).step_s
+    assert chosen.prediction.step_s < predict(w, checkpoint_all(), LINK, ENGINE).step_s
+
+
+def test_a_block_that_compresses_swaps_further_inside_the_window():
+    """At 0.5 MB/ms one raw block fits the window; halved by a codec, two do."""
+    slow = type(LINK)(d2h=500 * MB, h2d=500 * MB)
+    w = blocks4()
+    raw = mix.choose(w, 30 * MB, slow, ENGINE)
+    halved = mix.choose(w, 30 * MB, slow, ENGINE,
+                        codec_of=lambda b: Codec("zvc", ratio=0.5, encode=1e15, decode=1e15))
+    assert [d.action for d in raw.decisions(w)] == ["swap", "recompute", "keep", "keep"]
+    assert [d.action for d in halved.decisions(w)] == ["swap", "swap", "keep", "keep"]
+    assert halved.prediction.step_s < raw.prediction.step_s
+
+
+def test_without_recomputation_only_swaps():
+    chosen = mix.choose(blocks4(), 30 * MB, LINK, ENGINE, recompute=False)
+    assert chosen.fits and {d.action for d in chosen.decisions(blocks4())} <= {"keep", "swap"}
+
+
+def test_a_budget_no_mix_meets_says_by_how_much():
+    w = step([(0.010, 0.010, [10 * MB])] * 4, start=50 * MB)  # 50 MB before any activation
+    chosen = mix.choose(w, 40 * MB, LINK, ENGINE)
+    assert not chosen.fits and chosen.missing_bytes >= 10 * MB
+    assert "DOES NOT FIT" in mix.table(chosen, w)
+
+
+@pytest.mark.parametrize("model", sorted(evidence.PROFILES))
+def test_on_the_h100_profiles_every_budget_down_to_checkpointings_peak_is_met(model):
+    """Predictions: from 90% of no offload's peak down to checkpointing's, the mix fits and is
+    at least as fast as checkpointing everything and as swapping only (where either fits)."""
+    w = evidence.workload(model)
+    keep = predict(w)
+    checkpointed = predict(w, checkpoint_all())
+    swapped = predict(w, swap_all())
+    for budget in (int(0.9 * keep.peak_bytes), int(0.7 * keep.peak_bytes),
+                   checkpointed.peak_bytes):
+        chosen = mix.choose(w, budget)
+        if budget < checkpointed.peak_bytes and not chosen.fits:
+            continue  # below checkpointing's own peak (VGG-16's classifier holds most)
+        assert chosen.fits, (model, budget, mix.table(chosen, w))
+        assert chosen.prediction.peak_bytes <= budget
+        assert chosen.prediction.step_s <= checkpointed.step_s * 1.001, mix.table(chosen, w)
+        if swapped.peak_bytes <= budget:
+            assert chosen.prediction.step_s <= swapped.step_s
+
+
+def test_the_table_labels_the_figures_predictions():
+    w = evidence.workload("bert-large")
+    chosen = mix.choose(w, int(0.7 * predict(w).peak_bytes))
+    text = mix.table(chosen, w)
+    assert "recompute" in text and "a prediction" in text
+    assert text.count("\n") == len(w.blocks) + 1  # a header, a row per block, the total
+
+
+def test_the_plan_bench_writes_predictions_for_every_model_and_budget(tmp_path):
+    from cswap_lightning.commands.bench_plan import LEVELS, run_plan_bench
+
+    rows = run_plan_bench(["bert-large"], out=str(tmp_path / "plan"))
+    assert [r["budget"] for r in rows][-1] == "checkpointing's peak" and len(rows) == len(LEVELS) + 1
+    assert all(r["fits"] and r["peak_bytes"] <= r["budget_bytes"] for r in rows)
+    assert all(r["throughput_vs_checkpointing"] >= 0.999 for r in rows)
+    report = (tmp_path / "plan.md").read_text()
+    assert "prediction" in report and "not a measurement" in report

@@ -1,0 +1,96 @@
+"""The transfer's bookkeeping of device copies, run on the CPU with stand-ins for the copies'
+events: the in-flight bound, and compressed payloads settled once their first copy is done."""
+
+import torch
+
+from cswap_lightning.codecs import get_codec
+from cswap_lightning.core.transfer import Stored, Transfer
+
+KiB = 1 << 10
+
+
+class Copy:
+    """Stands for the event after a device copy: done once waited for or once set."""
+
+    def __init__(self) -> None:
+        self.done = self.waited = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = self.done = True
+
+
+def test_forward_waits_at_the_in_flight_bound_on_the_oldest_copy_only():
+    transfer = Transfer(inflight_bytes=1024 * KiB)
+    copies = [Copy(), Copy()]
+    for copy in copies:
+        transfer._track(copy, 512 * KiB, None)
+    transfer._bound(256 * KiB)  # 1.25 MiB would be in flight: wait for the oldest
+    assert copies[0].waited and not copies[1].waited
+    assert transfer._inflight_bytes == 512 * KiB
+    transfer._bound(256 * KiB)  # fits now: no wait
+    assert not copies[1].waited
+    copies[1].done = True
+    transfer.poll()  # done copies are let go without waiting
+    assert not copies[1].waited and transfer._inflight_bytes == 0
+
+
+def pending_zvc(transfer: Transfer, t: torch.Tensor, site: int = 0) -> tuple[Stored, Copy]:
+    """A zvc payload as the CUDA path leaves it: encoded, its first part copied to a host
+    slot of the codec's capacity, its length not read yet."""
+    codec = get_codec("zvc")
+    packed = codec.encode(t)
+    stored = Stored(t.device)
+    stored.codec, stored.header, stored.site = "zvc", packed.header, site
+    stored.payload = torch.zeros(codec.capacity(t.numel(), t.element_size()), dtype=torch.uint8)
+    stored.pending = packed.payload
+    transfer._copy_head(stored, packed.payload)
+    stored.done = copy = Copy()
+    transfer._track(copy, t.nbytes, stored)
+    return stored, copy
+
+
+def test_a_compressed_payload_is_settled_once_its_copy_is_done():
+    transfer = Transfer()
+    t = torch.randn(10_000).relu()
+    stored, copy = pending_zvc(transfer, t)
+    done = []
+    stored.on_done = done.append
+    transfer.poll()
+    assert stored.pending is not None and stored.stored_bytes == 0 and not done
+    copy.done = True
+    transfer.poll()
+    assert stored.pending is None and done == [stored]
+    assert stored.stored_bytes == stored.length == get_codec("zvc").encode(t).payload.numel()
+    assert int(stored.nonzero) == int((t != 0).sum())
+    assert torch.equal(transfer.restore(stored)[0], t)
+
+
+def test_a_restore_before_the_copy_was_seen_done_waits_for_it_and_settles():
+    transfer = Transfer()
+    t = torch.randn(10_000).relu()
+    stored, copy = pending_zvc(transfer, t)
+    assert torch.equal(transfer.restore(stored)[0], t)
+    assert copy.waited and stored.pending is None
+    transfer.poll()  # its entry in the queue is let go; nothing is settled twice
+    assert transfer._inflight_bytes == 0
+
+
+def test_a_payload_longer_than_last_time_is_copied_in_two_parts():
+    """The first copy takes what the site needed last time (plus a little); the length read
+    from the copied bytes says how much more there is."""
+    transfer = Transfer()
+    sparse = torch.randn(10_000).relu() * (torch.rand(10_000) < 0.1)
+    first, copy = pending_zvc(transfer, sparse)
+    copy.done = True
+    transfer.poll()
+    denser = torch.randn(10_000).relu()
+    second, copy = pending_zvc(transfer, denser)
+    assert second.copied < get_codec("zvc").encode(denser).payload.numel()
+    copy.done = True
+    transfer.poll()
+    assert second.length > second.copied
+    assert torch.equal(transfer.restore(second)[0], denser)
+    assert torch.equal(transfer.restore(first)[0], sparse)
