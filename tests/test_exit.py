@@ -54,6 +54,7 @@ ENDINGS = ["backward", "no backward", "raise"]
 PATHS = [("zvc", ending, close) for ending in ENDINGS for close in ("close", "no close")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("plan", "ending", "close"), [*PATHS, ("raw", "raise", "no close")])
 def test_a_process_exits_cleanly_on_every_path(plan, ending, close):
     done = run("cpu", plan, ending, close)
@@ -105,6 +106,7 @@ def peak_rss(plan: str) -> int:
     return int(done.stdout.split()[-1])
 
 
+@pytest.mark.slow
 def test_forwards_without_backward_hold_no_memory():
     """60 forwards of a CNN under zvc whose outputs are dropped: what each graph held goes
     with it (before: the compression thread's backlog held the originals, growing by ~6 MB

@@ -357,6 +357,7 @@ def test_the_engine_takes_the_checkpoint_boundaries_over_from_hf_offload(tmp_pat
         assert torch.equal(p, q), name
 
 
+@pytest.mark.slow
 def test_torch_compile_is_done_per_block_so_offloading_lowers_the_peak(tmp_path, caplog):
     """The Trainer would compile the whole model, whose backward brings back every offloaded
     tensor at once; the callback compiles each decoder layer instead. Measured (raw, no

@@ -33,6 +33,7 @@ def test_a_slow_link_needs_what_backward_uses_meanwhile_back_first():
     assert window == 3 * 4 * MiB
 
 
+@pytest.mark.slow
 def test_offloading_everything_lowers_the_peak_of_a_model_smaller_than_a_fixed_window():
     """GPT-2, 4 layers of 256, batch 8 x 128, budget=None: with a fixed 512 MiB window every
     moved tensor came back at the start of backward and the peak was keep-everything's."""
