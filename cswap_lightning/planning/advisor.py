@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
@@ -147,7 +148,7 @@ class Plan:
     def table(self, every_site: bool = False) -> str:
         """One row per site the plan decided on (``every_site``: also those it could not move)."""
         head = (f"{'site':>4} {'shape':<20} {'size':>9} {'sparsity':>8} {'decision':<8} "
-                f"{'host':>9} {'raw ms':>8} {'plan ms':>8} {'saves ms':>8}  why")
+                f"{'host':>9} {'raw ms':>8} {'plan ms':>8} {'saved ms':>8}  why")
         rows = [head, "-" * len(head)]
         shown = [d for d in self.decisions.values()
                  if every_site or d.decision != "keep" or d.reason == "fits the budget"]
@@ -155,13 +156,16 @@ class Plan:
             rows.append(
                 f"{d.site:>4} {list(d.shape)!s:<20} {fmt_bytes(d.nbytes):>9} "
                 f"{100 * d.sparsity:>7.1f}% {d.decision:<8} {fmt_bytes(d.stored_bytes):>9} "
-                f"{1e3 * d.raw_s:>8.3f} {1e3 * d.chosen_s:>8.3f} {1e3 * d.saving_s:>8.3f}  "
+                f"{_exposed(d.raw_s):>8} {_exposed(d.chosen_s):>8} {_exposed(d.saving_s):>8}  "
                 f"{d.reason}"
             )
         rows.append("-" * len(head))
-        if len(shown) < len(self.decisions):
-            rows.append(f"({len(self.decisions) - len(shown)} sites that cannot be offloaded "
-                        "are not shown)")
+        rows.append("raw ms, plan ms: the copies' time not hidden behind compute (predicted), "
+                    "swapped raw and as planned; saved ms: the difference")
+        hidden = Counter(_kind(d.reason) for d in self.decisions.values() if d not in shown)
+        if hidden:
+            rows.append("not shown: " + ", ".join(f"{n} {kind}"
+                                                  for kind, n in sorted(hidden.items())))
         budget = "none" if self.budget_bytes is None else fmt_bytes(self.budget_bytes)
         if self.base_bytes:
             budget += f", less {fmt_bytes(self.base_bytes)} the step holds beside them"
@@ -200,6 +204,19 @@ class Plan:
                           for i, entry in enumerate(data["signature"]))
         return cls(decisions, signature, data["budget_bytes"], data["base_bytes"],
                    data["predicted_peak"], data["fits"], data["prefetch_bytes"])
+
+
+def _exposed(seconds: float) -> str:
+    return "hidden" if seconds <= 0 else f"{1e3 * seconds:.3f}"
+
+
+def _kind(reason: str) -> str:
+    """What a site the table leaves out is, in the user's words."""
+    if reason.startswith("shares storage"):
+        return "views moved with an earlier site's storage"
+    return {"parameter": "weights", "leaf": "weights", "view of a leaf": "views of weights",
+            "small": "tensors under min_bytes", HELD_ELSEWHERE: "tensors held elsewhere",
+            }.get(reason, f"kept ({reason or 'not offloadable'})")
 
 
 # The type of each field of a saved plan, for Plan.from_dict.

@@ -1,0 +1,70 @@
+"""The step the engine measured, as the replay (``replay.py``) sees a workload.
+
+The planner decides what to recompute by replaying the step under candidate plans
+(``mix.py``). For the H100 profiles a :class:`~.workload.Workload` comes from a profile file;
+here it comes from what the engine measured itself on its measured steps: each site's bytes,
+kind and storage (the profiler's rows), the compute around it (the forward and backward
+windows), and the blocks that can be recomputed with the sites each saved
+(``core/recompute.py``'s ``BlockCall``). Each site is one op of the replay. What the step
+holds beside its saved tensors (on CUDA the allocator's peak less theirs; nothing known on the
+CPU) is counted as held from the start, as the advisor counts it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Protocol
+
+from .profiler import SiteProfile
+from .workload import Block, Op, Saved, Workload
+
+_SHARED = re.compile(r"shares storage with site (\d+)")
+_WEIGHTS = ("parameter", "leaf", "view of a leaf")
+_MOVABLE = ("", "plan", "small")  # what the engine may move, or keeps by the plan or by size
+
+
+class BlockCall(Protocol):
+    """A block's call on a measured step (``core.recompute.BlockCall``)."""
+
+    name: str
+    first_site: int
+    stop_site: int
+
+
+def workload(profiles: Sequence[SiteProfile], calls: Sequence[BlockCall],
+             beside_bytes: int = 0, name: str = "measured step") -> Workload:
+    """The replay's workload of a measured step: ``profiles`` in site order (the profiler's),
+    ``calls`` the blocks that can be recomputed, ``beside_bytes`` what the step holds beside
+    its saved tensors."""
+    index = {p.site: i for i, p in enumerate(profiles)}
+    saved: list[Saved] = []
+    for i, p in enumerate(profiles):
+        shared = _SHARED.fullmatch(p.reason)
+        storage = index.get(int(shared.group(1)), i) if shared else i
+        weight = p.reason in _WEIGHTS
+        # Kept for a reason the engine measured (held elsewhere) or could not move at all
+        # (sparse, subclasses): left in place, and counted by nobody here.
+        held = not (weight or shared or p.offloadable or p.reason in _MOVABLE)
+        saved.append(Saved(p.module, p.dtype, p.nbytes, p.nbytes, storage, weight, held))
+    block_of = [-1] * len(profiles)  # the recomputable block a site is in, or -1
+    named: list[str] = []
+    for call in sorted(calls, key=lambda c: c.first_site):
+        sites = [index[s] for s in range(call.first_site, call.stop_site) if s in index]
+        if sites and all(block_of[i] < 0 for i in sites):
+            for i in sites:
+                block_of[i] = len(named)
+            named.append(call.name)
+    # runs of sites in one block, or outside every block (those cannot be recomputed)
+    blocks: list[Block] = []
+    start = 0
+    for i in range(1, len(profiles) + 1):
+        if i == len(profiles) or block_of[i] != block_of[start]:
+            key = block_of[start]
+            blocks.append(Block(named[key], range(start, i), True) if key >= 0 else
+                          Block(f"(sites {start}-{i - 1})", range(start, i), False))
+            start = i
+    ops = tuple(Op(profiles[k].module, b, range(k, k + 1), profiles[k].forward_s,
+                   profiles[k].backward_s, 0, 0, 0)
+                for b, block in enumerate(blocks) for k in block.ops)
+    return Workload(name, 1, tuple(saved), ops, tuple(blocks), beside_bytes, 0, 0)
