@@ -156,7 +156,8 @@ class Plan:
             rows.append(
                 f"{d.site:>4} {list(d.shape)!s:<20} {fmt_bytes(d.nbytes):>9} "
                 f"{100 * d.sparsity:>7.1f}% {d.decision:<8} {fmt_bytes(d.stored_bytes):>9} "
-                f"{_exposed(d.raw_s):>8} {_exposed(d.chosen_s):>8} {_exposed(d.saving_s):>8}  "
+                f"{_exposed(d.raw_s):>8} {_exposed(d.chosen_s):>8} "
+                f"{'-' if d.saving_s <= 0 else f'{1e3 * d.saving_s:.3f}':>8}  "
                 f"{d.reason}"
             )
         rows.append("-" * len(head))
