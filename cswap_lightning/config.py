@@ -10,6 +10,7 @@ Compressor = Literal["zvc", "rle"]
 LossyCodec = Literal["int8", "fp8", "int4"]
 PlanName = Literal["auto", "keep", "raw", Compressor, LossyCodec]
 Lossy = Literal["off", "auto", LossyCodec]
+RecomputeMode = Literal["auto", "off"]
 
 COMPRESSORS: tuple[str, ...] = get_args(Compressor)
 LOSSY_CODECS: tuple[str, ...] = get_args(LossyCodec)
@@ -34,6 +35,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "prefetch_bytes": (int, str),
     "inflight_bytes": (int,),
     "pin_memory": (bool,),
+    "recompute": (str,),
 }
 
 
@@ -78,6 +80,9 @@ class CSwapConfig:
             (copies not yet done, tensors not yet compressed) before it waits for the
             oldest; the wait is reported as ``StepStats.forward_wait_s``.
         pin_memory: use page-locked host memory for CUDA tensors (needed for async copies).
+        recompute: ``"auto"`` lets the planner run chosen blocks of the watched model (its
+            transformer layers, ResNet bottlenecks, VGG stages) again in backward instead of
+            keeping what they save (``Offloader.recompute``); ``"off"`` never does.
     """
 
     plan: PlanName = "auto"
@@ -92,6 +97,7 @@ class CSwapConfig:
     prefetch_bytes: int | Literal["auto"] = "auto"
     inflight_bytes: int = 1024 * MiB
     pin_memory: bool = True
+    recompute: RecomputeMode = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.lossy_exclude, list):  # YAML and CLIs give lists; a config is hashed
@@ -108,6 +114,7 @@ class CSwapConfig:
         _check_choice("compressor", self.compressor, COMPRESSORS)
         _check_budget(self.budget)
         _check_choice("lossy", self.lossy, get_args(Lossy))
+        _check_choice("recompute", self.recompute, get_args(RecomputeMode))
         if not all(isinstance(p, str) for p in self.lossy_exclude):
             raise TypeError(f"CSwapConfig.lossy_exclude must hold strings, got {self.lossy_exclude!r}")
         if self.guard_every < 0:

@@ -32,6 +32,8 @@ from cswap_lightning.config import MAX_BYTES
         ({"prefetch_bytes": 10**14}, ValueError, r"prefetch_bytes=10{14} bytes \(91 TiB\) is more"),
         ({"inflight_bytes": 1 << 45}, ValueError, r"inflight_bytes=.* more than any device"),
         ({"min_bytes": 1 << 45}, ValueError, r"min_bytes=.* more than any device"),
+        ({"recompute": "on"}, ValueError, r"recompute must be one of 'auto', 'off'; got 'on'"),
+        ({"recompute": False}, TypeError, r"recompute must be of type str, got False"),
     ],
 )
 def test_bad_values_fail_at_construction_naming_the_field(kwargs, error, pattern):
@@ -42,7 +44,7 @@ def test_bad_values_fail_at_construction_naming_the_field(kwargs, error, pattern
 def test_defaults_and_valid_values():
     cfg = CSwapConfig()
     assert (cfg.plan, cfg.compressor, cfg.min_bytes) == ("auto", "zvc", 256 * 1024)
-    assert cfg.budget == "auto" and cfg.lossy == "off"
+    assert cfg.budget == "auto" and cfg.lossy == "off" and cfg.recompute == "auto"
     assert CSwapConfig(lossy_exclude=["head*"]).lossy_exclude == ("head*",)
     for budget in (None, "auto", 1 << 30, 0.5, 1.0):
         assert CSwapConfig(budget=budget).budget == budget

@@ -421,9 +421,13 @@ def seed_all(seed: int) -> None:
     random.seed(seed)
 
 
-def train(built: Built, steps: int, offloader: cswap.Offloader | None = None) -> list[Step]:
-    """``steps`` SGD steps of a deep copy of ``built``, seeded alike before each forward."""
+def train(built: Built, steps: int, offloader: cswap.Offloader | None = None,
+          prepare: Callable[[nn.Module], object] | None = None) -> list[Step]:
+    """``steps`` SGD steps of a deep copy of ``built``, seeded alike before each forward
+    (``prepare``: called with the copy first)."""
     model = copy.deepcopy(built.model).train()
+    if prepare is not None:
+        prepare(model)
     inputs = {k: v.detach().clone().requires_grad_(v.requires_grad)
               for k, v in built.inputs.items()}
     record = []

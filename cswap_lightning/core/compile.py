@@ -102,8 +102,13 @@ def _allow_recompiles(blocks: int) -> None:
 def blocks(model: nn.Module) -> list[nn.Module]:
     """What :func:`compile_blocks` compiles: the elements of every outermost ``nn.ModuleList``
     or, where there is none, the children of every outermost ``nn.Sequential``."""
-    containers = list(_outermost(model, nn.ModuleList)) or list(_outermost(model, nn.Sequential))
-    return list(dict.fromkeys(child for c in containers for child in c.children()))
+    return list(dict.fromkeys(child for c in containers(model) for child in c.children()))
+
+
+def containers(model: nn.Module) -> list[nn.Module]:
+    """What holds the blocks: every outermost ``nn.ModuleList`` of ``model`` or, where there is
+    none, every outermost ``nn.Sequential``."""
+    return list(_outermost(model, nn.ModuleList)) or list(_outermost(model, nn.Sequential))
 
 
 def _outermost(module: nn.Module, kind: type[nn.Module]) -> Iterator[nn.Module]:
@@ -129,6 +134,7 @@ def is_compiled(module: nn.Module) -> bool:
     from torch._dynamo.eval_frame import OptimizedModule  # imported only where compile runs
 
     forward = module.__dict__.get("forward")
+    forward = getattr(forward, "inner_forward", forward)  # recomputed (recompute.py): what it runs
     return (isinstance(module, OptimizedModule) or isinstance(forward, CompiledForward)
             or getattr(module, "_compiled_call_impl", None) is not None
             or (hasattr(forward, "_torchdynamo_orig_callable")

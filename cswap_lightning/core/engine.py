@@ -28,6 +28,7 @@ from ..planning.predictor import CodecTimeModel, calibrate
 from ..planning.prefetch import lookahead_bytes
 from ..planning.profiler import Link, Profiler, measure_link
 from .module_names import ModuleTracker
+from .recompute import BlockCall, BlockTimer, Recompute
 from .stats import SiteStats, StepStats, fmt_bytes
 from .step import Checked, Move, Step, hide_from_dynamo
 from .transfer import Transfer
@@ -86,6 +87,11 @@ class Offloader:
         self._measure_left = self.config.profile_steps
         self._order: list[int] | None = None  # backward's order of sites, learned
         self.modules: ModuleTracker | None = None  # names sites by module, after watch()
+        # the watched model's blocks run recomputed, after watch(); and each block call of
+        # the latest measured step (what it saved, its forward's time)
+        self.recomputer: Recompute | None = None
+        self.block_calls: list[BlockCall] = []
+        self._numbering: frozenset[str] = frozenset()  # the blocks the last step recomputed
         self.reverted: set[int] = set()  # lossy sites the accuracy guard moved back
         self.held_elsewhere: set[int] = set()  # sites whose moving freed nothing (measured)
         self._next_probe: str | None = None  # "lossless" or "measure errors", for one step
@@ -138,6 +144,7 @@ class Offloader:
         self._step, self._owner = step, threading.get_ident()
         self._steps_alive.add(step)
         self._steps += 1
+        self._arm_recompute(step)
         if self.modules is not None:
             self.modules.__enter__()
         return self
@@ -163,20 +170,85 @@ class Offloader:
         self._owner = None
         if self.modules is not None:
             self.modules.__exit__(exc_type, exc, tb)
+        self._disarm_recompute(self._step)
         self._step.end_forward()
         self._step.failed = exc_type is not None
 
     def watch(self, model: torch.nn.Module) -> Self:
-        """Name each site by the module of ``model`` that saved it, for ``lossy_exclude``;
-        without patterns there, nothing is watched. The global module hooks this takes slow
-        every module call in the process (1.2x on a small model's forward on the CPU) until
-        :meth:`close`."""
+        """Train ``model`` under this Offloader: its blocks can then be recomputed
+        (:meth:`recompute`; it is held weakly), and with ``lossy_exclude`` patterns each site
+        is named by the module that saved it. The global module hooks naming takes slow every
+        module call in the process (1.2x on a small model's forward on the CPU) until
+        :meth:`close`; without patterns none are taken."""
         if self.modules is not None:
             self.modules.close()
             self.modules = None
         if self.config.lossy_exclude:
             self.modules = ModuleTracker(model)
+        if self.recomputer is None or self.recomputer.model is not model:
+            if self.recomputer is not None:
+                self.recomputer.release()
+            self.recomputer = Recompute(model)
         return self
+
+    def recompute(self, names: Iterable[str]) -> dict[str, str]:
+        """Run these blocks of the watched model (names from ``recomputer.units()``: a layer's
+        qualified name, ``"features[0:5]"`` for a stage of an ``nn.Sequential``) under
+        checkpoint from the next step on, and no others; the planner's call. Measured steps
+        run them plainly. Returns the blocks skipped, with why (checkpointed by the model
+        itself, measured changing an input in place). A changed set makes the next step
+        check the plan again: the step saves other tensors.
+
+        Raises ``ValueError`` with ``recompute="off"`` (for any block), for a block the model
+        does not have, or without a watched model; ``RuntimeError`` during a forward."""
+        if isinstance(names, str):
+            raise TypeError(f"recompute takes a collection of block names, got the string "
+                            f"{names!r}; write recompute([{names!r}])")
+        names = list(names)
+        if names and self.config.recompute == "off":
+            raise ValueError(f"cswap: CSwapConfig.recompute is 'off', so no block is "
+                             f"recomputed (asked for {names}); set recompute='auto' to allow it")
+        if self._hooks:
+            raise RuntimeError("cswap: change the recomputed blocks between steps, not inside "
+                               "the Offloader's block")
+        if self.recomputer is None:
+            if not names:
+                return {}
+            raise ValueError("cswap: no model to recompute blocks of: call "
+                             "Offloader.watch(model) first (the integrations do)")
+        before = set(self.recomputer.chosen)
+        skipped = self.recomputer.choose(names)
+        if set(self.recomputer.chosen) != before:
+            self._checked, self._unchecked = None, self.plan
+        return skipped
+
+    @property
+    def recomputed(self) -> frozenset[str]:
+        """The blocks in force: recomputed on every step that is not measured."""
+        return frozenset(self.recomputer.chosen if self.recomputer is not None else ())
+
+    def _arm_recompute(self, step: Step) -> None:
+        """After the step's hooks are in place: recompute the chosen blocks on a step that is
+        not measured; on a measured one, time each block (``block_calls``). Recomputed blocks
+        save other tensors, so the steps number their sites otherwise: which sites are held
+        elsewhere is measured again when the numbering changes."""
+        recomputer = self.recomputer
+        if recomputer is None or self.config.recompute == "off":
+            return
+        numbering = frozenset() if step.measure else frozenset(recomputer.chosen)
+        if numbering != self._numbering:  # other sites: what was measured of them is not theirs
+            self.held_elsewhere = set()
+            self._numbering = numbering
+        if not step.measure:
+            recomputer.arm()
+        elif recomputer.model is not None:
+            step.blocks = BlockTimer(recomputer, lambda: len(step.sizes))
+
+    def _disarm_recompute(self, step: Step) -> None:
+        if self.recomputer is not None:
+            self.recomputer.disarm()
+        if step.blocks is not None:
+            step.blocks.remove()
 
     def codec_for(self, site: int, stats: SiteStats) -> str:
         """The plan's decision for a site: a codec name or ``"keep"``."""
@@ -316,6 +388,8 @@ class Offloader:
         self.transfer.close()
         if self.modules is not None:
             self.modules.close()
+        if self.recomputer is not None:
+            self.recomputer.release()
         if self._registry is not None and self._registry.get(self.config) is self:
             del self._registry[self.config]
 
@@ -354,6 +428,8 @@ class Offloader:
         if step.device is not None:
             self.transfer.poll()  # its compressed payloads settled
             step.close()
+        if step.blocks is not None:
+            self.block_calls = step.blocks.calls()
         auto = self.config.plan == "auto"
         if step.checked is not None:
             if step.stats.resized:  # it saved other sizes than the checking step

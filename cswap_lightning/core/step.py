@@ -48,6 +48,7 @@ from .transfer import Stored
 
 if TYPE_CHECKING:
     from .engine import Offloader
+    from .recompute import BlockTimer
 
 
 class _Entry(Stored):
@@ -163,6 +164,7 @@ class Step:
         self.residency = Residency(self.stats)
         self.measure = measure  # time the windows and count every site's zeros
         self.timer: StepTimer | None = None
+        self.blocks: BlockTimer | None = None  # each block's sites and time, when measured
         self._unpacked: set[int] = set()
         self.device: torch.device | None = None
         self.failed = self.closed = False

@@ -1,0 +1,472 @@
+"""Recompute chosen blocks of a model in backward instead of keeping what they save.
+
+A chosen block runs under non-reentrant ``torch.utils.checkpoint``: autograd keeps only the
+block's tensor inputs, saved through the saved-tensor hooks around it (the engine's, so they
+are kept or swapped like any saved tensor); everything the block itself saves goes to the
+checkpoint's own hooks, is dropped, and is computed again, with the block's RNG state, when
+backward first needs it. Nothing in the user's code changes: each chosen block's ``forward``
+(for a stage, its ``nn.Sequential``'s) is replaced on the instance, as ``compile_blocks`` does,
+so module names, ``state_dict`` keys and hooks stay as they are.
+
+The units that can be recomputed are the blocks ``compile_blocks`` finds (``compile.blocks``: a
+transformer's layers, the children of an ``nn.Sequential``) and, where an ``nn.Sequential``
+holds plain layers (a VGG), its stages: the layers up to and including each max-pool. A single
+convolution or activation would gain nothing: it saves its input anyway.
+
+The engine arms the chosen blocks only for the steps it does not measure (the planner measures
+the plain blocks), and on measured steps a :class:`BlockTimer` records what each unit saved and
+how long its forward took.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.pooling import _AdaptiveMaxPoolNd, _MaxPoolNd
+from torch.utils.checkpoint import checkpoint
+
+from ..planning.profiler import Clock
+from .compile import containers
+
+_STAGE_ENDS = (_MaxPoolNd, _AdaptiveMaxPoolNd)  # as the replay cuts a Sequential's stages
+
+
+@dataclass(frozen=True)
+class Unit:
+    """What runs under one checkpoint: a block (``module``), or the stage ``span`` of the
+    children of the ``nn.Sequential`` ``module``, named ``"seq[i:j]"`` (``"[i:j]"`` at the
+    root)."""
+
+    name: str
+    module: nn.Module
+    span: range | None = None
+
+    def modules(self) -> list[nn.Module]:
+        """The block, or the stage's layers."""
+        if self.span is None:
+            return [self.module]
+        children = list(self.module.children())
+        return children[self.span.start:self.span.stop]
+
+
+def units(model: nn.Module) -> dict[str, Unit]:
+    """The units of ``model`` that can be recomputed, by name: each element of its outermost
+    ``nn.ModuleList``s; or, without one, each child of its outermost ``nn.Sequential``s that
+    has children of its own (a ResNet bottleneck), and each stage of their plain layers (a
+    VGG stage, ending at a max-pool; the layers after the last max-pool are no unit)."""
+    names = {id(m): name for name, m in model.named_modules()}
+    found: dict[str, Unit] = {}
+    for container in containers(model):
+        prefix = names[id(container)]
+        children = list(container.children())
+        stages = (isinstance(container, nn.Sequential)
+                  and type(container).forward is nn.Sequential.forward)
+        start = 0
+        for i, child in enumerate(children):
+            composite = next(child.children(), None) is not None
+            if not stages or composite:
+                found.setdefault(names[id(child)], Unit(names[id(child)], child))
+                start = i + 1
+            elif isinstance(child, _STAGE_ENDS):
+                name = f"{prefix}[{start}:{i + 1}]"
+                found[name] = Unit(name, container, range(start, i + 1))
+                start = i + 1
+    return found
+
+
+# The innermost saved-tensor hooks (pack, unpack), or None: where a block runs under hooks
+# other than the step's (an outer checkpoint, save_on_cpu), recomputing it would only add work.
+try:
+    from torch._C._autograd import _top_saved_tensors_default_hooks
+
+    def top_hooks() -> tuple[Callable, Callable] | None:
+        return _top_saved_tensors_default_hooks(False)
+except ImportError:  # a torch without it: every armed block is recomputed
+    def top_hooks() -> None:
+        return None
+
+
+class Recompute:
+    """Which units of a model run under checkpoint: the chosen ones, while :meth:`arm`\\ ed.
+
+    :meth:`choose` wraps the chosen units' ``forward`` (idempotently) and gives back the others'.
+    A wrapped unit runs plainly unless the Recompute is armed, gradients are on, the step's
+    saved-tensor hooks are the innermost ones, and the model's own gradient checkpointing
+    (Hugging Face's ``gradient_checkpointing``) is off for it. It holds the model weakly.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = weakref.ref(model)
+        self.chosen: dict[str, Unit] = {}
+        # Units measured not to be recomputable, with why (``BlockTimer``).
+        self.unfit: dict[str, str] = {}
+        self.armed = False
+        self.hooks: tuple[Callable, Callable] | None = None  # the step's, when armed
+
+    @property
+    def model(self) -> nn.Module | None:
+        return self._model()
+
+    def units(self) -> dict[str, Unit]:
+        """The model's units (none once the model is gone)."""
+        model = self.model
+        return units(model) if model is not None else {}
+
+    def choose(self, names: Iterable[str]) -> dict[str, str]:
+        """Recompute these units (and no others) whenever armed; returns the names skipped,
+        with why. Raises ``ValueError`` for a name that is no unit of the model."""
+        found = self.units()
+        names = list(dict.fromkeys(names))
+        unknown = [n for n in names if n not in found]
+        if unknown:
+            raise ValueError(
+                f"cswap: {', '.join(map(repr, unknown))} is not a block this model can recompute; "
+                f"its blocks are {_listed(found)}")
+        skipped = {n: reason for n in names if (reason := self._unfit(found[n]))}
+        chosen = {n: found[n] for n in names if n not in skipped}
+        for name in self.chosen.keys() - chosen.keys():
+            self._release(self.chosen[name])
+        self.chosen = chosen
+        for unit in chosen.values():
+            self._wrap(unit)
+        return skipped
+
+    def _unfit(self, unit: Unit) -> str:
+        if unit.name in self.unfit:
+            return self.unfit[unit.name]
+        if _self_checkpointed([m for top in unit.modules() for m in top.modules()]):
+            return "checkpointed by the model's own gradient checkpointing"
+        owner = _wrapper(unit)
+        if owner is not None and owner.recompute not in (None, self):
+            return "recomputed by another Offloader watching this model"
+        if unit.span is not None and owner is None and "forward" in unit.module.__dict__:
+            return "its nn.Sequential's forward was replaced by something else"
+        return ""
+
+    def _wrap(self, unit: Unit) -> None:
+        """Put the unit's wrapper in place (again, where something replaced it since)."""
+        module = unit.module
+        wrapper = _wrapper(unit)
+        if wrapper is None:
+            wrapper = (RecomputedForward(module, module.__dict__.get("forward"), self)
+                       if unit.span is None else StagedForward(module, self))
+            module.forward = wrapper
+        wrapper.recompute = self
+        if unit.span is not None:
+            wrapper.spans[unit.span.start] = unit.span
+
+    def _release(self, unit: Unit) -> None:
+        """Give the unit its forward back (where its wrapper is still in place)."""
+        wrapper = _wrapper(unit)
+        if wrapper is None:
+            return
+        if unit.span is not None:
+            wrapper.spans.pop(unit.span.start, None)
+            if wrapper.spans:
+                return
+        if wrapper.inner_forward is None:
+            del unit.module.forward
+        else:
+            unit.module.forward = wrapper.inner_forward
+
+    def release(self) -> None:
+        """Give every chosen unit its forward back."""
+        self.choose(())
+
+    def arm(self) -> None:
+        """Recompute the chosen units from now on, where the saves would go where they go
+        now (the step's hooks, or none in a step without hooks)."""
+        for unit in self.chosen.values():
+            if _wrapper(unit) is None:  # replaced since (compile_blocks, say): wrap that
+                self._wrap(unit)
+        self.armed, self.hooks = True, top_hooks()
+
+    def disarm(self) -> None:
+        self.armed, self.hooks = False, None
+
+    def on(self) -> bool:
+        """Whether a wrapped unit called now runs under checkpoint."""
+        return self.armed and torch.is_grad_enabled() and top_hooks() == self.hooks
+
+
+class RecomputedForward:
+    """A block's ``forward`` that runs it under checkpoint while its :class:`Recompute` is on.
+    ``inner_forward``: the instance ``forward`` it replaced (a compiled one), or None for the
+    class's. A copy or a pickle of the block gets a wrapper that never recomputes."""
+
+    def __init__(self, block: nn.Module, inner_forward: Callable | None,
+                 recompute: Recompute | None) -> None:
+        self.block = block
+        self.inner_forward = inner_forward
+        self.recompute = recompute
+        # the block's batch norms, and its modules that may checkpoint themselves: found at
+        # the first call recomputed (a block being copied has no modules yet)
+        self._parts: tuple[list[_BatchNorm], list[nn.Module]] | None = None
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        if self.inner_forward is not None:
+            return self.inner_forward(*args, **kwargs)
+        return type(self.block).forward(self.block, *args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        recompute = self.recompute
+        if recompute is None or not recompute.on():
+            return self.run(*args, **kwargs)
+        if self._parts is None:
+            self._parts = (_norms([self.block]), [m for m in self.block.modules()
+                                                  if hasattr(m, "gradient_checkpointing")])
+        norms, switches = self._parts
+        if _self_checkpointed(switches):
+            return self.run(*args, **kwargs)
+        return checkpointed(self.run, norms, args, kwargs)
+
+    def __deepcopy__(self, memo: dict) -> RecomputedForward:
+        from copy import deepcopy
+
+        return RecomputedForward(deepcopy(self.block, memo),
+                                 deepcopy(self.inner_forward, memo), None)
+
+    def __reduce__(self) -> tuple:
+        return RecomputedForward, (self.block, self.inner_forward, None)
+
+
+class StagedForward:
+    """An ``nn.Sequential``'s ``forward`` that runs some stages of its children (``spans``,
+    by first child) under checkpoint while its :class:`Recompute` is on; each child is still
+    called as a module, so its hooks run. A copy or a pickle never recomputes."""
+
+    inner_forward = None  # only an nn.Sequential's own forward has stages
+
+    def __init__(self, sequential: nn.Sequential, recompute: Recompute | None) -> None:
+        self.sequential = sequential
+        self.recompute = recompute
+        self.spans: dict[int, range] = {}
+
+    def __call__(self, input: Any) -> Any:
+        recompute = self.recompute
+        if not self.spans or recompute is None or not recompute.on():
+            return nn.Sequential.forward(self.sequential, input)
+        children = list(self.sequential.children())
+        i = 0
+        while i < len(children):
+            span = self.spans.get(i)
+            if span is None:
+                input = children[i](input)
+                i += 1
+                continue
+            layers = children[span.start:span.stop]
+            input = checkpointed(partial(_in_turn, layers), _norms(layers), (input,), {})
+            i = span.stop
+        return input
+
+    def __deepcopy__(self, memo: dict) -> StagedForward:
+        from copy import deepcopy
+
+        return StagedForward(deepcopy(self.sequential, memo), None)
+
+    def __reduce__(self) -> tuple:
+        return StagedForward, (self.sequential, None)
+
+
+def _in_turn(layers: list[nn.Module], input: Any) -> Any:
+    for layer in layers:
+        input = layer(input)
+    return input
+
+
+def _wrapper(unit: Unit) -> RecomputedForward | StagedForward | None:
+    forward = unit.module.__dict__.get("forward")
+    kind = RecomputedForward if unit.span is None else StagedForward
+    return forward if isinstance(forward, kind) else None
+
+
+def checkpointed(run: Callable, norms: list[_BatchNorm], args: tuple,
+                 kwargs: dict[str, Any]) -> Any:
+    """``run(*args, **kwargs)`` under non-reentrant checkpoint. Tensor keyword arguments are
+    passed positionally, so that they too are saved through the hooks around it (the engine
+    sees them; checkpoint would hold keyword arguments itself). A recomputation runs as the
+    first run did, and changes nothing the first run changed: the ``norms``' running
+    statistics are put back afterwards (they would be updated twice), and a Hugging Face cache
+    among the arguments is shown as it was before the first run, then put back (its keys and
+    values would be written twice, and the recomputation would attend to them)."""
+    tensors = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    others = {k: v for k, v in kwargs.items() if k not in tensors}
+    count = len(args)
+    caches = _CacheStates.of((*args, *kwargs.values()))
+    first = True
+
+    def body(*inputs: Any) -> Any:
+        nonlocal first
+        named = others | dict(zip(tensors, inputs[count:]))
+        if first:
+            first = False
+            return run(*inputs[:count], **named)
+        with _as_before(norms, caches):
+            return run(*inputs[:count], **named)
+
+    return checkpoint(body, *args, *(kwargs[k] for k in tensors), use_reentrant=False)
+
+
+@contextmanager
+def _as_before(norms: list[_BatchNorm], caches: _CacheStates | None) -> Iterator[None]:
+    """Run a recomputation with the caches as ``caches`` holds them, and put the running
+    statistics and the caches back as they are now afterwards."""
+    kept = [(b, b.clone()) for m in norms
+            for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+    now = caches.again() if caches is not None else None
+    if caches is not None:
+        caches.restore()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in kept:
+                buffer.copy_(value)
+        if now is not None:
+            now.restore()
+
+
+class _CacheStates:
+    """The state of Hugging Face caches (``transformers.cache_utils``: a cache, the caches and
+    layers it holds), copied shallowly: the tensors are shared, the attributes and the lists
+    and dicts they are kept in are copied, so the state can be put back after updates."""
+
+    def __init__(self, roots: list[Any]) -> None:
+        self.roots = roots
+        self.states = [(o, _copied(o.__dict__)) for o in _cache_objects(roots)]
+
+    @classmethod
+    def of(cls, values: Iterable[Any]) -> _CacheStates | None:
+        """The state of the caches among ``values``, or None where there are none."""
+        cache_utils = sys.modules.get("transformers.cache_utils")
+        if cache_utils is None:
+            return None
+        roots = [v for v in values if isinstance(v, cache_utils.Cache)]
+        return cls(roots) if roots else None
+
+    def again(self) -> _CacheStates:
+        """Their state now."""
+        return _CacheStates(self.roots)
+
+    def restore(self) -> None:
+        for obj, state in self.states:
+            obj.__dict__.clear()
+            obj.__dict__.update(_copied(state))
+
+
+def _cache_objects(roots: list[Any]) -> list[Any]:
+    from transformers.cache_utils import Cache, CacheLayerMixin
+
+    found, todo, seen = [], list(roots), set()
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        found.append(obj)
+        for value in obj.__dict__.values():
+            items = value if isinstance(value, (list, tuple)) else (value,)
+            todo += [v for v in items if isinstance(v, (Cache, CacheLayerMixin))]
+    return found
+
+
+def _copied(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.copy() if isinstance(v, (list, dict)) else v for k, v in state.items()}
+
+
+def _norms(modules: list[nn.Module]) -> list[_BatchNorm]:
+    return [m for top in modules for m in top.modules() if isinstance(m, _BatchNorm)]
+
+
+def _self_checkpointed(modules: Iterable[nn.Module]) -> bool:
+    """Some of these modules checkpoint themselves: Hugging Face's gradient checkpointing,
+    on in training."""
+    return any(getattr(m, "gradient_checkpointing", False) is True and m.training
+               for m in modules)
+
+
+def _listed(found: dict[str, Unit], most: int = 8) -> str:
+    names = list(found)
+    if not names:
+        return "none (no nn.ModuleList of layers, no nn.Sequential with blocks or max-pools)"
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(map(repr, names[:most])) + more
+
+
+@dataclass
+class BlockCall:
+    """One call of a unit on a measured step (run plainly): the sites it saved
+    (``first_site`` to ``stop_site``, the step's site numbers), its tensor inputs' bytes (what
+    recomputing it keeps instead), and its forward's seconds (CUDA events, or the host clock)."""
+
+    name: str
+    first_site: int
+    stop_site: int
+    input_bytes: int
+    forward_s: float
+
+
+class BlockTimer:
+    """Hooks around each unit of a model for one measured step: where its saves begin and end
+    in the step's sites (``next_site()``), and clock stamps. It also learns which units must
+    not be recomputed (``Recompute.unfit``): one that changes an input in place (checkpoint
+    keeps the input, and backward would find it changed), or one that runs under saved-tensor
+    hooks other than the step's (an outer checkpoint, ``save_on_cpu``)."""
+
+    def __init__(self, recompute: Recompute, next_site: Callable[[], int]) -> None:
+        self.recompute = recompute
+        self.next_site = next_site
+        self.hooks = top_hooks()
+        self.clock: Clock | None = None
+        self.stamps: list[tuple[str, int, int, int, Any, Any]] = []
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        for unit in recompute.units().values():
+            modules = unit.modules()
+            self._watch(unit.name, modules[0], modules[-1])
+
+    def _watch(self, name: str, first: nn.Module, last: nn.Module) -> None:
+        open_calls: list[tuple[int, int, list[tuple[torch.Tensor, int]], Any]] = []
+
+        def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+            if self.clock is None:
+                self.clock = Clock(inputs[0].device if inputs else torch.device("cpu"))
+            if top_hooks() != self.hooks:
+                self.recompute.unfit[name] = ("runs under saved-tensor hooks other than the "
+                                              "step's (an outer checkpoint, save_on_cpu)")
+            nbytes = sum(t.numel() * t.element_size() for t in inputs)
+            versions = [(t, t._version) for t in inputs]
+            open_calls.append((self.next_site(), nbytes, versions, self.clock.now()))
+
+        def after(module: nn.Module, args: tuple, output: Any) -> None:
+            if not open_calls:
+                return
+            first_site, nbytes, versions, start = open_calls.pop()
+            if any(t._version != v for t, v in versions):
+                self.recompute.unfit[name] = "changes an input in place"
+            self.stamps.append((name, first_site, self.next_site(), nbytes, start,
+                                self.clock.now()))
+
+        self.handles.append(first.register_forward_pre_hook(before, with_kwargs=True))
+        self.handles.append(last.register_forward_hook(after))
+
+    def remove(self) -> None:
+        """Take the hooks off (at the end of forward)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles, self.next_site = [], None  # the step's: no cycle through it
+
+    def calls(self) -> list[BlockCall]:
+        """Every unit call of the step, in order (read once the step's device work is done:
+        on CUDA this waits for the stamps' events)."""
+        return [BlockCall(name, first, stop, nbytes, self.clock.seconds(start, end))
+                for name, first, stop, nbytes, start, end in self.stamps]
