@@ -534,3 +534,26 @@ def test_the_hugging_face_callback_recomputes_the_layers_the_planner_chose(tmp_p
     assert callback.offloader.recomputed == layers
     before, after = planner.saved[:ACCUMULATION], planner.saved[ACCUMULATION:]
     assert len(after) == ACCUMULATION and max(after) < min(before) / 2
+
+
+def test_a_model_compiled_whole_runs_its_blocks_plainly_without_graph_breaks():
+    from torch._dynamo.utils import counters
+
+    model = mlp()
+    compiled = torch.compile(model, backend="aot_eager")
+    offloader = cswap.Offloader(cswap.CSwapConfig(plan="raw", min_bytes=0, profile_steps=1))
+    offloader.watch(model).recompute(["0", "1"])
+    counters.clear()
+
+    def step() -> int:
+        with offloader:
+            loss = compiled(torch.randn(4, 16)).sum()
+        loss.backward()
+        return saved_tensors(offloader.last_step())
+
+    sites = [step()]  # measured: the blocks timed where not traced
+    with pytest.warns(RuntimeWarning, match="at once"):  # compiled whole, as the engine says
+        sites.append(step())
+    sites.append(step())  # recomputed where not traced
+    assert not counters["graph_break"]
+    assert sites[0] == sites[1] == sites[2]  # one region: its saves come at its end either way

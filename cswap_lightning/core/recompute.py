@@ -194,8 +194,10 @@ class Recompute:
         self.armed, self.hooks = False, None
 
     def on(self) -> bool:
-        """Whether a wrapped unit called now runs under checkpoint."""
-        return self.armed and torch.is_grad_enabled() and top_hooks() == self.hooks
+        """Whether a wrapped unit called now runs under checkpoint: not inside a region
+        ``torch.compile`` traces (a model compiled whole; Dynamo would break its graph here)."""
+        return (not torch.compiler.is_compiling() and self.armed and torch.is_grad_enabled()
+                and top_hooks() == self.hooks)
 
 
 class RecomputedForward:
@@ -436,7 +438,11 @@ class BlockTimer:
     def _watch(self, name: str, first: nn.Module, last: nn.Module) -> None:
         open_calls: list[tuple[int, int, list[tuple[torch.Tensor, int]], Any]] = []
 
+        # Inside a region torch.compile traces (a model compiled whole) the hooks do nothing:
+        # its saves all come at its end, and Dynamo would break its graph here.
         def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if torch.compiler.is_compiling():
+                return
             inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
             if self.clock is None:
                 self.clock = Clock(inputs[0].device if inputs else torch.device("cpu"))
@@ -448,7 +454,7 @@ class BlockTimer:
             open_calls.append((self.next_site(), nbytes, versions, self.clock.now()))
 
         def after(module: nn.Module, args: tuple, output: Any) -> None:
-            if not open_calls:
+            if torch.compiler.is_compiling() or not open_calls:
                 return
             first_site, nbytes, versions, start = open_calls.pop()
             if any(t._version != v for t, v in versions):
