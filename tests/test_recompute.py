@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 import cswap_lightning as cswap
 from cswap_lightning.core.compile import blocks, is_compiled
-from cswap_lightning.core.recompute import BlockCall, RecomputedForward, units
+from cswap_lightning.core.recompute import BlockCall, RecomputedForward, renumbered, units
 from cswap_lightning.recipes.nets import build_cnn, resnet50, vgg16
 
 STEPS = 3  # the first is measured (plain), the others recompute
@@ -197,6 +197,7 @@ def test_the_engine_sees_a_recomputed_blocks_inputs_and_nothing_it_saves_inside(
     # x, W_up (not in the first block: its input, the batch, needs no gradient), gelu's
     # input, W_down, down's input, scale
     assert inside == [5, 6, 6]
+    assert [c.input_tensors for c in calls.values()] == [2, 2, 2]
     assert [c.input_bytes for c in calls.values()] == [(8 * 16 + 16) * 4] * 3
     # Recomputed, a block's sites become its two tensor inputs, x and the keyword `scale`,
     # saved through the engine's hooks; the third block saves as it did.
@@ -204,9 +205,23 @@ def test_the_engine_sees_a_recomputed_blocks_inputs_and_nothing_it_saves_inside(
     shapes = [s.shape for s in recomputed.sites]
     assert shapes[:4] == [(8, 16), (1, 16), (8, 16), (1, 16)]
     assert shapes[4:].count((8, 64)) == 2  # only the third block's insides
+    # Where the measured step's sites went, as a planner would find them.
+    where = renumbered(run.block_calls, ["layers.0", "layers.1"], len(measured.sites))
+    assert sorted(where) == list(range(11, len(measured.sites)))  # the first two blocks': gone
+    assert all(shapes[where[s]] == measured.sites[s].shape for s in where)
+    assert sorted(where.values()) == list(range(4, len(shapes)))  # the rest: new, the inputs
     # The ledger: the saved tensors' peak drops by what the recomputed blocks kept inside.
     assert recomputed.peak_resident_bytes < measured.peak_resident_bytes
     assert measured.peak_resident_bytes - recomputed.peak_resident_bytes >= 2 * 2 * 8 * 64 * 4
+
+
+def test_renumbering_moves_the_sites_after_a_recomputed_block():
+    calls = [BlockCall("a", 1, 5, 2, 0, 0.0), BlockCall("b", 5, 11, 1, 0, 0.0),
+             BlockCall("a", 11, 15, 2, 0, 0.0)]  # "a" called twice, 16 sites in all
+    where = renumbered(calls, {"b"}, 16)
+    assert where == {0: 0, 1: 1, 2: 2, 3: 3, 4: 4, 11: 6, 12: 7, 13: 8, 14: 9, 15: 10}
+    where = renumbered(calls, {"a"}, 16)  # both calls: 4 sites each become 2
+    assert where == {0: 0, 5: 3, 6: 4, 7: 5, 8: 6, 9: 7, 10: 8, 15: 11}
 
 
 @pytest.mark.parametrize("name", ["gpt2", "resnet50", "vgg16"])

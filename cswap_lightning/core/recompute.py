@@ -407,14 +407,33 @@ def _listed(found: dict[str, Unit], most: int = 8) -> str:
 @dataclass
 class BlockCall:
     """One call of a unit on a measured step (run plainly): the sites it saved
-    (``first_site`` to ``stop_site``, the step's site numbers), its tensor inputs' bytes (what
-    recomputing it keeps instead), and its forward's seconds (CUDA events, or the host clock)."""
+    (``first_site`` to ``stop_site``, the step's site numbers), its tensor inputs (how many,
+    their bytes: what recomputing it saves instead, as sites of their own where it starts),
+    and its forward's seconds (CUDA events, or the host clock)."""
 
     name: str
     first_site: int
     stop_site: int
+    input_tensors: int
     input_bytes: int
     forward_s: float
+
+
+def renumbered(calls: list[BlockCall], chosen: Iterable[str], sites: int) -> dict[int, int]:
+    """Where each site of a measured step (``sites`` in all, ``calls`` its block calls) is
+    saved once the ``chosen`` units are recomputed: the sites inside a recomputed call are gone
+    (it saves its inputs instead, new sites where it starts), the others move up or down."""
+    chosen = set(chosen)
+    recomputed = sorted((c.first_site, c.stop_site, c.input_tensors) for c in calls
+                        if c.name in chosen)
+    where: dict[int, int] = {}
+    shift, site = 0, 0
+    for first, stop, inputs in recomputed:
+        where.update((s, s + shift) for s in range(site, first))
+        shift += inputs - (stop - first)
+        site = stop
+    where.update((s, s + shift) for s in range(site, sites))
+    return where
 
 
 class BlockTimer:
@@ -429,14 +448,14 @@ class BlockTimer:
         self.next_site = next_site
         self.hooks = top_hooks()
         self.clock: Clock | None = None
-        self.stamps: list[tuple[str, int, int, int, Any, Any]] = []
+        self.stamps: list[tuple[str, int, int, int, int, Any, Any]] = []
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
         for unit in recompute.units().values():
             modules = unit.modules()
             self._watch(unit.name, modules[0], modules[-1])
 
     def _watch(self, name: str, first: nn.Module, last: nn.Module) -> None:
-        open_calls: list[tuple[int, int, list[tuple[torch.Tensor, int]], Any]] = []
+        open_calls: list[tuple[int, list[tuple[torch.Tensor, int]], Any]] = []
 
         # Inside a region torch.compile traces (a model compiled whole) the hooks do nothing:
         # its saves all come at its end, and Dynamo would break its graph here.
@@ -449,18 +468,18 @@ class BlockTimer:
             if top_hooks() != self.hooks:
                 self.recompute.unfit[name] = ("runs under saved-tensor hooks other than the "
                                               "step's (an outer checkpoint, save_on_cpu)")
-            nbytes = sum(t.numel() * t.element_size() for t in inputs)
             versions = [(t, t._version) for t in inputs]
-            open_calls.append((self.next_site(), nbytes, versions, self.clock.now()))
+            open_calls.append((self.next_site(), versions, self.clock.now()))
 
         def after(module: nn.Module, args: tuple, output: Any) -> None:
             if torch.compiler.is_compiling() or not open_calls:
                 return
-            first_site, nbytes, versions, start = open_calls.pop()
+            first_site, versions, start = open_calls.pop()
             if any(t._version != v for t, v in versions):
                 self.recompute.unfit[name] = "changes an input in place"
-            self.stamps.append((name, first_site, self.next_site(), nbytes, start,
-                                self.clock.now()))
+            nbytes = sum(t.numel() * t.element_size() for t, _ in versions)
+            self.stamps.append((name, first_site, self.next_site(), len(versions), nbytes,
+                                start, self.clock.now()))
 
         self.handles.append(first.register_forward_pre_hook(before, with_kwargs=True))
         self.handles.append(last.register_forward_hook(after))
@@ -474,5 +493,5 @@ class BlockTimer:
     def calls(self) -> list[BlockCall]:
         """Every unit call of the step, in order (read once the step's device work is done:
         on CUDA this waits for the stamps' events)."""
-        return [BlockCall(name, first, stop, nbytes, self.clock.seconds(start, end))
-                for name, first, stop, nbytes, start, end in self.stamps]
+        return [BlockCall(*call, self.clock.seconds(start, end))
+                for *call, start, end in self.stamps]
