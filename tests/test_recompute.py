@@ -77,8 +77,13 @@ class Run:
     unfit: dict[str, str]
 
 
-def recomputing(built: Built, plan: str, choose=lambda names: names) -> Run:
-    """Train ``built`` under ``plan`` with the blocks ``choose`` picks recomputed from the
+def outermost(names: list[str]) -> list[str]:
+    """The units not inside another: the blocks and stages, not their activations."""
+    return [n for n in names if not any(n.startswith(f"{other}.") for other in names)]
+
+
+def recomputing(built: Built, plan: str, choose=outermost) -> Run:
+    """Train ``built`` under ``plan`` with the units ``choose`` picks recomputed from the
     first step after the measured one."""
     offloader = cswap.Offloader(cswap.CSwapConfig(plan=plan, min_bytes=0, profile_steps=1,
                                                   budget=None))
@@ -103,15 +108,18 @@ def test_the_blocks_of_the_repos_networks_and_of_transformers():
     resnet = units(resnet50(width=2))  # the stem to its max-pool, then the 16 bottlenecks
     assert list(resnet) == ["[0:4]"] + [str(i) for i in range(4, 20)]
     assert list(units(build_cnn())) == ["[0:7]"]  # its head after the max-pool is no unit
-    assert list(units(mlp(depth=2))) == ["0", "1"]
+    assert list(units(mlp(depth=2))) == ["0", "1", "0.1", "1.1"]  # the blocks, their GELUs
     assert units(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))) == {}
-    for name, prefix in (("gpt2", "transformer.h"), ("bert", "bert.encoder.layer"),
-                         ("llama", "model.layers")):
+    for name, prefix, activation in (
+            ("gpt2", "transformer.h", "mlp.act"),
+            ("bert", "bert.encoder.layer", "intermediate.intermediate_act_fn"),
+            ("llama", "model.layers", "mlp.act_fn")):
         model = case(name)[0].model
         found = units(model)
-        layers = [f"{prefix}.{i}" for i in range(len(found))]
-        assert list(found) == layers and len(layers) >= 2
-        assert [u.module for u in found.values()] == blocks(model)  # compile_blocks' blocks
+        layers = outermost(list(found))
+        assert layers == [f"{prefix}.{i}" for i in range(len(layers))] and len(layers) >= 2
+        assert [found[n].module for n in layers] == blocks(model)  # compile_blocks' blocks
+        assert [n for n in found if n not in layers] == [f"{n}.{activation}" for n in layers]
 
 
 # bitwise training ---------------------------------------------------------------------------
@@ -122,7 +130,7 @@ def test_training_with_recomputed_blocks_is_bitwise_plain_training(name, plan):
     run = recomputing(built, plan)
     assert not differences(plain, run.steps)  # loss, gradients, buffers (BatchNorm), RNG state
     measured, recomputed = run.steps[0].stats, run.steps[1].stats
-    assert run.recomputed == set(units(built.model))
+    assert run.recomputed == set(outermost(list(units(built.model))))
     # The measured step ran every block plainly; the next ones saved only the blocks' inputs.
     assert len(recomputed.sites) < len(measured.sites) / 2
     assert recomputed.offloaded_bytes > 0 and recomputed.stored_bytes > 0
@@ -130,9 +138,41 @@ def test_training_with_recomputed_blocks_is_bitwise_plain_training(name, plan):
 
 def test_every_other_block_recomputed_is_bitwise_plain_training():
     built, plain = case("gpt2")
-    run = recomputing(built, "zvc", lambda names: names[::2])
+    run = recomputing(built, "zvc", lambda names: outermost(names)[::2])
     assert not differences(plain, run.steps)
     assert run.recomputed == {"transformer.h.0", "transformer.h.2"}
+
+
+@pytest.mark.parametrize(("name", "gain"), [("gpt2", True), ("bert", False)])
+def test_recomputed_activations_keep_only_their_input_where_they_save_more(name, gain):
+    """GPT-2's gelu_new is four elementwise operations saving four tensors; BERT's GELU is one
+    saving its input: recomputing it gains nothing, and the block timer's counts say so."""
+    built, plain = case(name)
+
+    def activations(names: list[str]) -> list[str]:
+        return [n for n in names if n not in outermost(names)]
+
+    run = recomputing(built, "raw", activations)
+    assert not differences(plain, run.steps)
+    calls = [c for c in run.block_calls if c.name in run.recomputed]
+    assert len(calls) == len(run.recomputed) >= 2
+    measured, recomputed = run.steps[0].stats, run.steps[1].stats
+    inside = sum(c.stop_site - c.first_site for c in calls)
+    assert len(recomputed.sites) == len(measured.sites) - inside + len(calls)
+    if gain:
+        assert all(c.stop_site - c.first_site > 2 * c.input_tensors for c in calls)
+    else:
+        assert all(c.stop_site - c.first_site == c.input_tensors == 1 for c in calls)
+
+
+def test_an_activation_inside_a_recomputed_block_is_skipped():
+    model = case("gpt2")[0].model
+    offloader = cswap.Offloader().watch(model)
+    skipped = offloader.recompute(["transformer.h.0.mlp.act", "transformer.h.0",
+                                   "transformer.h.1.mlp.act"])
+    assert skipped == {"transformer.h.0.mlp.act": "inside transformer.h.0, recomputed as a whole"}
+    assert offloader.recomputed == {"transformer.h.0", "transformer.h.1.mlp.act"}
+    offloader.close()
 
 
 def test_without_putting_the_cache_back_gpt2_would_fail(monkeypatch):
@@ -188,7 +228,7 @@ def stack_case() -> Built:
 def test_the_engine_sees_a_recomputed_blocks_inputs_and_nothing_it_saves_inside():
     built = stack_case()
     plain = train(built, STEPS)
-    run = recomputing(built, "keep", lambda names: names[:2])
+    run = recomputing(built, "keep", lambda names: outermost(names)[:2])
     assert not differences(plain, run.steps)
     measured, recomputed = run.steps[0].stats, run.steps[1].stats
     calls = {c.name: c for c in run.block_calls}  # the measured step's, plain
@@ -222,6 +262,8 @@ def test_renumbering_moves_the_sites_after_a_recomputed_block():
     assert where == {0: 0, 1: 1, 2: 2, 3: 3, 4: 4, 11: 6, 12: 7, 13: 8, 14: 9, 15: 10}
     where = renumbered(calls, {"a"}, 16)  # both calls: 4 sites each become 2
     assert where == {0: 0, 5: 3, 6: 4, 7: 5, 8: 6, 9: 7, 10: 8, 15: 11}
+    inner = BlockCall("b.act", 7, 10, 1, 0, 0.0)  # inside "b": recomputed with it
+    assert renumbered([*calls, inner], {"b", "b.act"}, 16) == renumbered(calls, {"b"}, 16)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "resnet50", "vgg16"])
@@ -309,7 +351,7 @@ def test_compiled_blocks_are_recomputed_too(order):
 
     def prepare(model: nn.Module) -> None:
         trained.append(model)
-        offloader.watch(model).recompute(choose(list(units(model))))
+        offloader.watch(model).recompute(choose(outermost(list(units(model)))))
         if order.startswith("recompute"):  # replaces the wrappers: the next step wraps again
             cswap.compile_blocks(model, backend="aot_eager")
 

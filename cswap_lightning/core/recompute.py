@@ -11,7 +11,10 @@ so module names, ``state_dict`` keys and hooks stay as they are.
 The units that can be recomputed are the blocks ``compile_blocks`` finds (``compile.blocks``: a
 transformer's layers, the children of an ``nn.Sequential``) and, where an ``nn.Sequential``
 holds plain layers (a VGG), its stages: the layers up to and including each max-pool. A single
-convolution or activation would gain nothing: it saves its input anyway.
+convolution would gain nothing: it saves its input anyway. Inside a block, its activation
+modules are units too, cheap to run again: one made of several elementwise operations (GPT-2's
+``gelu_new`` saves four tensors) keeps only its input when recomputed; one of a single
+operation gains nothing, as the block timer's counts show.
 
 The engine arms the chosen blocks only for the steps it does not measure (the planner measures
 the plain blocks), and on measured steps a :class:`BlockTimer` records what each unit saved and
@@ -62,7 +65,8 @@ def units(model: nn.Module) -> dict[str, Unit]:
     """The units of ``model`` that can be recomputed, by name: each element of its outermost
     ``nn.ModuleList``s; or, without one, each child of its outermost ``nn.Sequential``s that
     has children of its own (a ResNet bottleneck), and each stage of their plain layers (a
-    VGG stage, ending at a max-pool; the layers after the last max-pool are no unit)."""
+    VGG stage, ending at a max-pool; the layers after the last max-pool are no unit); and the
+    activation modules inside those blocks (not in place)."""
     names = {id(m): name for name, m in model.named_modules()}
     found: dict[str, Unit] = {}
     for container in containers(model):
@@ -80,7 +84,19 @@ def units(model: nn.Module) -> dict[str, Unit]:
                 name = f"{prefix}[{start}:{i + 1}]"
                 found[name] = Unit(name, container, range(start, i + 1))
                 start = i + 1
+    for block in [u for u in found.values() if u.span is None]:
+        for name, module in block.module.named_modules(prefix=block.name):
+            if module is not block.module and _activation(module):
+                found.setdefault(name, Unit(name, module))
     return found
+
+
+def _activation(module: nn.Module) -> bool:
+    """An activation module of torch's or Hugging Face's, not in place (checkpoint keeps its
+    input, which it would change)."""
+    kind = type(module).__module__
+    return ((kind == "torch.nn.modules.activation" or kind.startswith("transformers.activations"))
+            and next(module.children(), None) is None and not getattr(module, "inplace", False))
 
 
 # The innermost saved-tensor hooks (pack, unpack), or None: where a block runs under hooks
@@ -132,6 +148,11 @@ class Recompute:
                 f"cswap: {', '.join(map(repr, unknown))} is not a block this model can recompute; "
                 f"its blocks are {_listed(found)}")
         skipped = {n: reason for n in names if (reason := self._unfit(found[n]))}
+        outer = [n for n in names if n not in skipped and found[n].span is None]
+        for name in names:
+            within = next((o for o in outer if name.startswith(f"{o}.")), None)
+            if within is not None and name not in skipped:
+                skipped[name] = f"inside {within}, recomputed as a whole"
         chosen = {n: found[n] for n in names if n not in skipped}
         for name in self.chosen.keys() - chosen.keys():
             self._release(self.chosen[name])
@@ -429,6 +450,8 @@ def renumbered(calls: list[BlockCall], chosen: Iterable[str], sites: int) -> dic
     where: dict[int, int] = {}
     shift, site = 0, 0
     for first, stop, inputs in recomputed:
+        if first < site:  # inside a unit recomputed as a whole
+            continue
         where.update((s, s + shift) for s in range(site, first))
         shift += inputs - (stop - first)
         site = stop
