@@ -639,3 +639,22 @@ def test_a_model_compiled_whole_runs_its_blocks_plainly_without_graph_breaks():
     sites.append(step())  # recomputed where not traced
     assert not counters["graph_break"]
     assert sites[0] == sites[1] == sites[2]  # one region: its saves come at its end either way
+
+
+def test_compiled_blocks_time_and_recompute_without_compiling_again():
+    """Hooks on a module inside a compiled block would be traced (and guarded on): a compiled
+    block is a unit, its activations are not, and timing or recomputing it compiles nothing
+    again."""
+    model = cswap.compile_blocks(mlp(), backend="aot_eager")
+    assert list(units(model)) == ["0", "1", "2", "3"]  # the GELUs inside are traced
+    offloader = cswap.Offloader(cswap.CSwapConfig(plan="raw", min_bytes=0, profile_steps=1))
+    offloader.watch(model)
+    for step in range(5):
+        if step == 1:
+            offloader.recompute(["0", "2"])
+        if step == 3:
+            offloader.new_epoch()  # measured again, plainly
+        with torch._dynamo.config.patch(error_on_recompile=step > 0), offloader:
+            loss = model(torch.randn(4, 16)).sum()
+        loss.backward()
+    assert [c.name for c in offloader.block_calls] == ["0", "1", "2", "3"]

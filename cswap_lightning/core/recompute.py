@@ -38,7 +38,7 @@ from torch.nn.modules.pooling import _AdaptiveMaxPoolNd, _MaxPoolNd
 from torch.utils.checkpoint import checkpoint
 
 from ..planning.profiler import Clock
-from .compile import containers
+from .compile import containers, is_compiled
 
 _STAGE_ENDS = (_MaxPoolNd, _AdaptiveMaxPoolNd)  # as the replay cuts a Sequential's stages
 
@@ -66,7 +66,9 @@ def units(model: nn.Module) -> dict[str, Unit]:
     ``nn.ModuleList``s; or, without one, each child of its outermost ``nn.Sequential``s that
     has children of its own (a ResNet bottleneck), and each stage of their plain layers (a
     VGG stage, ending at a max-pool; the layers after the last max-pool are no unit); and the
-    activation modules inside those blocks (not in place)."""
+    activation modules inside those blocks (not in place). None inside a compiled module:
+    ``torch.compile`` traces them (a block ``compile_blocks`` compiled is a unit, its
+    activations are not)."""
     names = {id(m): name for name, m in model.named_modules()}
     found: dict[str, Unit] = {}
     for container in containers(model):
@@ -88,7 +90,17 @@ def units(model: nn.Module) -> dict[str, Unit]:
         for name, module in block.module.named_modules(prefix=block.name):
             if module is not block.module and _activation(module):
                 found.setdefault(name, Unit(name, module))
-    return found
+    traced = _traced(model)
+    return {name: unit for name, unit in found.items()
+            if not any(id(m) in traced for m in unit.modules())}
+
+
+def _traced(model: nn.Module) -> set[int]:
+    """The modules of ``model`` inside a compiled one (none where Dynamo was never loaded:
+    nothing is compiled, and loading it costs a second)."""
+    if "torch._dynamo" not in sys.modules:
+        return set()
+    return {id(m) for c in model.modules() if is_compiled(c) for m in c.modules() if m is not c}
 
 
 def _activation(module: nn.Module) -> bool:
