@@ -278,16 +278,21 @@ def saved_tensors(stats: cswap.StepStats) -> int:
     return len(stats.sites) + stats.untracked_tensors + stats.untracked_moved_tensors
 
 
+def readme_gpt2(device: str = "cpu") -> Built:
+    """The README's GPT-2: 4 layers, hidden 256, 256 tokens, batch 4."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=1000, n_positions=256)
+    ids = torch.randint(0, 1000, (4, 256), generator=_gen()).to(device)
+    return Built(GPT2LMHeadModel(config).to(device), {"input_ids": ids, "labels": ids})
+
+
 def test_the_readme_figures_of_a_gpt2_on_the_cpu():
     """README: a 4-layer GPT-2 (hidden 256, 256 tokens, batch 4) holds 175 MiB of saved
     tensors at once plainly; 11 MiB by the ledger with every layer recomputed, plus at most
     one layer's own 42 MiB while its backward runs; 127 MiB with the activations recomputed."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=1000,
-                                     n_positions=256)
-    ids = torch.randint(0, 1000, (4, 256), generator=_gen())
-    built = Built(transformers.GPT2LMHeadModel(config), {"input_ids": ids, "labels": ids})
+    built = readme_gpt2()
     layers = recomputing(built, "keep", steps=2)
     activations = recomputing(built, "keep", lambda names: [n for n in names if "act" in n], 2)
     plain, measured = layers.steps[0].stats, activations.steps[0].stats
@@ -658,3 +663,29 @@ def test_compiled_blocks_time_and_recompute_without_compiling_again():
             loss = model(torch.randn(4, 16)).sum()
         loss.backward()
     assert [c.name for c in offloader.block_calls] == ["0", "1", "2", "3"]
+
+
+# on a GPU ----------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")
+@pytest.mark.parametrize("name", ["gpt2", "llama", "resnet50", "mlp"])
+def test_on_cuda_training_with_recomputed_blocks_is_bitwise_plain_training(name):
+    """Checkpoint stashes and restores the CUDA RNG state too: dropout draws alike."""
+    torch.manual_seed(0)
+    built = BUILDERS[name]()
+    built = Built(built.model.cuda(), {k: v.cuda() for k, v in built.inputs.items()},
+                  built.loss)
+    plain = train(built, STEPS)
+    run = recomputing(built, "raw")
+    assert not differences(plain, run.steps)
+    assert len(run.steps[1].stats.sites) < len(run.steps[0].stats.sites) / 2
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_allocators_peak_drops_with_recomputed_layers():
+    """The allocator sees what the ledger does not: a layer's tensors saved again while its
+    backward runs. Its peak still drops by most of what the layers kept."""
+    run = recomputing(readme_gpt2("cuda"), "keep", steps=2)
+    plain, recomputed = run.steps[0].stats, run.steps[1].stats
+    saved = plain.peak_resident_bytes - recomputed.peak_resident_bytes
+    assert plain.peak_allocated_bytes - recomputed.peak_allocated_bytes > 0.5 * saved
