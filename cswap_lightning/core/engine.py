@@ -88,7 +88,7 @@ class Offloader:
         self._order: list[int] | None = None  # backward's order of sites, learned
         self.modules: ModuleTracker | None = None  # names sites by module, after watch()
         # the watched model's blocks run recomputed, after watch(); and each block call of
-        # the latest measured step (what it saved, its forward's time)
+        # the latest measured step finished (what it saved, its forward's time)
         self.recomputer: Recompute | None = None
         self.block_calls: list[BlockCall] = []
         self._numbering: frozenset[str] = frozenset()  # the blocks the last step recomputed
@@ -193,10 +193,12 @@ class Offloader:
 
     def recompute(self, names: Iterable[str]) -> dict[str, str]:
         """Run these blocks of the watched model (names from ``recomputer.units()``: a layer's
-        qualified name, ``"features[0:5]"`` for a stage of an ``nn.Sequential``) under
-        checkpoint from the next step on, and no others; the planner's call. Measured steps
-        run them plainly. Returns the blocks skipped, with why (checkpointed by the model
-        itself, measured changing an input in place). A changed set makes the next step
+        or an activation module's qualified name, ``"features[0:5]"`` for a stage of an
+        ``nn.Sequential``) under checkpoint from the next step on, and no others; the
+        planner's call. Measured steps run them plainly and time every block
+        (``block_calls``; ``recompute.renumbered`` says where their sites go). Returns the
+        blocks skipped, with why (checkpointed by the model itself, measured changing an
+        input in place, inside another block chosen). A changed set makes the next step
         check the plan again: the step saves other tensors.
 
         Raises ``ValueError`` with ``recompute="off"`` (for any block), for a block the model
