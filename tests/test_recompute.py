@@ -101,6 +101,7 @@ def recomputing(built: Built, plan: str, choose=outermost, steps: int = STEPS) -
 
 
 # the blocks ---------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_the_blocks_of_the_repos_networks_and_of_transformers():
     vgg = units(vgg16(width=2))
     assert list(vgg) == ["[0:5]", "[5:10]", "[10:17]", "[17:24]", "[24:31]"]  # to each max-pool
@@ -288,6 +289,7 @@ def readme_gpt2(device: str = "cpu") -> Built:
     return Built(GPT2LMHeadModel(config).to(device), {"input_ids": ids, "labels": ids})
 
 
+@pytest.mark.slow
 def test_the_readme_figures_of_a_gpt2_on_the_cpu():
     """README: a 4-layer GPT-2 (hidden 256, 256 tokens, batch 4) holds 175 MiB of saved
     tensors at once plainly; 11 MiB by the ledger with every layer recomputed, plus at most
@@ -338,7 +340,7 @@ def test_taking_the_blocks_back_restores_their_forward_names_keys_and_hooks():
     model.layers[0].register_forward_hook(lambda *args: hooked.append(1))
     names = [n for n, _ in model.named_modules()]
     keys = list(model.state_dict())
-    offloader = cswap.Offloader(cswap.CSwapConfig(plan="raw"))
+    offloader = cswap.Offloader(cswap.CSwapConfig(plan="raw", profile_steps=1))
     offloader.watch(model).recompute(["layers.0", "layers.2"])
     wrapper = model.layers[0].forward
     assert isinstance(wrapper, RecomputedForward)
@@ -348,10 +350,18 @@ def test_taking_the_blocks_back_restores_their_forward_names_keys_and_hooks():
     offloader.recompute(["layers.2"])
     assert "forward" not in model.layers[0].__dict__  # its class's forward again
     assert offloader.recomputed == {"layers.2"}
+    offloader.recomputer.unwrap()  # as the integrations do when training ends
+    assert "forward" not in model.layers[2].__dict__ and offloader.recomputed == {"layers.2"}
+    with offloader:  # measured: plainly, not wrapped
+        model(torch.randn(2, 16))
+    assert "forward" not in model.layers[2].__dict__
+    with offloader:  # wrapped again where it runs recomputed
+        model(torch.randn(2, 16))
+    assert isinstance(model.layers[2].forward, RecomputedForward)
     offloader.close()  # gives every block back
     assert all("forward" not in layer.__dict__ for layer in model.layers)
     model(torch.randn(2, 16))
-    assert hooked == [1]
+    assert hooked == [1, 1, 1]  # the hook ran on each of the three calls
 
 
 def test_a_stage_is_taken_back_and_a_copy_or_pickle_never_recomputes():
@@ -581,11 +591,13 @@ def test_the_lightning_strategy_recomputes_the_blocks_the_planner_chose(tmp_path
     _, plain = fit(SingleDeviceStrategy("cpu"), **steps)
     assert_same_weights(model, plain)
     assert trainer.strategy.offloader.recomputed == {"net.1", "net.2"}
+    assert all("forward" not in block.__dict__ for block in model.net)  # given back at the end
     # What the engine saw on the last step: the blocks' inputs, nothing from inside them (and
     # the batch, which Lightning holds, kept: learned again on the first recomputed step).
     assert_the_engine_moves_the_block_inputs(trainer)
 
 
+@pytest.mark.slow
 def test_the_hugging_face_callback_recomputes_the_layers_the_planner_chose(tmp_path):
     from test_hf import ACCUMULATION, bert_trainer
     from transformers import TrainerCallback
@@ -619,6 +631,8 @@ def test_the_hugging_face_callback_recomputes_the_layers_the_planner_chose(tmp_p
                             plain.model.state_dict().values(), strict=True):
         assert torch.equal(p, q), name
     assert callback.offloader.recomputed == layers
+    assert all("forward" not in layer.__dict__  # given back at the end of training
+               for layer in trainer.model.bert.encoder.layer)
     before, after = planner.saved[:ACCUMULATION], planner.saved[ACCUMULATION:]
     assert len(after) == ACCUMULATION and max(after) < min(before) / 2
 

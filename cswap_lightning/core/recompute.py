@@ -212,8 +212,14 @@ class Recompute:
             unit.module.forward = wrapper.inner_forward
 
     def release(self) -> None:
-        """Give every chosen unit its forward back."""
+        """Give every chosen unit its forward back, and choose none."""
         self.choose(())
+
+    def unwrap(self) -> None:
+        """Give every chosen unit its forward back until :meth:`arm` (the end of training:
+        the model is then saved, copied or compiled as it was), still chosen."""
+        for unit in self.chosen.values():
+            self._release(unit)
 
     def arm(self) -> None:
         """Recompute the chosen units from now on, where the saves would go where they go

@@ -213,6 +213,8 @@ class CSwapCallback(TrainerCallback):
             # the global module hooks of watch(), now rather than when garbage-collected
             # (mid-way through a later torch.compile, which guards on them)
             self._offloader.modules.close()
+        if self._offloader is not None and self._offloader.recomputer is not None:
+            self._offloader.recomputer.unwrap()  # the model's own forwards, until it trains
 
     # Trainer events -------------------------------------------------------------------------
     def on_init_end(self, args: TrainingArguments, state: TrainerState,

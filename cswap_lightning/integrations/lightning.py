@@ -332,6 +332,8 @@ class CSwapHooks(Callback):
         modules = self.strategy.offloader.modules
         if modules is not None:  # its global module hooks go now, not when garbage-collected
             modules.close()  # (mid-way through a later torch.compile, which guards on them)
+        if self.strategy.offloader.recomputer is not None:
+            self.strategy.offloader.recomputer.unwrap()  # the model's own forwards, until it trains
         log_dir = trainer.log_dir or trainer.default_root_dir  # every rank: it broadcasts
         if self.last is None or not trainer.is_global_zero:
             return
