@@ -23,6 +23,8 @@ from ..codecs import get_codec
 from ..codecs.cuda import enable_cuda_codecs_if_requested
 from ..codecs.lossy import LOSSY_DTYPES as _LOSSY_TORCH_DTYPES
 from ..config import LOSSY_CODECS, CSwapConfig, as_config
+from ..planning import live, mix
+from ..planning import replay as replayed
 from ..planning.advisor import HELD_ELSEWHERE, Advisor, Plan, resolve_budget
 from ..planning.predictor import CodecTimeModel, calibrate
 from ..planning.prefetch import lookahead_bytes
@@ -39,6 +41,10 @@ _REPLANS_BEFORE_WARNING = 3
 # A run whose steps run without hooks is measured again once the allocator's peak of a step
 # comes this close to the plan's budget.
 _NEAR_BUDGET = 0.95
+# A checked step whose peak passes the budget by more than this makes the next plan tighter,
+# at most this many times.
+_OVER_BUDGET = 0.03
+_TIGHTENINGS = 3
 # On the CPU, where no allocator says so, steps run without hooks only if the checking step
 # held at most this fraction of the budget.
 _CPU_HEADROOM = 0.5
@@ -91,6 +97,13 @@ class Offloader:
         # the latest measured step finished (what it saved, its forward's time)
         self.recomputer: Recompute | None = None
         self.block_calls: list[BlockCall] = []
+        # the planner's choice of blocks to recompute, made once from the plain measured
+        # steps (their replayed workload kept for a tighter budget), and the bytes the
+        # budget was tightened by where a checked step's measured peak passed it
+        self.recomputation: live.Recomputation | None = None
+        self._recompute_planned = False
+        self._tightened = 0
+        self._tightenings = 0
         self._numbering: frozenset[str] = frozenset()  # the blocks the last step recomputed
         self.reverted: set[int] = set()  # lossy sites the accuracy guard moved back
         self.held_elsewhere: set[int] = set()  # sites whose moving freed nothing (measured)
@@ -237,11 +250,14 @@ class Offloader:
         recomputer = self.recomputer
         if recomputer is None or self.config.recompute == "off":
             return
-        numbering = frozenset() if step.measure else frozenset(recomputer.chosen)
+        # Measured steps run plainly, timing each block, until the planner has chosen; then
+        # they run the chosen set, which the plan after them is made for.
+        armed = not step.measure or bool(recomputer.chosen)
+        numbering = frozenset(recomputer.chosen) if armed else frozenset()
         if numbering != self._numbering:  # other sites: what was measured of them is not theirs
             self.held_elsewhere = set()
             self._numbering = numbering
-        if not step.measure:
+        if armed:
             recomputer.arm()
         elif recomputer.model is not None:
             step.blocks = BlockTimer(recomputer, lambda: len(step.sizes))
@@ -471,7 +487,8 @@ class Offloader:
             self.profiler.observe(step.stats, timer.windows() if timer else {},
                                   timer.unpack_order() if timer else None)
             if self._measure_left == 0:
-                self._use(self._advise(step))
+                if not self._plan_recompute(step):
+                    self._use(self._advise(step))
             elif self.plan is None:
                 plan = self._advise(step)
                 if plan.fits and all(d.decision == "keep" for d in plan.decisions.values()):
@@ -504,6 +521,9 @@ class Offloader:
         return peak >= _NEAR_BUDGET * self.plan.budget_bytes
 
     def _use(self, plan: Plan) -> None:
+        choice = self.recomputation
+        if choice is not None and choice.names:
+            plan.recompute_table = mix.table(choice.mix, choice.workload)
         self.plan = self._unchecked = plan
         self._checked = None
         moved = [d for d in plan.decisions.values() if d.decision != "keep"]
@@ -529,13 +549,64 @@ class Offloader:
                      for s in sites if s.site in codecs and s.site not in self.held_elsewhere}
         self._checked = Checked(step.counted(), kept, moves, step.stats, step.device)
 
-    @staticmethod
-    def _check(plan: Plan, stats: StepStats) -> None:
-        """Measure the plan on the first step that ran it: the prediction, checked."""
+    def _check(self, plan: Plan, stats: StepStats) -> None:
+        """Measure the plan on the first step that ran it: the prediction, checked. Where the
+        step's peak (on CUDA the allocator's, on the CPU the ledger's with what the plan
+        counts beside it) passed the budget, the next plan is made for a budget that much
+        tighter (three times at most)."""
         plan.measured_peak = stats.peak_resident_bytes
+        plan.measured_allocated = stats.peak_allocated_bytes
         _log.info("cswap: step %d ran the plan: saved tensors on the device at once: measured "
-                  "%s, predicted %s", stats.step, fmt_bytes(plan.measured_peak),
-                  fmt_bytes(plan.predicted_peak))
+                  "%s, predicted %s%s", stats.step, fmt_bytes(plan.measured_peak),
+                  fmt_bytes(plan.predicted_peak), "" if stats.peak_allocated_bytes is None
+                  else f"; allocator's peak {fmt_bytes(stats.peak_allocated_bytes)}")
+        peak = (stats.peak_allocated_bytes if stats.peak_allocated_bytes is not None
+                else stats.peak_resident_bytes + plan.base_bytes)
+        if (self.config.plan == "auto" and plan.budget_bytes is not None
+                and peak > (1 + _OVER_BUDGET) * plan.budget_bytes
+                and self._tightenings < _TIGHTENINGS):
+            self._tighten(peak - plan.budget_bytes)
+
+    def _tighten(self, over: int) -> None:
+        """Plan again for a budget ``over`` bytes tighter: choose the recomputed blocks again
+        from the plain step replayed (no plain step is run again), and measure with them."""
+        self._tightened += over
+        self._tightenings += 1
+        _log.info("cswap: the measured peak passed the budget by %s: planning for a budget "
+                  "that much tighter", fmt_bytes(over))
+        if self.recomputation is not None and self.recomputer is not None:
+            self.recomputation = self.recomputation.tighter(over)
+            self.recompute(self.recomputation.names)
+        self.new_epoch()
+
+    def _plan_recompute(self, step: Step) -> bool:
+        """Once, after the plain measured steps: the blocks to recompute, chosen by replaying
+        the measured step under candidate mixes of keep, swap and recompute
+        (``planning.live``, ``planning.mix``); True where some are, and the next steps
+        measure again with them (the advisor's plan is made for what those steps save)."""
+        if (self._recompute_planned or self.config.recompute == "off"
+                or self.recomputer is None or not self.block_calls):
+            return False
+        self._recompute_planned = True
+        budget = self._budget(step.device)
+        if budget is None:
+            return False
+        link, _ = self._measure(step.device)
+        profiles = self._profiles()
+        stats = step.stats
+        beside = max((stats.peak_allocated_bytes or 0) - stats.peak_resident_bytes, 0)
+        engine = replayed.Engine(self.config.min_bytes, self._window(profiles, link),
+                                 self.config.inflight_bytes)
+        measured = live.workload(profiles, self.block_calls, beside)
+        self.recomputation = choice = live.choose_recompute(
+            measured, budget, replayed.Link(link.d2h, link.h2d, link.d2d), engine)
+        if not choice.names:
+            return False
+        skipped = self.recompute(choice.names)
+        _log.info("cswap: recomputing %d blocks (%s)%s; measuring again with them",
+                  len(choice.names), choice.mix.how, f", skipped: {skipped}" if skipped else "")
+        self.new_epoch()
+        return True
 
     def _replanning(self) -> None:
         """The sites changed in number or kind (a data-dependent branch, several models under
@@ -572,24 +643,46 @@ class Offloader:
         it first."""
         cfg, device, stats = self.config, step.device, step.stats
         lossy = {"off": None, "auto": "int8"}.get(cfg.lossy, cfg.lossy)
-        codecs = (cfg.compressor,) if lossy is None else (cfg.compressor, lossy)
-        if measure or self._measured is None:
+        link, model = self._measure(device, fresh=measure)
+        profiles = self._profiles()
+        advisor = Advisor(cfg.compressor, link, model, lossy,
+                          lambda p: self.lossy_allowed(p.site, p.dtype, p.module),
+                          self._window(profiles, link))
+        beside = max((stats.peak_allocated_bytes or 0) - stats.peak_resident_bytes, 0)
+        return advisor.plan(profiles, beside, self._budget(device), self.profiler.order or None)
+
+    def _measure(self, device: torch.device, fresh: bool = True
+                 ) -> tuple[Link, CodecTimeModel]:
+        """The link's bandwidth and the codecs' times (``fresh``: measured now; else those
+        of the latest plan, where there is one)."""
+        if fresh or self._measured is None:
+            lossy = {"off": None, "auto": "int8"}.get(self.config.lossy, self.config.lossy)
+            codecs = (self.config.compressor,) if lossy is None else (
+                self.config.compressor, lossy)
             self._measured = (self.link or measure_link(device),
                               self.time_model or calibrate(device, codecs).model)
-        link, model = self._measured
-        profiles = [replace(p, offloadable=False, reason=HELD_ELSEWHERE)
-                    if p.site in self.held_elsewhere else p for p in self.profiler.profile()]
-        window = cfg.prefetch_bytes
-        if window == "auto":  # what hides the link, were every movable site moved
+        return self._measured
+
+    def _profiles(self) -> list:
+        """What the profiler measured of each site, those found held elsewhere kept."""
+        return [replace(p, offloadable=False, reason=HELD_ELSEWHERE)
+                if p.site in self.held_elsewhere else p for p in self.profiler.profile()]
+
+    def _window(self, profiles: list, link: Link) -> int:
+        """The prefetch window to plan with: ``prefetch_bytes``, or for ``"auto"`` what hides
+        the link, were every movable site moved."""
+        window = self.config.prefetch_bytes
+        if window == "auto":
             window = lookahead_bytes(
                 self.profiler.order or [p.site for p in reversed(profiles)],
                 {p.site: p.nbytes for p in profiles if p.offloadable},
                 {p.site: p.backward_s for p in profiles}, link.h2d)
-        advisor = Advisor(cfg.compressor, link, model, lossy,
-                          lambda p: self.lossy_allowed(p.site, p.dtype, p.module), window)
-        beside = max((stats.peak_allocated_bytes or 0) - stats.peak_resident_bytes, 0)
-        return advisor.plan(profiles, beside, resolve_budget(cfg.budget, device),
-                            self.profiler.order or None)
+        return window
+
+    def _budget(self, device: torch.device) -> int | None:
+        """The configured budget in bytes, less what checked steps showed it lacked."""
+        budget = resolve_budget(self.config.budget, device)
+        return None if budget is None else max(budget - self._tightened, 0)
 
 
 def _site_list(value: object) -> bool:

@@ -116,8 +116,13 @@ class Plan:
     predicted_peak: int  # saved tensors on the device at once (resident_peak)
     fits: bool  # base_bytes + predicted_peak <= budget_bytes
     prefetch_bytes: int  # the prefetch window planned with (the engine uses no more)
-    # The peak measured on the first step that ran the plan (the engine fills it in).
+    # The peak measured on the first step that ran the plan, and on CUDA the allocator's
+    # (the engine fills them in).
     measured_peak: int | None = field(default=None, compare=False)
+    measured_allocated: int | None = field(default=None, compare=False)
+    # The blocks recomputed beside these decisions, and the planner's prediction for the mix
+    # (``planning.mix.table``), where it chose any.
+    recompute_table: str = field(default="", compare=False)
 
     def codec(self, site: int, shape: tuple[int, ...], dtype: str) -> str:
         """The decision for a site; ``"raw"`` where this step's site does not fit the plan's."""
@@ -167,10 +172,14 @@ class Plan:
         if hidden:
             rows.append("not shown: " + ", ".join(f"{n} {kind}"
                                                   for kind, n in sorted(hidden.items())))
+        if self.recompute_table:
+            rows.append(self.recompute_table)
         budget = "none" if self.budget_bytes is None else fmt_bytes(self.budget_bytes)
         if self.base_bytes:
             budget += f", less {fmt_bytes(self.base_bytes)} the step holds beside them"
         measured = "-" if self.measured_peak is None else fmt_bytes(self.measured_peak)
+        if self.measured_allocated is not None:
+            measured += f" (the allocator's peak {fmt_bytes(self.measured_allocated)})"
         rows.append(f"prefetch window {fmt_bytes(self.prefetch_bytes)}; "
                     f"saved tensors on the device at once: predicted {fmt_bytes(self.predicted_peak)}"
                     f", measured {measured} (budget {budget})"

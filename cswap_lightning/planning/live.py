@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
+from . import mix, replay
 from .profiler import SiteProfile
 from .workload import Block, Op, Saved, Workload
 
@@ -68,3 +70,32 @@ def workload(profiles: Sequence[SiteProfile], calls: Sequence[BlockCall],
                    profiles[k].backward_s, 0, 0, 0)
                 for b, block in enumerate(blocks) for k in block.ops)
     return Workload(name, 1, tuple(saved), ops, tuple(blocks), beside_bytes, 0, 0)
+
+
+@dataclass(frozen=True)
+class Recomputation:
+    """The planner's choice for a measured step: the blocks to recompute (the advisor then
+    places the swaps), the mix it comes from, and what it was replayed with."""
+
+    names: tuple[str, ...]
+    mix: mix.Mix
+    workload: Workload
+    link: replay.Link
+    engine: replay.Engine
+
+    def tighter(self, by: int) -> Recomputation:
+        """The choice for a budget ``by`` bytes tighter, from the same replayed step."""
+        return choose_recompute(self.workload, max(self.mix.budget_bytes - by, 0), self.link,
+                                self.engine)
+
+
+def choose_recompute(measured: Workload, budget_bytes: int, link: replay.Link,
+                     engine: replay.Engine) -> Recomputation:
+    """The blocks the planner recomputes to meet ``budget_bytes``, from the measured step
+    replayed under candidate mixes: none where keeping or swapping alone is predicted to meet
+    it at least as fast."""
+    chosen = mix.choose(measured, budget_bytes, link, engine)
+    names = tuple(block.name for block, decision in zip(measured.blocks,
+                                                        chosen.decisions(measured), strict=True)
+                  if decision.action == "recompute")
+    return Recomputation(names, chosen, measured, link, engine)

@@ -147,9 +147,12 @@ def _first(n: int, ok: Callable[[int], bool]) -> int | None:
 
 
 def table(mix: Mix, workload: Workload) -> str:
-    """The chosen decision per block, with the prediction against keeping everything."""
-    rows = [f"{'block':<28} {'decision':<22} {'saved':>10}"]
+    """A row per block the mix swaps or recomputes (what it saved, what recomputing it costs:
+    its forward once more), then the prediction against keeping everything."""
+    rows = [f"{'block':<28} {'decision':<22} {'saves':>10} {'costs ms':>9}"]
     for block, decision in zip(workload.blocks, mix.decisions(workload), strict=True):
+        if decision.action == "keep":
+            continue
         what = decision.action
         if decision.action == "swap" and decision.codec.name != "raw":
             what += f" {decision.codec.name}"
@@ -158,13 +161,15 @@ def table(mix: Mix, workload: Workload) -> str:
         ops = workload.ops[block.ops.start:block.ops.stop]
         saved = sum(workload.saved[i].storage_nbytes for op in ops for i in op.saves
                     if workload.saved[i].activation and workload.saved[i].storage == i)
-        rows.append(f"{block.name:<28} {what:<22} {saved / 2**20:>8.1f} MiB")
+        cost = (f"{1e3 * sum(op.forward_s for op in ops):.3f}"
+                if decision.action == "recompute" else "link")
+        rows.append(f"{block.name:<28} {what:<22} {saved / 2**20:>6.1f} MiB {cost:>9}")
     p, keep = mix.prediction, mix.keep
-    budget = "none" if mix.budget_bytes is None else f"{mix.budget_bytes / 2**30:.2f} GiB"
+    budget = "none" if mix.budget_bytes is None else f"{mix.budget_bytes / 2**20:.1f} MiB"
     rows.append(
         f"{mix.how}: predicted step {p.step_s * 1e3:.1f} ms ({p.step_s / keep.step_s:.2f}x "
-        f"keeping everything), peak {p.peak_bytes / 2**30:.2f} GiB "
-        f"({p.peak_bytes / keep.peak_bytes:.0%}), budget {budget}"
+        f"keeping everything), peak {p.peak_bytes / 2**20:.1f} MiB "
+        f"({p.peak_bytes / keep.peak_bytes:.0%} of keeping everything), budget {budget}"
         + ("" if mix.fits else f": DOES NOT FIT, {mix.missing_bytes / 2**20:.0f} MiB short")
         + " (a prediction: replay of the step)")
     return "\n".join(rows)

@@ -1,0 +1,119 @@
+"""The planner in the engine: measured steps replayed, blocks chosen to recompute, swaps
+placed, the budget held by the CPU's ledger, gradients bitwise those of plain training."""
+
+import copy
+
+import pytest
+import torch
+
+from cswap_lightning import CSwapConfig, Offloader
+from cswap_lightning.core.stats import StepStats
+from cswap_lightning.planning.profiler import Link
+
+transformers = pytest.importorskip("transformers")
+# A link as slow beside this CPU's compute as PCIe is beside an H100's: swapping is dear, as
+# there, so the planner's choice is not the CPU's (where a copy is nearly free).
+SLOW_LINK = Link(2e7, 2e7, 1e10)
+
+
+def gpt2() -> tuple[torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=1000,
+                                     n_positions=128, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config), torch.randint(0, 1000, (8, 128))
+
+
+def train(off: Offloader, model, ids, steps: int) -> list:
+    """Steps under ``off`` beside plain training of a copy; gradients compared every step."""
+    plain, stats = copy.deepcopy(model), []
+    off.watch(model)
+    for step in range(steps):
+        for net, engine in ((model, off), (plain, None)):
+            net.zero_grad()
+            torch.manual_seed(step)  # the same dropout masks
+            if engine is None:
+                loss = net(input_ids=ids, labels=ids).loss
+            else:
+                with engine:
+                    loss = net(input_ids=ids, labels=ids).loss
+            loss.backward()
+            del loss
+        for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), step
+        stats.append(off.tracked_step())
+    return stats
+
+
+def keep_peak(model, ids) -> int:
+    off = Offloader(CSwapConfig(plan="keep"))
+    with off:
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    peak = off.last_step().peak_resident_bytes
+    off.close()
+    return peak
+
+
+@pytest.mark.slow
+def test_a_gpt2_at_40_percent_recomputes_blocks_and_meets_the_budget_bitwise():
+    model, ids = gpt2()
+    budget = int(0.4 * keep_peak(model, ids))
+    off = Offloader(CSwapConfig(budget=budget, profile_steps=1), link=SLOW_LINK)
+    stats = train(off, model, ids, steps=5)
+    assert off.recomputed, off.recomputation and off.recomputation.mix.how
+    assert off.recomputation.names == tuple(sorted(off.recomputed))
+    table = off.plan.table()
+    assert "recompute" in table and "a prediction" in table
+    assert off.plan.measured_peak is not None
+    assert stats[-1].peak_resident_bytes <= 1.05 * budget, table
+    off.close()
+
+
+@pytest.mark.slow
+def test_without_recomputation_the_advisor_swaps_to_meet_the_budget():
+    model, ids = gpt2()
+    budget = int(0.4 * keep_peak(model, ids))
+    off = Offloader(CSwapConfig(budget=budget, profile_steps=1, recompute="off"),
+                    link=SLOW_LINK)
+    stats = train(off, model, ids, steps=4)
+    assert not off.recomputed and off.recomputation is None
+    assert stats[-1].offloaded_bytes > 0
+    assert stats[-1].peak_resident_bytes <= 1.05 * budget, off.plan.table()
+    off.close()
+
+
+def test_a_budget_with_room_recomputes_nothing():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())
+                                  for _ in range(4)])
+    x = torch.randn(32, 64)
+    off = Offloader(CSwapConfig(budget=1 << 40, profile_steps=1, min_bytes=0), link=SLOW_LINK)
+    off.watch(model)
+    for _ in range(3):
+        with off:
+            loss = model(x).sum()
+        loss.backward()
+    assert not off.recomputed
+    assert off.recomputation is not None and off.recomputation.mix.how == "keep everything"
+    off.close()
+
+
+@pytest.mark.slow
+def test_a_checked_step_over_its_budget_makes_the_next_plan_tighter():
+    """The prediction can be wrong: a checked step whose measured peak passes the budget by
+    more than 3% has the plan made again for a budget that much tighter (recomputation chosen
+    again from the replayed step, then measured), three times at most."""
+    model, ids = gpt2()
+    budget = int(0.4 * keep_peak(model, ids))
+    off = Offloader(CSwapConfig(budget=budget, profile_steps=1), link=SLOW_LINK)
+    train(off, model, ids, steps=3)
+    before = set(off.recomputed)
+    over = StepStats(99, peak_resident_bytes=int(1.5 * budget))
+    off._check(off.plan, over)
+    assert off._tightened == over.peak_resident_bytes - budget
+    assert off._measure_left == off.config.profile_steps  # measured again
+    assert off.recomputation.mix.budget_bytes == budget - off._tightened
+    assert set(off.recomputed) >= before
+    stats = train(off, model, ids, steps=3)
+    assert stats[-1].peak_resident_bytes <= budget
+    off.close()
