@@ -107,13 +107,11 @@ def test_a_checked_step_over_its_budget_makes_the_next_plan_tighter():
     budget = int(0.4 * keep_peak(model, ids))
     off = Offloader(CSwapConfig(budget=budget, profile_steps=1), link=SLOW_LINK)
     train(off, model, ids, steps=3)
-    before = set(off.recomputed)
     over = StepStats(99, peak_resident_bytes=int(1.5 * budget))
     off._check(off.plan, over)
     assert off._tightened == over.peak_resident_bytes - budget
     assert off._measure_left == off.config.profile_steps  # measured again
     assert off.recomputation.mix.budget_bytes == budget - off._tightened
-    assert set(off.recomputed) >= before
     stats = train(off, model, ids, steps=3)
     assert stats[-1].peak_resident_bytes <= budget
     off.close()
