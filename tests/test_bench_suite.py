@@ -147,3 +147,26 @@ def test_levels_must_be_fractions(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "suite", "--levels", "0"])
     assert "expected a fraction in (0, 1]" in capsys.readouterr().err
+
+
+def test_full_size_reports_print_the_replays_prediction_beside_each_run():
+    """A full-size model profiled on the H100: each run the replay models carries its
+    prediction (ratios to no offload's); a cswap budget is predicted as the planner mixes."""
+    import argparse
+
+    from cswap_lightning.commands.bench_suite import model_markdown
+
+    runs = [{"method": m, "budget": b, "label": m, "samples_per_s": 1.0, "peak_bytes": 1,
+             "link_bytes": 0, "vs_no_offload": 1.0, "peak_fraction": 1.0}
+            for m, b in (("no offload", None), ("activation checkpointing", None),
+                         ("cswap raw", None), ("cswap auto", 0.5), ("save_on_cpu", None))]
+    result = {"model": "bert-large", "label": "BERT-large", "shape": "-", "batch": 16,
+              "params": 0, "runs": runs, "complete": True, "prefetch_bytes": None}
+    lines = model_markdown(result, argparse.Namespace(small=False, max_batch=False))
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in lines if line.startswith("| ")}
+    assert "1.00x, 100% (H100 profile)" in rows["no offload"]
+    assert "(H100 profile)" in rows["activation checkpointing"] and "(H100 profile)" in rows[
+        "cswap raw"]
+    assert rows["save_on_cpu"].rstrip(" |").endswith("-")  # not modelled
+    small = model_markdown(result, argparse.Namespace(small=True, max_batch=False))
+    assert not any("H100 profile" in line for line in small)

@@ -43,6 +43,7 @@ from ..config import CSwapConfig
 from ..core.engine import Offloader
 from ..core.stats import fmt_bytes
 from ..integrations.hf_checkpointing import checkpointing_switch, has_offload
+from ..planning import profiled
 from .args import number
 from .bench_step import _Counted, result_meta, write_results
 
@@ -892,6 +893,21 @@ def _fmt_window(prefetch_bytes: int | None) -> str:
     return "auto (the engine's)" if prefetch_bytes is None else fmt_bytes(prefetch_bytes)
 
 
+def _predicted(result: dict, row: dict, opts: argparse.Namespace) -> str:
+    """The replay's prediction of a run of a full-size model profiled on the first H100 run
+    (``planning.profiled``), as ratios to its prediction of no offload; "-" where it has none
+    (other sizes, models, methods)."""
+    if opts.small:
+        return "-"
+    predicted = profiled.predict_run(result["model"], row["method"], row.get("budget"),
+                                     result["batch"], result.get("prefetch_bytes"))
+    if predicted is None:
+        return "-"
+    run, base = predicted
+    return (f"{run.step_s / base.step_s:.2f}x, {run.peak_bytes / base.peak_bytes:.0%} "
+            "(H100 profile)")
+
+
 def model_markdown(result: dict, opts: argparse.Namespace) -> list[str]:
     lines = [f"## {result['label']}", "",
              (f"{result['shape']}, batch {result['batch']}, {result['params'] / 1e6:.1f} M "
@@ -899,14 +915,15 @@ def model_markdown(result: dict, opts: argparse.Namespace) -> list[str]:
               f"{_fmt_window(result.get('prefetch_bytes'))}"
               f"{'' if result['complete'] else ' (PARTIAL: still running, or cut off)'}"),
              "", ("| method | samples/s | vs no offload | peak memory | vs no offload | "
-                  "link bytes/step | exposed swap | engine's peak | cswap's sites |"),
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "link bytes/step | exposed swap | engine's peak | cswap's sites | "
+                  "replay predicts: step, peak vs no offload |"),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     order = {name: i for i, name in enumerate(METHODS)}
     rows = sorted(result["runs"], key=lambda r: (order[r["method"]], -(r.get("budget") or 0)))
     for r in rows:
         label = _label(r)
         if "skipped" in r:
-            lines.append(f"| {label} | skipped: {r['skipped']} | | | | | | | |")
+            lines.append(f"| {label} | skipped: {r['skipped']} | | | | | | | | |")
             continue
         exposed = f"{1e3 * r['exposed_s']:.1f} ms" if "exposed_s" in r else "-"
         engine = r.get("engine_peak_bytes")
@@ -916,7 +933,8 @@ def model_markdown(result: dict, opts: argparse.Namespace) -> list[str]:
         lines.append(
             f"| {label} | {r['samples_per_s']:.1f} | {r.get('vs_no_offload', math.nan):.2f}x | "
             f"{fmt_bytes(r['peak_bytes'])} | {100 * r.get('peak_fraction', math.nan):.0f}% | "
-            f"{fmt_bytes(r['link_bytes'])} | {exposed} | {engine_text} | {sites or '-'} |")
+            f"{fmt_bytes(r['link_bytes'])} | {exposed} | {engine_text} | {sites or '-'} | "
+            f"{_predicted(result, r, opts)} |")
     if result.get("max_batch"):
         cap = result.get("memory_cap")
         lines += ["", f"max batch (within {fmt_bytes(cap) if cap else 'device memory'}):", "",

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from . import mix
 from .replay import Engine, Plan, Prediction, checkpoint_all, no_offload, predict, swap_all
 from .workload import Workload, load
 
@@ -106,6 +107,22 @@ def predict_method(model: str, method: str, batch: int | None = None,
     engine = Engine(min_bytes=SUITE_MIN_BYTES, prefetch_bytes=(
         Engine.prefetch_bytes if prefetch_bytes is None else prefetch_bytes))
     return predict(workload(model, batch), METHODS[method], engine=engine)
+
+
+def predict_run(model: str, method: str, level: float | None = None, batch: int | None = None,
+                prefetch_bytes: int | None = None) -> tuple[Prediction, Prediction] | None:
+    """The replay's prediction of one of ``cswap bench suite``'s runs and of no offload's
+    (for ratios): the methods :func:`predict_method` models, and ``"cswap auto"`` at a budget
+    ``level`` (a fraction of no offload's peak), as the planner (``planning.mix``) would mix
+    keep, swap and recompute for it; None for what the replay does not model."""
+    base = predict_method(model, "no offload", batch, prefetch_bytes)
+    if base is None:
+        return None
+    if method == "cswap auto" and level is not None:
+        chosen = mix.choose(workload(model, batch), int(level * base.peak_bytes))
+        return chosen.prediction, base
+    run = predict_method(model, method, batch, prefetch_bytes)
+    return None if run is None else (run, base)
 
 
 @dataclass(frozen=True)
