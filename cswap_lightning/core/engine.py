@@ -79,7 +79,7 @@ class Offloader:
         """``link`` and ``time_model`` replace the measured bandwidths and the calibrated codec
         times the advisor uses (e.g. to plan for a link other than the one measured)."""
         enable_cuda_codecs_if_requested()
-        self.config = config if config is not None else CSwapConfig()
+        self.config = as_config(config, "Offloader")
         self.link = link
         self.time_model = time_model
         self.transfer = Transfer(pin_memory=self.config.pin_memory,
