@@ -102,6 +102,7 @@ class Offloader:
         # budget was tightened by where a checked step's measured peak passed it
         self.recomputation: live.Recomputation | None = None
         self._recompute_planned = False
+        self._measure_recomputed = False  # measured steps run the planner's choice
         self._tightened = 0
         self._tightenings = 0
         self._numbering: frozenset[str] = frozenset()  # the blocks the last step recomputed
@@ -251,8 +252,8 @@ class Offloader:
         if recomputer is None or self.config.recompute == "off":
             return
         # Measured steps run plainly, timing each block, until the planner has chosen; then
-        # they run the chosen set, which the plan after them is made for.
-        armed = not step.measure or bool(recomputer.chosen)
+        # they run its choice, which the plan after them is made for.
+        armed = not step.measure or self._measure_recomputed
         numbering = frozenset(recomputer.chosen) if armed else frozenset()
         if numbering != self._numbering:  # other sites: what was measured of them is not theirs
             self.held_elsewhere = set()
@@ -551,9 +552,9 @@ class Offloader:
 
     def _check(self, plan: Plan, stats: StepStats) -> None:
         """Measure the plan on the first step that ran it: the prediction, checked. Where the
-        step's peak (on CUDA the allocator's, on the CPU the ledger's with what the plan
-        counts beside it) passed the budget, the next plan is made for a budget that much
-        tighter (three times at most)."""
+        plan was predicted to fit and the step's peak (on CUDA the allocator's, on the CPU the
+        ledger's with what the plan counts beside it) passed the budget, the next plan is made
+        for a budget that much tighter (three times at most)."""
         plan.measured_peak = stats.peak_resident_bytes
         plan.measured_allocated = stats.peak_allocated_bytes
         _log.info("cswap: step %d ran the plan: saved tensors on the device at once: measured "
@@ -562,7 +563,7 @@ class Offloader:
                   else f"; allocator's peak {fmt_bytes(stats.peak_allocated_bytes)}")
         peak = (stats.peak_allocated_bytes if stats.peak_allocated_bytes is not None
                 else stats.peak_resident_bytes + plan.base_bytes)
-        if (self.config.plan == "auto" and plan.budget_bytes is not None
+        if (self.config.plan == "auto" and plan.budget_bytes is not None and plan.fits
                 and peak > (1 + _OVER_BUDGET) * plan.budget_bytes
                 and self._tightenings < _TIGHTENINGS):
             self._tighten(peak - plan.budget_bytes)
@@ -577,6 +578,7 @@ class Offloader:
         if self.recomputation is not None and self.recomputer is not None:
             self.recomputation = self.recomputation.tighter(over)
             self.recompute(self.recomputation.names)
+            self._measure_recomputed = bool(self.recomputation.names)
         self.new_epoch()
 
     def _plan_recompute(self, step: Step) -> bool:
@@ -603,6 +605,7 @@ class Offloader:
         if not choice.names:
             return False
         skipped = self.recompute(choice.names)
+        self._measure_recomputed = True
         _log.info("cswap: recomputing %d blocks (%s)%s; measuring again with them",
                   len(choice.names), choice.mix.how, f", skipped: {skipped}" if skipped else "")
         self.new_epoch()
