@@ -471,9 +471,10 @@ class Offloader:
         if not self._warned_compiled and step.restored_all_at_once():
             self._warned_compiled = True
             warnings.warn(
-                "cswap: backward asked for every offloaded tensor at once, as the backward of "
-                "a torch.compile'd region does (pytorch/pytorch#148222), so offloading lowered "
-                "nothing at the peak. Compile per block instead of the whole model: "
+                f"cswap: backward asked for {fmt_bytes(step.region_peak)} of the "
+                f"{fmt_bytes(step.moved_bytes())} moved off the device at once, as the backward "
+                "of a torch.compile'd region does (pytorch/pytorch#148222), so offloading "
+                "lowered little at the peak. Compile per block instead of the whole model: "
                 "cswap_lightning.compile_blocks(model).", RuntimeWarning, stacklevel=5)
         # plans the host arena from it, where it tracked every site it moved
         self.transfer.step_closed(step.stats, step.device, plan=not step.untracked_moves)

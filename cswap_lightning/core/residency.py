@@ -29,7 +29,7 @@ class Held(weakref.ref):
     """A weak reference to a counted storage (``key``: its address) or restored copy
     (``key`` None), with what it counts for."""
 
-    __slots__ = ("key", "nbytes", "unpacked")
+    __slots__ = ("key", "nbytes")
 
 
 class Residency:
@@ -38,14 +38,13 @@ class Residency:
     def __init__(self, stats: StepStats) -> None:
         self.stats = stats
         self.now = 0  # bytes resident after the changes folded so far
-        self.unpacked_now = self.unpacked_peak = 0  # restored storages backward asked for
         self.start = time.perf_counter()
         self._held: dict[int, Held] = {}  # storage address -> its reference
         # A weak reference's callback runs only while the reference lives: the ledger holds
         # those to restored copies (which the entries hold too) until the copies go.
         self._copies: set[Held] = set()
-        # (seconds, change of resident bytes, change of bytes backward asked for)
-        self._changes: deque[tuple[float, int, int]] = deque()
+        # (seconds, change of resident bytes)
+        self._changes: deque[tuple[float, int]] = deque()
         self._append = self._changes.append
         self._freed_callback = self._freed  # one bound method for every reference
 
@@ -57,26 +56,19 @@ class Residency:
         if ref is None:
             ref = self._held[key] = Held(storage, self._freed_callback)
             nbytes = ref.nbytes = storage.nbytes()
-            ref.key, ref.unpacked = key, False
-            self._append((time.perf_counter(), nbytes, 0))
+            ref.key = key
+            self._append((time.perf_counter(), nbytes))
             self.stats.keep_all_bytes += nbytes
         return ref
 
-    def restored(self, copy: torch.Tensor, nbytes: int, unpacked: bool) -> Held:
-        """Count a restored copy of ``nbytes`` until it is freed, among those backward asked
-        for if ``unpacked``; the weak reference to it, which gives it back while it lives."""
+    def restored(self, copy: torch.Tensor, nbytes: int) -> Held:
+        """Count a restored copy of ``nbytes`` until it is freed; the weak reference to it,
+        which gives it back while it lives."""
         ref = Held(copy, self._freed_callback)
-        ref.key, ref.nbytes, ref.unpacked = None, nbytes, unpacked
+        ref.key, ref.nbytes = None, nbytes
         self._copies.add(ref)
-        self._append((time.perf_counter(), nbytes, nbytes if unpacked else 0))
+        self._append((time.perf_counter(), nbytes))
         return ref
-
-    def unpacked(self, ref: Held) -> None:
-        """Backward asked for this prefetched copy: count it among those it holds at once
-        until it is freed (a compiled region asks for all of its own together)."""
-        if not ref.unpacked:
-            ref.unpacked = True
-            self._append((time.perf_counter(), 0, ref.nbytes))
 
     def _freed(self, ref: Held) -> None:
         # A storage's address is reused only after this callback: the key is still ref's.
@@ -86,18 +78,14 @@ class Residency:
             del self._held[ref.key]
         else:
             return
-        self._append((time.perf_counter(), -ref.nbytes, -ref.nbytes if ref.unpacked else 0))
+        self._append((time.perf_counter(), -ref.nbytes))
 
     def fold(self) -> None:
         """Sum the changes so far into ``stats``: the peak and the timeline."""
         stats, changes = self.stats, self._changes
         for _ in range(len(changes)):  # those appended meanwhile are the next fold's
-            at, resident, unpacked = changes.popleft()
-            if resident:
-                self.now += resident
-                stats.peak_resident_bytes = max(stats.peak_resident_bytes, self.now)
-                stats.timeline_s.append(at - self.start)
-                stats.timeline_bytes.append(self.now)
-            if unpacked:
-                self.unpacked_now += unpacked
-                self.unpacked_peak = max(self.unpacked_peak, self.unpacked_now)
+            at, resident = changes.popleft()
+            self.now += resident
+            stats.peak_resident_bytes = max(stats.peak_resident_bytes, self.now)
+            stats.timeline_s.append(at - self.start)
+            stats.timeline_bytes.append(self.now)

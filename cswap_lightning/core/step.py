@@ -184,6 +184,10 @@ class Step:
         self.unpack_order: list[int] = []
         self._counts: list[tuple[SiteStats, int, torch.Tensor]] = []
         self.clock = 0  # ticks once per pack and once per first unpack of a site
+        # The moved bytes the backward of the latest compiled region asked for, and the most
+        # one asked for (``restored_all_at_once``).
+        self._region: weakref.ref | None = None
+        self._region_bytes = self.region_peak = 0
 
     # forward ----------------------------------------------------------------------------
     def pack(self, saved: torch.Tensor) -> tuple | _Entry | _View:
@@ -384,32 +388,30 @@ class Step:
         if entry.prefetched is not None:
             base, entry.prefetched = entry.prefetched, None
             self._inflight -= entry.nbytes
-            if entry.stats is not None:
-                self.residency.unpacked(entry.restored)
         else:
             base = entry.restored() if entry.restored is not None else None
             if base is None:
                 base, entry.restored_ready = self._restore(entry)
-                entry.restored = self._copy_ref(entry, base, unpacked=True)
+                entry.restored = self._copy_ref(entry, base)
         if not entry.consumed:
             entry.consumed = True
             if entry.stats is not None:
                 self._first_unpack(entry, base)
         return base, entry.restored_ready
 
-    def _copy_ref(self, entry: _Entry, copy: torch.Tensor, unpacked: bool) -> weakref.ref:
+    def _copy_ref(self, entry: _Entry, copy: torch.Tensor) -> weakref.ref:
         """A weak reference to a restored copy, which gives it back while it lives; where the
-        step tracks the entry, the residency ledger's, counting it (as backward asked for it
-        if ``unpacked``)."""
+        step tracks the entry, the residency ledger's, counting it."""
         if entry.stats is None:
             return weakref.ref(copy)
-        return self.residency.restored(copy, entry.nbytes, unpacked)
+        return self.residency.restored(copy, entry.nbytes)
 
     def _first_unpack(self, entry: _Entry, base: torch.Tensor) -> None:
         """Record a tracked entry's first unpack."""
         entry.stats.unpacked_at = self.clock
         self.clock += 1
         self.unpack_order.append(entry.id)
+        self._count_region(entry.nbytes)
         original = self._originals.pop(entry.id, None) if self._originals else None
         if original is not None:
             entry.stats.error = relative_error(original, base).item()
@@ -462,19 +464,37 @@ class Step:
                     nxt.prefetched, nxt.restored_ready = self.transfer.restore(nxt)
                 except Exception:  # noqa: BLE001 - restored on demand instead, or reported then
                     break
-                nxt.restored = self._copy_ref(nxt, nxt.prefetched, unpacked=False)
+                nxt.restored = self._copy_ref(nxt, nxt.prefetched)
                 if nxt.stats is not None:
                     nxt.stats.prefetched = True
                 inflight += nxt.nbytes
             cursor += 1
         self._cursor, self._inflight = cursor, inflight
 
+    def _count_region(self, nbytes: int) -> None:
+        """Count a moved storage's first unpack towards the compiled region asking for it, if
+        one does: a region's backward asks for everything it saved as it starts, one unpack
+        after another (pytorch/pytorch#148222)."""
+        node = torch._C._current_autograd_node()
+        if type(node).__name__ != "CompiledFunctionBackward":
+            return
+        if self._region is None or self._region() is not node:
+            self._region, self._region_bytes = weakref.ref(node), 0
+        self._region_bytes += nbytes
+        self.region_peak = max(self.region_peak, self._region_bytes)
+
+    def moved_bytes(self) -> int:
+        """Bytes of the tracked storages moved off the device."""
+        return sum(s.nbytes for s in self.stats.sites if s.decision not in ("keep", "dedup"))
+
     def restored_all_at_once(self) -> bool:
-        """Whether backward held (nearly) every storage moved off the device at once, as a
-        compiled region's backward does when it starts (pytorch/pytorch#148222): then
-        offloading lowered nothing at the peak."""
-        moved = [s.nbytes for s in self.stats.sites if s.decision not in ("keep", "dedup")]
-        return len(moved) >= 4 and self.residency.unpacked_peak >= 0.9 * sum(moved)
+        """Whether one compiled region's backward asked for at least half the bytes moved off
+        the device (of 4 storages or more) at once: then offloading lowered little at the
+        peak. Counted by region, not by what backward held at once: a loss outside the region
+        (cross-entropy's log-softmax) gives its tensors back before the region asks for its
+        own, and one compiled per block asks for a block's at a time."""
+        moved = sum(s.decision not in ("keep", "dedup") for s in self.stats.sites)
+        return moved >= 4 and self.region_peak >= 0.5 * self.moved_bytes()
 
     def live_entries(self) -> list[_Entry]:
         """The step's entries autograd still holds."""
