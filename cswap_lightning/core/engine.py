@@ -122,6 +122,11 @@ class Offloader:
         self._owner: int | None = None  # the thread inside the block
         self._steps = 0
         self._replans = 0
+        # The count of saved tensors and the sites of weights among them of the graph measured
+        # since new_epoch() (its first tracked step's), per numbering of the sites (recomputed
+        # blocks save other tensors): a step of the same count with weights elsewhere is
+        # another model's (_other_graph).
+        self._graphs: dict[frozenset[str], tuple[int, frozenset[int]]] = {}
         self._warned_compiled = False
         self._closed = False
         self._registry: dict[CSwapConfig, Offloader] | None = None  # offload()'s, if from it
@@ -254,7 +259,7 @@ class Offloader:
         # Measured steps run plainly, timing each block, until the planner has chosen; then
         # they run its choice, which the plan after them is made for.
         armed = not step.measure or self._measure_recomputed
-        numbering = frozenset(recomputer.chosen) if armed else frozenset()
+        numbering = step.numbering = frozenset(recomputer.chosen) if armed else frozenset()
         if numbering != self._numbering:  # other sites: what was measured of them is not theirs
             self.held_elsewhere = set()
             self._numbering = numbering
@@ -330,6 +335,7 @@ class Offloader:
         self._measure_left = self.config.profile_steps
         self.held_elsewhere = set()
         self._checked = None
+        self._graphs = {}
         self._epoch += 1
 
     def state_dict(self) -> dict:
@@ -449,6 +455,10 @@ class Offloader:
             step.close()
         if step.blocks is not None:
             self.block_calls = step.blocks.calls()
+        if step.epoch == self._epoch and self._other_graph(step):
+            self.plan = self._unchecked = None  # made by position for the other graph
+            self._replanning()
+            return
         auto = self.config.plan == "auto"
         if step.checked is not None:
             if step.stats.resized:  # it saved other sizes than the checking step
@@ -549,7 +559,22 @@ class Offloader:
             moves = {s.site: Move(codecs[s.site], getattr(torch, s.dtype), s.nbytes,
                                   s.site in step.shared)
                      for s in sites if s.site in codecs and s.site not in self.held_elsewhere}
-        self._checked = Checked(step.counted(), kept, moves, step.stats, step.device)
+        self._checked = Checked(step.counted(), kept, moves, step.stats, step.device,
+                                step.leaf_sites())
+
+    def _other_graph(self, step: Step) -> bool:
+        """Whether ``step`` ran another graph than the one measured: as many saved tensors, of
+        the same sizes maybe, but with weights at other sites (two models under one shared
+        ``offload(config)``). What was learned by position (the plan, the sites held
+        elsewhere) is not its own. A step that ran a checked plan says so itself (another
+        count is the next step's to handle, as for any plan)."""
+        if step.checked is not None:
+            return step.other_graph and len(step.counted()) == len(step.checked.counted)
+        if not step.stats.sites:
+            return False
+        graph = (len(step.counted()), step.leaf_sites())
+        known = self._graphs.setdefault(step.numbering, graph)
+        return graph[0] == known[0] and graph[1] != known[1]
 
     def _check(self, plan: Plan, stats: StepStats) -> None:
         """Measure the plan on the first step that ran it: the prediction, checked. Where the
@@ -619,9 +644,9 @@ class Offloader:
         if self._replans == _REPLANS_BEFORE_WARNING:
             warnings.warn(
                 f"cswap: the tensors saved under this Offloader changed {self._replans} times "
-                "between steps (in number, dtype or dimensions), and each time they are "
-                "measured again (profile_steps steps swapping raw). If several models share "
-                "it, give each its own Offloader(config).",
+                "between steps (in number, dtype, dimensions or where the weights are), and "
+                "each time they are measured again (profile_steps steps swapping raw). If "
+                "several models share it, give each its own Offloader(config).",
                 RuntimeWarning, stacklevel=7)
         self.new_epoch()
 

@@ -38,7 +38,9 @@ from .residency import Residency
 from .stats import SiteStats, StepStats, fmt_bytes
 from .tensors import (
     _STRIDED,
+    WEIGHTS,
     counter_owner,
+    of_a_leaf,
     skip_reason,
     unwrap,
     version_error,
@@ -117,13 +119,15 @@ class Move(NamedTuple):
 class Checked(NamedTuple):
     """A plan checked on a step: what that step saved (``Step.counted``), the sites it kept,
     those it moved with a codec of exact size, its statistics (a row per site, the
-    measured peak) and its device."""
+    measured peak), its device, and the sites where it saved a weight or a leaf
+    (``Step.leaf_sites``)."""
 
     counted: list[int]
     kept: frozenset[int]
     moved: dict[int, Move]
     stats: StepStats
     device: torch.device | None = None
+    leaves: frozenset[int] = frozenset()
 
     @property
     def moves_nothing(self) -> bool:
@@ -145,6 +149,11 @@ class Step:
         self.untracked, self.untracked_moves = ((checked.kept, checked.moved)
                                                 if checked is not None else (frozenset(), {}))
         self.idle = checked is not None and checked.moves_nothing
+        # The checked step's weight sites; ``other_graph``: this step saved a weight where the
+        # checked step moved a tensor, or none where it saved one (another model under a
+        # shared session, of the same sizes): its plan, made by position, is not this graph's.
+        self.leaves = checked.leaves if checked is not None else frozenset()
+        self.other_graph = False
         # Without hooks (autograd keeps every saved tensor), as the engine sets it for a plan
         # that moves nothing; ``epoch``: the engine's epoch when the step started.
         self.dormant = False
@@ -165,6 +174,7 @@ class Step:
         self.measure = measure  # time the windows and count every site's zeros
         self.timer: StepTimer | None = None
         self.blocks: BlockTimer | None = None  # each block's sites and time, when measured
+        self.numbering: frozenset[str] = frozenset()  # the blocks it recomputed (engine's)
         self._unpacked: set[int] = set()
         self.device: torch.device | None = None
         self.failed = self.closed = False
@@ -207,24 +217,33 @@ class Step:
         move = self.untracked_moves.get(site)
         if (move is not None and t.dtype is move.dtype and rebuild is None
                 and t.layout is _STRIDED and not t.is_nested):  # as the checked step's was
-            storage = t.untyped_storage()
-            if storage.nbytes() == move.nbytes:
-                return self._move(site, t, storage, move)
+            if of_a_leaf(t):  # a weight where the checked step moved a tensor: kept, tracked
+                self.other_graph = True
+            else:
+                storage = t.untyped_storage()
+                if storage.nbytes() == move.nbytes:
+                    return self._move(site, t, storage, move)
         return self._track(saved, t, rebuild)
 
     def _count(self, saved: torch.Tensor, t: torch.Tensor) -> tuple | None:
         """Pack an untracked site: keep ``saved``, count ``t`` (its plain tensor); None
         where ``t`` is larger than the plan's site (then it is tracked: its row plans for it)."""
         nbytes = t.numel() * t.element_size()  # a sparse tensor has no nbytes
+        site = len(self.sizes)
         limits = self.limits
-        if limits is not None:
-            site = len(self.sizes)
-            if site >= len(limits) or nbytes > limits[site]:
-                return None
+        if limits is not None and (site >= len(limits) or nbytes > limits[site]):
+            return None
+        if site in self.leaves and not of_a_leaf(t):
+            self.other_graph = True  # no weight where the checked step saved one
         self.stats.untracked_tensors += 1
         self.stats.untracked_bytes += nbytes
         self.sizes.append(nbytes)
         return saved, saved._version, -1
+
+    def leaf_sites(self) -> frozenset[int]:
+        """The tracked sites that saved a weight or a leaf: with the sizes of what was saved,
+        what tells one model's graph from another's."""
+        return frozenset(s.site for s in self.stats.sites if s.reason in WEIGHTS)
 
     def counted(self) -> list[int]:
         """What the step saved, as untracked steps compare it: the saved tensors' own sizes (a
@@ -548,6 +567,7 @@ def hide_from_dynamo() -> None:
 
     skip_code(Step.pack.__code__)
     skip_code(Step._count.__code__)
+    skip_code(of_a_leaf.__code__)  # which _count calls
     skip_code(Step.unpack.__code__)
     _hidden = True
 

@@ -26,13 +26,13 @@ def unwrap(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torc
     """The plain tensor that holds ``t``'s memory, and how to wrap it again: a DTensor (tensor
     or sequence parallelism) moves as its local shard; any other tensor as itself."""
     dtensor = sys.modules.get("torch.distributed.tensor")  # imported where DTensors exist
-    if dtensor is None or type(t) is not dtensor.DTensor or _of_a_leaf(t):
+    if dtensor is None or type(t) is not dtensor.DTensor or of_a_leaf(t):
         return t, None
     return t._local_tensor, partial(dtensor.DTensor.from_local, device_mesh=t.device_mesh,
                                     placements=t.placements, shape=t.shape, stride=t.stride())
 
 
-def _of_a_leaf(t: torch.Tensor) -> bool:
+def of_a_leaf(t: torch.Tensor) -> bool:
     """A weight (trained or frozen) or a leaf that requires grad, or a view of one."""
     base = t if t._base is None else t._base
     return base.is_leaf and (base.requires_grad or isinstance(base, torch.nn.Parameter))
@@ -43,7 +43,7 @@ def skip_reason(t: torch.Tensor, min_bytes: int) -> str:
     saved tensor: the common case, a plain strided activation, takes the fewest checks)."""
     plain = type(t) is torch.Tensor
     if plain and t.layout is _STRIDED and not t.is_nested and t.dtype in _SUPPORTED_DTYPES:
-        if (t._base is not None or t.is_leaf) and _of_a_leaf(t):  # not an op's output
+        if (t._base is not None or t.is_leaf) and of_a_leaf(t):  # not an op's output
             return "leaf" if t._base is None else "view of a leaf"
         if not (t.is_cuda or t.is_cpu):
             return f"device {t.device.type}"
@@ -61,7 +61,7 @@ def skip_reason(t: torch.Tensor, min_bytes: int) -> str:
         return f"dtype {str(t.dtype).removeprefix('torch.')}"
     if not (t.is_cuda or t.is_cpu):
         return f"device {t.device.type}"
-    if _of_a_leaf(t):
+    if of_a_leaf(t):
         return "leaf" if t._base is None else "view of a leaf"
     return f"subclass {type(t).__name__}"
 
