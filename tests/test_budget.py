@@ -16,6 +16,7 @@ from conftest import wide_mlp
 from torch import nn
 
 from cswap_lightning import CSwapConfig, Offloader
+from cswap_lightning.core.stats import StepStats
 from cswap_lightning.planning.advisor import AUTO_MARGIN, resolve_budget
 
 MiB = 1 << 20
@@ -176,6 +177,47 @@ def test_a_budget_is_met_on_transformers_too(kind):
     assert 0 < stats[-1].offloaded_bytes < stats[0].offloaded_bytes  # some, not everything
     assert measured <= 1.15 * budget, off.plan.table()
     assert off.plan.predicted_peak == pytest.approx(measured, rel=0.15), off.plan.table()
+
+
+@pytest.mark.slow
+def test_a_storage_two_kept_sites_share_is_counted_once():
+    """GPT-2 (4 layers, 256 wide, batch 8 x 128): cross-entropy saves its log-softmax twice
+    (196 MiB, one storage). Kept, both were counted: 600.8 MiB saved under a plan that keeps
+    everything against 404.5 moving everything, and after new_epoch() the prediction, made
+    from kept rows, grew by 196 MiB over the 343.4 MiB measured, so a budget the step fits
+    in moved tensors it did not need to."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=4, n_embd=256, n_head=4, n_positions=128)).train()
+    ids = torch.randint(0, model.config.vocab_size, (8, 128),
+                        generator=torch.Generator().manual_seed(0))
+
+    def step(off: Offloader) -> StepStats:
+        with off:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return off.last_step()
+
+    everything = Offloader(CSwapConfig(budget=None, profile_steps=1))
+    moved = step(everything)
+    everything.close()
+    # room for every saved tensor, not for twice the log-softmax; above half of it, so the
+    # steps keep their hooks (on the CPU) and count what they keep
+    off = Offloader(CSwapConfig(budget=450 * MiB, profile_steps=1))
+    step(off)  # measured
+    checking = step(off)
+    first = off.plan.predicted_peak
+    untracked = step(off)
+    assert not untracked.sites and not untracked.hooks_off
+    assert checking.saved_bytes == untracked.saved_bytes == moved.saved_bytes
+    off.new_epoch()
+    step(off)  # measured again, under the plan: every site kept
+    step(off)  # plans again from it
+    assert off.plan.predicted_peak == first == checking.peak_resident_bytes, off.plan.table()
+    assert all(d.decision == "keep" for d in off.plan.decisions.values()), off.plan.table()
+    off.close()
 
 
 def train_beside_plain(off: Offloader, model: nn.Module, x: torch.Tensor,

@@ -551,7 +551,7 @@ class Offloader:
         with the data: then every moved site stays tracked (the host arena is planned from
         the rows of those steps)."""
         sites = step.stats.sites
-        kept = frozenset(s.site for s in sites if s.decision == "keep")
+        kept = frozenset(s.site for s in sites if s.decision == "keep") | step.same_bytes
         codecs = {s.site: get_codec(s.decision) for s in sites
                   if s.decision not in ("keep", "dedup")}
         moves = {}
@@ -560,7 +560,7 @@ class Offloader:
                                   s.site in step.shared)
                      for s in sites if s.site in codecs and s.site not in self.held_elsewhere}
         self._checked = Checked(step.counted(), kept, moves, step.stats, step.device,
-                                step.leaf_sites())
+                                step.leaf_sites(), frozenset(step.same_bytes))
 
     def _other_graph(self, step: Step) -> bool:
         """Whether ``step`` ran another graph than the one measured: as many saved tensors, of

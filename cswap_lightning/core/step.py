@@ -119,8 +119,9 @@ class Move(NamedTuple):
 class Checked(NamedTuple):
     """A plan checked on a step: what that step saved (``Step.counted``), the sites it kept,
     those it moved with a codec of exact size, its statistics (a row per site, the
-    measured peak), its device, and the sites where it saved a weight or a leaf
-    (``Step.leaf_sites``)."""
+    measured peak), its device, the sites where it saved a weight or a leaf
+    (``Step.leaf_sites``), and the kept sites whose bytes an earlier kept site holds
+    (``Step.same_bytes``)."""
 
     counted: list[int]
     kept: frozenset[int]
@@ -128,6 +129,7 @@ class Checked(NamedTuple):
     stats: StepStats
     device: torch.device | None = None
     leaves: frozenset[int] = frozenset()
+    shares: frozenset[int] = frozenset()
 
     @property
     def moves_nothing(self) -> bool:
@@ -154,6 +156,8 @@ class Step:
         # shared session, of the same sizes): its plan, made by position, is not this graph's.
         self.leaves = checked.leaves if checked is not None else frozenset()
         self.other_graph = False
+        # Kept sites counted without their bytes: an earlier kept site holds the same ones.
+        self.shares = checked.shares if checked is not None else frozenset()
         # Without hooks (autograd keeps every saved tensor), as the engine sets it for a plan
         # that moves nothing; ``epoch``: the engine's epoch when the step started.
         self.dormant = False
@@ -184,6 +188,9 @@ class Step:
         self._lock = threading.Lock()
         self._originals: dict[int, torch.Tensor] = {}  # lossy sites' originals, on probes
         self._by_storage: dict[int, _Entry] = {}  # storage address -> entry, during forward
+        # the bytes of a kept tensor (``_same_bytes``) -> its site, during forward
+        self._kept: dict[tuple, int] = {}
+        self.same_bytes: set[int] = set()  # tracked kept sites whose bytes an earlier one holds
         self.shared: set[int] = set()  # sites whose storage later sites shared
         self._entries: dict[int, weakref.ref] = {}  # site -> its entry, while autograd has it
         self._prev_order = order  # unpack order learned on an earlier step
@@ -236,7 +243,8 @@ class Step:
         if site in self.leaves and not of_a_leaf(t):
             self.other_graph = True  # no weight where the checked step saved one
         self.stats.untracked_tensors += 1
-        self.stats.untracked_bytes += nbytes
+        if site not in self.shares:
+            self.stats.untracked_bytes += nbytes
         self.sizes.append(nbytes)
         return saved, saved._version, -1
 
@@ -270,6 +278,7 @@ class Step:
         if stats.reason:
             if stats.reason in ("small", "view of larger storage"):
                 self.residency.hold(t.untyped_storage())
+                self._same_bytes(t, stats)
             return saved, saved._version, site
         storage = t.untyped_storage()
         entry = self._by_storage.get(storage._cdata)
@@ -283,6 +292,8 @@ class Step:
         codec = self.offloader.codec_for(site, stats)
         if codec == "keep":
             stats.reason = stats.reason or "plan"
+            if self._same_bytes(t, stats):
+                return saved, saved._version, site
             if self.measure:
                 self._counts.append((stats, t.numel(), self.transfer.nonzero(t)))
             return saved, saved._version, site
@@ -290,6 +301,18 @@ class Step:
         stats.decision, stats.nbytes = codec, storage.nbytes()
         self._offload(entry, t, storage, stats.nbytes, get_codec(codec))
         return entry
+
+    def _same_bytes(self, t: torch.Tensor, stats: SiteStats) -> bool:
+        """Whether an earlier kept site of the step holds ``t``'s bytes (the same tensor
+        saved twice: a log-softmax by itself and by the loss), at the same version; then the
+        row shares that site's, and the step counts the bytes once."""
+        key = (t.data_ptr(), stats.nbytes, t.dtype, id(counter_owner(t)), t._version)
+        first = self._kept.setdefault(key, stats.site)
+        if first == stats.site:
+            return False
+        stats.decision, stats.reason = "dedup", f"shares storage with site {first}"
+        self.same_bytes.add(stats.site)
+        return True
 
     def _move(self, site: int, t: torch.Tensor, storage: torch.UntypedStorage,
               move: Move) -> _Entry:
@@ -343,6 +366,7 @@ class Step:
         if self.dormant:
             return
         self._by_storage.clear()
+        self._kept.clear()
         self.transfer.poll()
         if self.prefetch_bytes is None:  # nothing measured: two of its largest moved tensors
             self.prefetch_bytes = resident_window(

@@ -223,7 +223,7 @@ def _exposed(seconds: float) -> str:
 def _kind(reason: str) -> str:
     """What a site the table leaves out is, in the user's words."""
     if reason.startswith("shares storage"):
-        return "views moved with an earlier site's storage"
+        return "views of an earlier site's storage (moved or kept with it)"
     return {"parameter": "weights", "leaf": "weights", "view of a leaf": "views of weights",
             "small": "tensors under min_bytes", HELD_ELSEWHERE: "tensors held elsewhere",
             }.get(reason, f"kept ({reason or 'not offloadable'})")
