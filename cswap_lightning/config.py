@@ -17,6 +17,10 @@ LOSSY_CODECS: tuple[str, ...] = get_args(LossyCodec)
 PLANS: tuple[str, ...] = ("auto", "keep", "raw", *COMPRESSORS, *LOSSY_CODECS)
 
 MiB = 1 << 20
+# inflight_bytes="auto": the bound until the planner has replayed a measured step, and the
+# larger ones it may choose where the memory the copies in flight hold stays in the budget.
+AUTO_INFLIGHT_BYTES = 1024 * MiB
+INFLIGHT_CHOICES: tuple[int, ...] = (2048 * MiB, 4096 * MiB, 8192 * MiB)
 # More memory than any device has (the largest GPUs hold 288 GB; 16 TiB is more RAM than
 # nearly any host): a byte count above it is a slip (a unit written twice), not a setting.
 MAX_BYTES = 1 << 44
@@ -33,7 +37,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "guard_tolerance": (float, int),
     "min_bytes": (int,),
     "prefetch_bytes": (int, str),
-    "inflight_bytes": (int,),
+    "inflight_bytes": (int, str),
     "pin_memory": (bool,),
     "recompute": (str,),
 }
@@ -78,7 +82,11 @@ class CSwapConfig:
             back early is held on the device.
         inflight_bytes: how many bytes forward may leave on their way off the device
             (copies not yet done, tensors not yet compressed) before it waits for the
-            oldest; the wait is reported as ``StepStats.forward_wait_s``.
+            oldest; the wait is reported as ``StepStats.forward_wait_s``. ``"auto"``: 1 GiB,
+            raised (up to 8 GiB) by the planner where its replay of a measured step under a
+            budget says forward then waits less and the memory the copies in flight hold
+            stays within the budget: the first blocks' activations come faster than the link
+            carries them, and are copied while later blocks compute.
         pin_memory: use page-locked host memory for CUDA tensors (needed for async copies).
         recompute: ``"auto"`` lets the planner run chosen blocks of the watched model (its
             transformer layers, ResNet bottlenecks, VGG stages) again in backward instead of
@@ -95,7 +103,7 @@ class CSwapConfig:
     guard_tolerance: float = 0.1
     min_bytes: int = 256 * 1024
     prefetch_bytes: int | Literal["auto"] = "auto"
-    inflight_bytes: int = 1024 * MiB
+    inflight_bytes: int | Literal["auto"] = "auto"
     pin_memory: bool = True
     recompute: RecomputeMode = "auto"
 
@@ -125,9 +133,11 @@ class CSwapConfig:
             )
         if self.profile_steps < 1:
             raise ValueError(f"CSwapConfig.profile_steps must be >= 1, got {self.profile_steps!r}")
-        if isinstance(self.prefetch_bytes, str) and self.prefetch_bytes != "auto":
-            raise ValueError("CSwapConfig.prefetch_bytes must be 'auto' or a number of bytes "
-                             f">= 0; got {self.prefetch_bytes!r}")
+        for name in ("prefetch_bytes", "inflight_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, str) and value != "auto":
+                raise ValueError(f"CSwapConfig.{name} must be 'auto' or a number of bytes "
+                                 f">= 0; got {value!r}")
         for name in ("min_bytes", "prefetch_bytes", "inflight_bytes"):
             nbytes = getattr(self, name)
             if isinstance(nbytes, int) and nbytes < 0:

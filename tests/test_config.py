@@ -31,6 +31,7 @@ from cswap_lightning.config import MAX_BYTES
         ({"budget": 1e21}, ValueError, r"budget must be .* bytes > 0 \(an int\)"),
         ({"prefetch_bytes": 10**14}, ValueError, r"prefetch_bytes=10{14} bytes \(91 TiB\) is more"),
         ({"inflight_bytes": 1 << 45}, ValueError, r"inflight_bytes=.* more than any device"),
+        ({"inflight_bytes": "big"}, ValueError, r"inflight_bytes must be .auto. or a number"),
         ({"min_bytes": 1 << 45}, ValueError, r"min_bytes=.* more than any device"),
         ({"recompute": "on"}, ValueError, r"recompute must be one of 'auto', 'off'; got 'on'"),
         ({"recompute": False}, TypeError, r"recompute must be of type str, got False"),

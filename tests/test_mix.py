@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from test_replay import ENGINE, LINK, MB, step
 
+from cswap_lightning.config import AUTO_INFLIGHT_BYTES
 from cswap_lightning.planning import mix
 from cswap_lightning.planning import profiled as evidence
 from cswap_lightning.planning.replay import Codec, checkpoint_all, predict, swap_all
@@ -60,6 +61,42 @@ def test_without_recomputation_only_swaps():
     assert chosen.fits and {d.action for d in chosen.decisions(blocks4())} <= {"keep", "swap"}
 
 
+def two_bursts(first: int, third: int) -> object:
+    """Two 1 ms blocks saving ``first`` bytes each (faster than the link carries them), then
+    a 30 ms block saving ``third`` and a 30 ms block saving 5 MB."""
+    return step([(0.001, 0.001, [first]), (0.001, 0.001, [first]),
+                 (0.030, 0.030, [third]), (0.030, 0.030, [5 * MB])])
+
+
+def test_a_larger_bound_in_flight_lets_forward_run_on_while_the_first_blocks_are_copied():
+    """At a 10 MB bound forward waits 9 ms for the first block's copy before the second's;
+    with 40 MB allowed it runs on and the copies end during the long block: keep's time."""
+    w = two_bursts(10 * MB, 30 * MB)
+    bounded = type(ENGINE)(min_bytes=1, prefetch_bytes=1, inflight_bytes=10 * MB)
+    keep = predict(w, link=LINK, engine=bounded)
+    fixed = mix.choose(w, 36 * MB, LINK, bounded)
+    wider = mix.choose(w, 36 * MB, LINK, bounded, inflight_choices=(40 * MB,))
+    assert [d.action for d in fixed.decisions(w)] == ["swap", "swap", "keep", "keep"]
+    assert fixed.inflight_bytes == 10 * MB and fixed.prediction.forward_stall_s > 0.008
+    assert wider.inflight_bytes == 40 * MB and wider.prediction.forward_stall_s == 0
+    assert wider.prediction.step_s == pytest.approx(keep.step_s)
+    assert wider.prediction.held_peak_bytes <= 36 * MB
+    assert "at most 38 MiB" in mix.table(wider, w)
+
+
+def test_a_larger_bound_is_not_taken_where_the_copies_in_flight_pass_the_budget():
+    """With 80 MB allowed, the second block's copy still runs while the third block's 30 MB
+    are made: 50 MB held against a 45 MB budget, though the allocator's peak says 40."""
+    w = two_bursts(20 * MB, 30 * MB)
+    bounded = type(ENGINE)(min_bytes=1, prefetch_bytes=1, inflight_bytes=20 * MB)
+    wide = type(ENGINE)(min_bytes=1, prefetch_bytes=1, inflight_bytes=80 * MB)
+    swapped = mix.Plan(mix.KEEP, {"b0": mix.Decision("swap"), "b1": mix.Decision("swap")})
+    held = predict(w, swapped, LINK, wide)
+    assert held.peak_bytes == 40 * MB and held.held_peak_bytes == 50 * MB
+    chosen = mix.choose(w, 45 * MB, LINK, bounded, inflight_choices=(80 * MB,))
+    assert chosen.inflight_bytes == 20 * MB and chosen.prediction.held_peak_bytes <= 45 * MB
+
+
 def test_a_budget_no_mix_meets_says_by_how_much():
     w = step([(0.010, 0.010, [10 * MB])] * 4, start=50 * MB)  # 50 MB before any activation
     chosen = mix.choose(w, 40 * MB, LINK, ENGINE)
@@ -103,5 +140,7 @@ def test_the_plan_bench_writes_predictions_for_every_model_and_budget(tmp_path):
     assert [r["budget"] for r in rows][-1] == "checkpointing's peak" and len(rows) == len(LEVELS) + 1
     assert all(r["fits"] and r["peak_bytes"] <= r["budget_bytes"] for r in rows)
     assert all(r["throughput_vs_checkpointing"] >= 0.999 for r in rows)
+    raised = [r for r in rows if r["inflight_bytes"] > AUTO_INFLIGHT_BYTES]
+    assert raised and all(r["held_peak_bytes"] <= r["budget_bytes"] for r in raised)
     report = (tmp_path / "plan.md").read_text()
     assert "prediction" in report and "not a measurement" in report

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from cswap_lightning import CSwapConfig, Offloader
+from cswap_lightning.config import AUTO_INFLIGHT_BYTES
 from cswap_lightning.core.stats import StepStats
 from cswap_lightning.planning.profiler import Link
 
@@ -66,6 +67,8 @@ def test_a_gpt2_at_40_percent_recomputes_blocks_and_meets_the_budget_bitwise():
     assert "recompute" in table and "a prediction" in table
     assert off.plan.measured_peak is not None
     assert stats[-1].peak_resident_bytes <= 1.05 * budget, table
+    # inflight_bytes="auto": the bound the chosen mix was replayed with is the engine's
+    assert off.transfer.inflight_limit == off.recomputation.inflight_bytes
     off.close()
 
 
@@ -95,6 +98,25 @@ def test_a_budget_with_room_recomputes_nothing():
         loss.backward()
     assert not off.recomputed
     assert off.recomputation is not None and off.recomputation.mix.how == "keep everything"
+    assert off.transfer.inflight_limit == AUTO_INFLIGHT_BYTES  # nothing moves: not raised
+    off.close()
+
+
+def test_a_bound_in_flight_given_by_hand_is_the_planners_too():
+    assert Offloader(CSwapConfig()).transfer.inflight_limit == AUTO_INFLIGHT_BYTES
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())
+                                  for _ in range(4)])
+    x = torch.randn(32, 64)
+    off = Offloader(CSwapConfig(budget=20_000, profile_steps=1, min_bytes=0,
+                                inflight_bytes=3 << 20), link=SLOW_LINK)
+    off.watch(model)
+    for _ in range(3):
+        with off:
+            loss = model(x).sum()
+        loss.backward()
+    assert off.recomputation is not None and off.recomputation.inflight_choices == ()
+    assert off.recomputation.inflight_bytes == off.transfer.inflight_limit == 3 << 20
     off.close()
 
 

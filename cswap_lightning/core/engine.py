@@ -22,7 +22,7 @@ from typing_extensions import Self
 from ..codecs import get_codec
 from ..codecs.cuda import enable_cuda_codecs_if_requested
 from ..codecs.lossy import LOSSY_DTYPES as _LOSSY_TORCH_DTYPES
-from ..config import LOSSY_CODECS, CSwapConfig, as_config
+from ..config import AUTO_INFLIGHT_BYTES, INFLIGHT_CHOICES, LOSSY_CODECS, CSwapConfig, as_config
 from ..planning import live, mix
 from ..planning import replay as replayed
 from ..planning.advisor import HELD_ELSEWHERE, Advisor, Plan, resolve_budget
@@ -82,8 +82,10 @@ class Offloader:
         self.config = as_config(config, "Offloader")
         self.link = link
         self.time_model = time_model
+        inflight = self.config.inflight_bytes
         self.transfer = Transfer(pin_memory=self.config.pin_memory,
-                                 inflight_bytes=self.config.inflight_bytes)
+                                 inflight_bytes=AUTO_INFLIGHT_BYTES if inflight == "auto"
+                                 else inflight)
         self.plan: Plan | None = None  # the advisor's, for plan="auto"
         # the link and codec times measured for the latest plan (a plan grown for larger
         # steps reuses them)
@@ -603,6 +605,7 @@ class Offloader:
                   "that much tighter", fmt_bytes(over))
         if self.recomputation is not None and self.recomputer is not None:
             self.recomputation = self.recomputation.tighter(over)
+            self.transfer.inflight_limit = self.recomputation.inflight_bytes
             self.recompute(self.recomputation.names)
             self._measure_recomputed = bool(self.recomputation.names)
         self.new_epoch()
@@ -623,11 +626,18 @@ class Offloader:
         profiles = self._profiles()
         stats = step.stats
         beside = max((stats.peak_allocated_bytes or 0) - stats.peak_resident_bytes, 0)
+        auto_bound = self.config.inflight_bytes == "auto"
         engine = replayed.Engine(self.config.min_bytes, self._window(profiles, link),
-                                 self.config.inflight_bytes)
+                                 self.transfer.inflight_limit)
         measured = live.workload(profiles, self.block_calls, beside)
         self.recomputation = choice = live.choose_recompute(
-            measured, budget, replayed.Link(link.d2h, link.h2d, link.d2d), engine)
+            measured, budget, replayed.Link(link.d2h, link.h2d, link.d2d), engine,
+            INFLIGHT_CHOICES if auto_bound else ())
+        if choice.inflight_bytes != self.transfer.inflight_limit:
+            _log.info("cswap: up to %s in flight off the device (was %s): the replayed step "
+                      "waits less and its memory with the copies in flight fits the budget",
+                      fmt_bytes(choice.inflight_bytes), fmt_bytes(self.transfer.inflight_limit))
+            self.transfer.inflight_limit = choice.inflight_bytes
         if not choice.names:
             return False
         skipped = self.recompute(choice.names)

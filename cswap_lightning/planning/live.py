@@ -82,20 +82,29 @@ class Recomputation:
     workload: Workload
     link: replay.Link
     engine: replay.Engine
+    inflight_choices: tuple[int, ...] = ()
+
+    @property
+    def inflight_bytes(self) -> int:
+        """The bound on bytes in flight the chosen mix was replayed with."""
+        return self.mix.inflight_bytes
 
     def tighter(self, by: int) -> Recomputation:
         """The choice for a budget ``by`` bytes tighter, from the same replayed step."""
         return choose_recompute(self.workload, max(self.mix.budget_bytes - by, 0), self.link,
-                                self.engine)
+                                self.engine, self.inflight_choices)
 
 
 def choose_recompute(measured: Workload, budget_bytes: int, link: replay.Link,
-                     engine: replay.Engine) -> Recomputation:
+                     engine: replay.Engine, inflight_choices: Sequence[int] = ()
+                     ) -> Recomputation:
     """The blocks the planner recomputes to meet ``budget_bytes``, from the measured step
     replayed under candidate mixes: none where keeping or swapping alone is predicted to meet
-    it at least as fast."""
-    chosen = mix.choose(measured, budget_bytes, link, engine)
+    it at least as fast. ``inflight_choices``: larger bounds on bytes in flight it may pick
+    (``mix.choose``)."""
+    chosen = mix.choose(measured, budget_bytes, link, engine,
+                        inflight_choices=inflight_choices)
     names = tuple(block.name for block, decision in zip(measured.blocks,
                                                         chosen.decisions(measured), strict=True)
                   if decision.action == "recompute")
-    return Recomputation(names, chosen, measured, link, engine)
+    return Recomputation(names, chosen, measured, link, engine, tuple(inflight_choices))

@@ -14,13 +14,19 @@ So the planner, replaying the step (``replay.py``) for each candidate:
 3. where even recomputing every block leaves the peak over the budget, swaps the recomputed
    blocks' inputs and the blocks that cannot be recomputed too, earliest first.
 
+Where the engine's bound on bytes in flight is the planner's to choose, a larger bound is
+tried too: the first blocks' activations come faster than the link carries them, and a
+bound that lets forward run on while their copies catch up swaps more blocks for free. The
+originals being copied cannot be reused before their copy ends, so a larger bound is taken
+only where the replay's peak with them (``held_peak_bytes``) stays within the budget.
+
 A budget no mix meets is said, with the bytes missing, instead of run over silently. Every
 figure is a prediction.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from .replay import KEEP, RAW, Codec, Decision, Engine, Link, Plan, Prediction, predict
@@ -38,6 +44,12 @@ class Mix:
     fits: bool
     how: str  # which candidate won
     candidates: dict[str, Prediction] = field(default_factory=dict)
+    engine: Engine = field(default_factory=Engine)  # the settings it was replayed with
+
+    @property
+    def inflight_bytes(self) -> int:
+        """The bound on bytes in flight the mix was replayed with."""
+        return self.engine.inflight_bytes
 
     @property
     def missing_bytes(self) -> int:
@@ -52,11 +64,29 @@ class Mix:
 
 def choose(workload: Workload, budget_bytes: int | None, link: Link | None = None,
            engine: Engine | None = None, codec_of: Callable[[int], Codec] | None = None,
-           recompute: bool = True) -> Mix:
+           recompute: bool = True, inflight_choices: Sequence[int] = ()) -> Mix:
     """The fastest plan the replay predicts to fit ``budget_bytes`` (the allocator's peak);
     ``codec_of(block)`` is how a swapped block travels (raw by default); ``recompute=False``
-    only keeps or swaps."""
-    link, engine = link or Link(), engine or Engine()
+    only keeps or swaps; ``inflight_choices``: larger bounds on bytes in flight than
+    ``engine``'s the plan may use, where the replay's peak with the copies in flight
+    (``held_peak_bytes``) stays within the budget."""
+    engine = engine or Engine()
+    best = _choose(workload, budget_bytes, link or Link(), engine, codec_of, recompute)
+    for bound in sorted(b for b in inflight_choices if b > engine.inflight_bytes):
+        if not best.fits or best.how == "keep everything":
+            break
+        wider = _choose(workload, budget_bytes, link or Link(),
+                        replace(engine, inflight_bytes=bound), codec_of, recompute, held=True)
+        if wider.fits and wider.prediction.step_s < best.prediction.step_s:
+            best = wider
+    return best
+
+
+def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: Engine,
+            codec_of: Callable[[int], Codec] | None, recompute: bool,
+            held: bool = False) -> Mix:
+    """``choose`` at one bound on bytes in flight (``held``: the copies in flight count
+    against the budget too)."""
     codec_of = codec_of or (lambda block: RAW)
 
     def run(plan: Plan) -> Prediction:
@@ -64,7 +94,7 @@ def choose(workload: Workload, budget_bytes: int | None, link: Link | None = Non
 
     keep = run(Plan())
     if budget_bytes is None or keep.peak_bytes <= budget_bytes:
-        return Mix(Plan(), keep, keep, budget_bytes, True, "keep everything")
+        return Mix(Plan(), keep, keep, budget_bytes, True, "keep everything", engine=engine)
     names = [b.name for b in workload.blocks]
     swap = {b: Decision("swap", codec_of(b)) for b in range(len(names))}
     ranked = ([b for b in sorted(range(len(names)), key=lambda b: -_bytes_per_second(workload, b))
@@ -74,7 +104,8 @@ def choose(workload: Workload, budget_bytes: int | None, link: Link | None = Non
         return Plan(KEEP, {names[b]: d for b, d in chosen.items()})
 
     def fits(chosen: dict[int, Decision]) -> bool:
-        return run(plan_of(chosen)).peak_bytes <= budget_bytes
+        p = run(plan_of(chosen))
+        return max(p.peak_bytes, p.held_peak_bytes if held else 0) <= budget_bytes
 
     def mixed(swapped: int, recomputed: int) -> dict[int, Decision]:
         """The earliest ``swapped`` blocks swapped, the ``recomputed`` best others
@@ -113,12 +144,12 @@ def choose(workload: Workload, budget_bytes: int | None, link: Link | None = Non
     if candidates:
         how, (chosen, prediction) = min(candidates.items(), key=lambda kv: kv[1][1].step_s)
         return Mix(plan_of(chosen), prediction, keep, budget_bytes, True, how,
-                   {h: p for h, (_, p) in candidates.items()})
+                   {h: p for h, (_, p) in candidates.items()}, engine)
     # nothing fits: the plan that comes closest, and how far off it is
     tightest = {b: (Decision("recompute", swap[b].codec, swap_input=True)
                     if b in ranked else swap[b]) for b in range(len(names))}
     return Mix(plan_of(tightest), run(plan_of(tightest)), keep, budget_bytes, False,
-               "does not fit")
+               "does not fit", engine=engine)
 
 
 def _bytes_per_second(workload: Workload, block: int) -> float:
@@ -169,7 +200,9 @@ def table(mix: Mix, workload: Workload) -> str:
     rows.append(
         f"{mix.how}: predicted step {p.step_s * 1e3:.1f} ms ({p.step_s / keep.step_s:.2f}x "
         f"keeping everything), peak {p.peak_bytes / 2**20:.1f} MiB "
-        f"({p.peak_bytes / keep.peak_bytes:.0%} of keeping everything), budget {budget}"
+        f"({p.peak_bytes / keep.peak_bytes:.0%} of keeping everything; "
+        f"{p.held_peak_bytes / 2**20:.1f} MiB with the copies in flight, at most "
+        f"{mix.inflight_bytes / 2**20:.0f} MiB), budget {budget}"
         + ("" if mix.fits else f": DOES NOT FIT, {mix.missing_bytes / 2**20:.0f} MiB short")
         + " (a prediction: replay of the step)")
     return "\n".join(rows)

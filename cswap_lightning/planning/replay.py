@@ -29,12 +29,12 @@ Memory is counted as ``torch.cuda.max_memory_allocated`` counts it (the measured
 that): a tensor from its allocation until the program drops it, in program order. An original
 being copied out is free by that count once forward drops it, though the allocator cannot
 reuse its memory before the copy ends (up to ``inflight_bytes`` more device memory in use than
-the peak says). At each op the allocator also holds what the workload measured or modelled
+the peak says): ``held_peak_bytes`` counts those too. At each op the allocator also holds what the workload measured or modelled
 beside the saved tensors (its temporaries in forward; weight gradients so far and activation
 gradients in backward).
 
 Not modelled: a host that issues kernels slower than the device runs them (a profile holds
-device times only), and the device memory that copies in flight keep from reuse (above).
+device times only), and the allocator's fragmentation.
 Every figure the replay gives is a prediction, not a measurement.
 """
 
@@ -45,7 +45,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..config import CSwapConfig
+from ..config import AUTO_INFLIGHT_BYTES, CSwapConfig
 from ..core.tensors import MAX_STORAGE_TO_VIEW_RATIO
 from .workload import Workload
 
@@ -160,7 +160,7 @@ class Engine:
 
     min_bytes: int = CSwapConfig.min_bytes
     prefetch_bytes: int = 512 << 20  # the engine's fixed window when the H100 run was made
-    inflight_bytes: int = CSwapConfig.inflight_bytes
+    inflight_bytes: int = AUTO_INFLIGHT_BYTES
 
 
 @dataclass(frozen=True)
@@ -186,6 +186,9 @@ class Prediction:
     recompute_s: float
     peak_bytes: int  # the allocator's peak, as torch.cuda.max_memory_allocated counts it
     peak_at: str  # where it happens
+    # the peak with the originals whose copies out are still running: their memory is not
+    # reusable before the copy ends, so the allocator's reserved memory must cover them too
+    held_peak_bytes: int
     d2h_bytes: int
     h2d_bytes: int
     timeline: tuple[Interval, ...] = ()
@@ -239,6 +242,7 @@ class _Replay:
         self.copies = 0  # bytes of copies back alive
         self.grads = 0  # weight gradients made so far
         self.peak, self.peak_at = 0, ""
+        self.held_peak = 0
         self.last_forward_op: dict[int, int] = {}  # storage -> the last op that saved it
         for k, op in enumerate(workload.ops):
             for i in op.saves:
@@ -260,6 +264,7 @@ class _Replay:
             backward_s=backward_end - forward_end, optimizer_s=optimizer_s,
             forward_stall_s=self.stall, backward_wait_s=self.wait,
             recompute_s=self.recompute_s, peak_bytes=self.peak, peak_at=self.peak_at,
+            held_peak_bytes=self.held_peak,
             d2h_bytes=self.d2h_bytes, h2d_bytes=self.h2d_bytes, timeline=tuple(self.timeline))
 
     # -- bookkeeping ----------------------------------------------------------------------------
@@ -272,6 +277,8 @@ class _Replay:
         now = self.w.start_bytes + self.device_bytes + self.copies + self.grads + other
         if now > self.peak:
             self.peak, self.peak_at = now, where
+        copying = sum(n for end, n in self.inflight if end > self.compute)
+        self.held_peak = max(self.held_peak, now + copying)
 
     def _allocate(self, storage: int) -> None:
         if storage not in self.device:
