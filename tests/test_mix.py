@@ -144,3 +144,44 @@ def test_the_plan_bench_writes_predictions_for_every_model_and_budget(tmp_path):
     assert raised and all(r["held_peak_bytes"] <= r["budget_bytes"] for r in raised)
     report = (tmp_path / "plan.md").read_text()
     assert "prediction" in report and "not a measurement" in report
+
+
+def test_finer_units_split_a_block_around_each_unit():
+    """Ops 0-2 one block whose middle op is a unit of its own: the unit is recomputable, the
+    ops around it no longer are (checkpointing them alone is not what the engine does)."""
+    w = step([(0.001, 0.001, [MB])] * 4, blocks=[("layer", 3, True), ("head", 1, True)])
+    finer = w.with_units(lambda op: op.module == "m1")
+    assert [(b.name, list(b.ops), b.recomputable) for b in finer.blocks] == [
+        ("layer [0:1]", [0], False), ("m1", [1], True), ("layer [2:3]", [2], False),
+        ("head", [3], True)]
+    assert [op.block for op in finer.ops] == [0, 1, 2, 3]
+    assert w.with_units(lambda op: False).blocks == w.blocks
+
+
+def test_the_live_step_offers_nested_units_as_a_second_candidate():
+    from cswap_lightning.core.recompute import BlockCall
+    from cswap_lightning.planning import live
+    from cswap_lightning.planning.profiler import SiteProfile
+
+    profiles = [SiteProfile(k, (MB // 4,), "float32", MB, True, module=f"m{k}",
+                            forward_s=0.001, backward_s=0.001) for k in range(6)]
+    calls = [BlockCall("h.0", 0, 3, 1, 0, 0.001), BlockCall("h.0.act", 1, 2, 1, 0, 0.001),
+             BlockCall("h.1", 3, 6, 1, 0, 0.001)]
+    outer, inner = live.candidates(profiles, calls)
+    assert [b.name for b in outer.blocks if b.recomputable] == ["h.0", "h.1"]
+    assert [b.name for b in inner.blocks if b.recomputable] == ["h.0.act", "h.1"]
+    assert len(live.candidates(profiles, [calls[0], calls[2]])) == 1  # nothing nests
+
+
+def test_gpt2_recomputes_its_activation_modules_where_that_is_faster_than_layers():
+    """Predictions: GPT-2 medium's gelu_new saves four tensors in a fifth of its layer's
+    forward time; at 70% of no offload's peak recomputing those beats recomputing layers."""
+    layers, finer = evidence.candidates("gpt2-medium")
+    budget = int(0.7 * predict(layers).peak_bytes)
+    units, chosen = mix.choose_among((layers, finer), budget)
+    assert units is finer and chosen.fits
+    recomputed = [b.name for b, d in zip(finer.blocks, chosen.decisions(finer), strict=True)
+                  if d.action == "recompute"]
+    assert recomputed and all(name.endswith("mlp.act") for name in recomputed)
+    assert chosen.prediction.step_s < mix.choose(layers, budget).prediction.step_s
+    assert len(evidence.candidates("vgg16")) == 1  # no activation modules by name

@@ -73,6 +73,20 @@ def test_a_gpt2_at_40_percent_recomputes_blocks_and_meets_the_budget_bitwise():
 
 
 @pytest.mark.slow
+def test_a_gpt2_at_80_percent_recomputes_only_its_activation_modules_bitwise():
+    """gelu_new saves four tensors for little compute: with room for most of the step, the
+    planner recomputes those alone rather than whole layers (``live.candidates``)."""
+    model, ids = gpt2()
+    budget = int(0.8 * keep_peak(model, ids))
+    off = Offloader(CSwapConfig(budget=budget, profile_steps=1), link=SLOW_LINK)
+    stats = train(off, model, ids, steps=4)
+    assert off.recomputed and all(name.endswith("mlp.act") for name in off.recomputed)
+    assert len(off.recomputation.workloads) == 2
+    assert stats[-1].peak_resident_bytes <= 1.05 * budget, off.plan.table()
+    off.close()
+
+
+@pytest.mark.slow
 def test_without_recomputation_the_advisor_swaps_to_meet_the_budget():
     model, ids = gpt2()
     budget = int(0.4 * keep_peak(model, ids))

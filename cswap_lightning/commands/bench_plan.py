@@ -31,9 +31,11 @@ def run_plan_bench(models: list[str] | None = None, out: str | None = None) -> l
         budgets = [(f"{level:.0%} of no offload", int(level * keep.peak_bytes))
                    for level in LEVELS] + [("checkpointing's peak", checkpointed.peak_bytes)]
         for label, budget in budgets:
-            chosen = mix.choose(w, budget, inflight_choices=INFLIGHT_CHOICES)
+            units, chosen = mix.choose_among(evidence.candidates(model), budget,
+                                             inflight_choices=INFLIGHT_CHOICES)
             p = chosen.prediction
-            actions = [d.action for d in chosen.decisions(w)]
+            actions = [d.action for d in chosen.decisions(units)]
+            finer = units.blocks != w.blocks and "recompute" in actions
             rows.append({
                 "model": model, "budget": label, "budget_bytes": budget, "fits": chosen.fits,
                 "how": chosen.how, "step_s": p.step_s, "peak_bytes": p.peak_bytes,
@@ -44,6 +46,7 @@ def run_plan_bench(models: list[str] | None = None, out: str | None = None) -> l
                 "checkpointing_fits": checkpointed.peak_bytes <= budget,
                 "swap_all_fits": swapped.peak_bytes <= budget,
                 "held_peak_bytes": p.held_peak_bytes, "inflight_bytes": chosen.inflight_bytes,
+                "recomputed_units": "activation modules" if finer else "blocks",
                 "swapped_blocks": actions.count("swap"),
                 "recomputed_blocks": actions.count("recompute"), "blocks": len(actions)})
             print(f"  {evidence.LABELS[model]}, {label}: {chosen.how} "
@@ -54,6 +57,8 @@ def run_plan_bench(models: list[str] | None = None, out: str | None = None) -> l
     lines = [head, "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         fits = "" if r["fits"] else " (DOES NOT FIT)"
+        if r["recomputed_units"] != "blocks":
+            fits += f" (units: {r['recomputed_units']})"
         ck = f"{r['throughput_vs_checkpointing']:.2f}x" + (
             "" if r["checkpointing_fits"] else " (ckpt over budget)")
         sw = f"{r['throughput_vs_swap_all']:.2f}x" + (

@@ -629,7 +629,7 @@ class Offloader:
         auto_bound = self.config.inflight_bytes == "auto"
         engine = replayed.Engine(self.config.min_bytes, self._window(profiles, link),
                                  self.transfer.inflight_limit)
-        measured = live.workload(profiles, self.block_calls, beside)
+        measured = live.candidates(profiles, self.block_calls, beside)
         self.recomputation = choice = live.choose_recompute(
             measured, budget, replayed.Link(link.d2h, link.h2d, link.d2d), engine,
             INFLIGHT_CHOICES if auto_bound else ())

@@ -35,10 +35,13 @@ class BlockCall(Protocol):
 
 
 def workload(profiles: Sequence[SiteProfile], calls: Sequence[BlockCall],
-             beside_bytes: int = 0, name: str = "measured step") -> Workload:
+             beside_bytes: int = 0, name: str = "measured step",
+             innermost: bool = False) -> Workload:
     """The replay's workload of a measured step: ``profiles`` in site order (the profiler's),
     ``calls`` the blocks that can be recomputed, ``beside_bytes`` what the step holds beside
-    its saved tensors."""
+    its saved tensors. Where calls nest (an activation module inside a layer), the outer
+    ones are the units, or with ``innermost`` the inner ones (the rest of the outer one then
+    cannot be recomputed)."""
     index = {p.site: i for i, p in enumerate(profiles)}
     saved: list[Saved] = []
     for i, p in enumerate(profiles):
@@ -51,7 +54,8 @@ def workload(profiles: Sequence[SiteProfile], calls: Sequence[BlockCall],
         saved.append(Saved(p.module, p.dtype, p.nbytes, p.nbytes, storage, weight, held))
     block_of = [-1] * len(profiles)  # the recomputable block a site is in, or -1
     named: list[str] = []
-    for call in sorted(calls, key=lambda c: c.first_site):
+    for call in sorted(calls, key=lambda c: (c.stop_site - c.first_site) if innermost
+                       else c.first_site):
         sites = [index[s] for s in range(call.first_site, call.stop_site) if s in index]
         if sites and all(block_of[i] < 0 for i in sites):
             for i in sites:
@@ -83,6 +87,7 @@ class Recomputation:
     link: replay.Link
     engine: replay.Engine
     inflight_choices: tuple[int, ...] = ()
+    workloads: tuple[Workload, ...] = ()  # the candidates it was chosen among
 
     @property
     def inflight_bytes(self) -> int:
@@ -91,20 +96,32 @@ class Recomputation:
 
     def tighter(self, by: int) -> Recomputation:
         """The choice for a budget ``by`` bytes tighter, from the same replayed step."""
-        return choose_recompute(self.workload, max(self.mix.budget_bytes - by, 0), self.link,
-                                self.engine, self.inflight_choices)
+        return choose_recompute(self.workloads or (self.workload,),
+                                max(self.mix.budget_bytes - by, 0), self.link, self.engine,
+                                self.inflight_choices)
 
 
-def choose_recompute(measured: Workload, budget_bytes: int, link: replay.Link,
+def candidates(profiles: Sequence[SiteProfile], calls: Sequence[BlockCall],
+               beside_bytes: int = 0) -> tuple[Workload, ...]:
+    """The measured step with the outermost units of recomputation, and, where units nest,
+    with the innermost (GPT-2's ``gelu_new`` saves four tensors for a fifth of its layer's
+    forward time: recomputing it alone frees more bytes per second than the layer)."""
+    outer = workload(profiles, calls, beside_bytes)
+    inner = workload(profiles, calls, beside_bytes, innermost=True)
+    return (outer,) if inner.blocks == outer.blocks else (outer, inner)
+
+
+def choose_recompute(measured: Sequence[Workload], budget_bytes: int, link: replay.Link,
                      engine: replay.Engine, inflight_choices: Sequence[int] = ()
                      ) -> Recomputation:
     """The blocks the planner recomputes to meet ``budget_bytes``, from the measured step
-    replayed under candidate mixes: none where keeping or swapping alone is predicted to meet
-    it at least as fast. ``inflight_choices``: larger bounds on bytes in flight it may pick
-    (``mix.choose``)."""
-    chosen = mix.choose(measured, budget_bytes, link, engine,
-                        inflight_choices=inflight_choices)
-    names = tuple(block.name for block, decision in zip(measured.blocks,
-                                                        chosen.decisions(measured), strict=True)
-                  if decision.action == "recompute")
-    return Recomputation(names, chosen, measured, link, engine, tuple(inflight_choices))
+    (with each of its candidate units, ``candidates``) replayed under candidate mixes: none
+    where keeping or swapping alone is predicted to meet it at least as fast.
+    ``inflight_choices``: larger bounds on bytes in flight it may pick (``mix.choose``)."""
+    chosen_workload, chosen = mix.choose_among(measured, budget_bytes, link, engine,
+                                               inflight_choices=inflight_choices)
+    names = tuple(block.name for block, decision in zip(
+        chosen_workload.blocks, chosen.decisions(chosen_workload), strict=True)
+        if decision.action == "recompute")
+    return Recomputation(names, chosen, chosen_workload, link, engine, tuple(inflight_choices),
+                         tuple(measured))

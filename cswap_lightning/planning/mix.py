@@ -82,6 +82,17 @@ def choose(workload: Workload, budget_bytes: int | None, link: Link | None = Non
     return best
 
 
+def choose_among(workloads: Sequence[Workload], budget_bytes: int | None,
+                 link: Link | None = None, engine: Engine | None = None,
+                 inflight_choices: Sequence[int] = ()) -> tuple[Workload, Mix]:
+    """``choose`` for each of the same step's workloads (its units of recomputation cut
+    otherwise, ``Workload.with_units``): the fastest mix that fits, else the first's."""
+    mixes = [(w, choose(w, budget_bytes, link, engine, inflight_choices=inflight_choices))
+             for w in workloads]
+    fitting = [(w, m) for w, m in mixes if m.fits]
+    return min(fitting, key=lambda wm: wm[1].prediction.step_s) if fitting else mixes[0]
+
+
 def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: Engine,
             codec_of: Callable[[int], Codec] | None, recompute: bool,
             held: bool = False) -> Mix:

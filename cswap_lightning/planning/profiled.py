@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from ..config import INFLIGHT_CHOICES
 from . import mix
 from .replay import Engine, Plan, Prediction, checkpoint_all, no_offload, predict, swap_all
 from .workload import Workload, load
@@ -49,6 +50,10 @@ METHODS: dict[str, Plan] = {
 SUITE_FILES = ("suite-transformers.json", "suite-cnn.json")
 TRACE_SUMMARY = "trace-raw-all.summary.json"  # figures read from the run's trace of one step
 SUITE_MIN_BYTES = 64 * 1024  # what `cswap bench suite` runs the engine with at full size
+# The activation modules inside the profiled layers (GPT-2's ``mlp.act``, BERT's
+# ``intermediate_act_fn``): the engine's finer units of recomputation (``core/recompute.py``
+# finds them by type; a profile holds names only).
+_ACTIVATION = re.compile(r"(^|\.)(act|act_fn|intermediate_act_fn|activation)$")
 TOLERANCE = 0.15
 
 # Where the replay misses a measurement by more than TOLERANCE, and why. The tests keep this
@@ -97,6 +102,14 @@ def workload(model: str, batch: int | None = None) -> Workload:
     return w if batch is None or batch == w.batch else w.scaled(batch)
 
 
+def candidates(model: str, batch: int | None = None) -> tuple[Workload, ...]:
+    """A model's profiled workload with its blocks as units of recomputation, and, where its
+    layers hold activation modules, with those as the units instead (``live.candidates``)."""
+    w = workload(model, batch)
+    finer = w.with_units(lambda op: bool(_ACTIVATION.search(op.module)))
+    return (w,) if finer.blocks == w.blocks else (w, finer)
+
+
 def predict_method(model: str, method: str, batch: int | None = None,
                    prefetch_bytes: int | None = None) -> Prediction | None:
     """The replay's prediction (of the H100 profile) for one of ``cswap bench suite``'s runs,
@@ -119,7 +132,8 @@ def predict_run(model: str, method: str, level: float | None = None, batch: int 
     if base is None:
         return None
     if method == "cswap auto" and level is not None:
-        chosen = mix.choose(workload(model, batch), int(level * base.peak_bytes))
+        _, chosen = mix.choose_among(candidates(model, batch), int(level * base.peak_bytes),
+                                     inflight_choices=INFLIGHT_CHOICES)
         return chosen.prediction, base
     run = predict_method(model, method, batch, prefetch_bytes)
     return None if run is None else (run, base)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import gzip
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -121,6 +121,31 @@ class Workload:
                 if not self.saved[i].parameter:
                     return self.saved[i].storage
         return None
+
+    def with_units(self, unit: Callable[[Op], bool]) -> Workload:
+        """The same step with finer units of recomputation: each op for which ``unit`` holds
+        (an activation module inside a layer, say) is a block of its own, and the rest of a
+        block that held one can no longer be recomputed whole."""
+        blocks: list[Block] = []
+        block_of: list[int] = []
+        for block in self.blocks:
+            cuts = [k for k in block.ops if unit(self.ops[k])]
+            if not cuts:
+                block_of += [len(blocks)] * len(block.ops)
+                blocks.append(block)
+                continue
+            start = block.ops.start
+            for k in [*cuts, block.ops.stop]:
+                if k > start:
+                    block_of += [len(blocks)] * (k - start)
+                    blocks.append(Block(f"{block.name} [{start - block.ops.start}:"
+                                        f"{k - block.ops.start}]", range(start, k), False))
+                if k < block.ops.stop:
+                    block_of.append(len(blocks))
+                    blocks.append(Block(self.ops[k].module, range(k, k + 1), True))
+                start = k + 1
+        ops = tuple(replace(op, block=b) for op, b in zip(self.ops, block_of, strict=True))
+        return replace(self, ops=ops, blocks=tuple(blocks))
 
     def scaled(self, batch: int) -> Workload:
         """The same step at another batch size: activations, the batch, the allocator's other
