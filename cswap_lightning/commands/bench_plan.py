@@ -34,8 +34,13 @@ def run_plan_bench(models: list[str] | None = None, out: str | None = None) -> l
             units, chosen = mix.choose_among(evidence.candidates(model), budget,
                                              inflight_choices=INFLIGHT_CHOICES)
             p = chosen.prediction
-            actions = [d.action for d in chosen.decisions(units)]
-            finer = units.blocks != w.blocks and "recompute" in actions
+            actions = [d.action for d in chosen.decisions()]
+            coarse = {b.name for b in w.blocks}
+            recomputed = {b.name for b, d in zip(units.blocks, chosen.decisions(), strict=True)
+                          if d.action == "recompute"}
+            kinds = [kind for kind, names in (("blocks", recomputed & coarse),
+                                              ("activation modules", recomputed - coarse))
+                     if names]
             rows.append({
                 "model": model, "budget": label, "budget_bytes": budget, "fits": chosen.fits,
                 "how": chosen.how, "step_s": p.step_s, "peak_bytes": p.peak_bytes,
@@ -46,7 +51,7 @@ def run_plan_bench(models: list[str] | None = None, out: str | None = None) -> l
                 "checkpointing_fits": checkpointed.peak_bytes <= budget,
                 "swap_all_fits": swapped.peak_bytes <= budget,
                 "held_peak_bytes": p.held_peak_bytes, "inflight_bytes": chosen.inflight_bytes,
-                "recomputed_units": "activation modules" if finer else "blocks",
+                "recomputed_units": " and ".join(kinds) or "blocks",
                 "swapped_blocks": actions.count("swap"),
                 "recomputed_blocks": actions.count("recompute"), "blocks": len(actions)})
             print(f"  {evidence.LABELS[model]}, {label}: {chosen.how} "

@@ -53,6 +53,7 @@ def workload(profiles: Sequence[SiteProfile], calls: Sequence[BlockCall],
         held = not (weight or shared or p.offloadable or p.reason in _MOVABLE)
         saved.append(Saved(p.module, p.dtype, p.nbytes, p.nbytes, storage, weight, held))
     block_of = [-1] * len(profiles)  # the recomputable block a site is in, or -1
+    parent = [""] * len(profiles)  # the unit left out around a site (its nested ones taken)
     named: list[str] = []
     for call in sorted(calls, key=lambda c: (c.stop_site - c.first_site) if innermost
                        else c.first_site):
@@ -61,14 +62,18 @@ def workload(profiles: Sequence[SiteProfile], calls: Sequence[BlockCall],
             for i in sites:
                 block_of[i] = len(named)
             named.append(call.name)
+        elif innermost:
+            for i in sites:
+                parent[i] = parent[i] or call.name
     # runs of sites in one block, or outside every block (those cannot be recomputed)
     blocks: list[Block] = []
     start = 0
     for i in range(1, len(profiles) + 1):
-        if i == len(profiles) or block_of[i] != block_of[start]:
+        if i == len(profiles) or (block_of[i], parent[i]) != (block_of[start], parent[start]):
             key = block_of[start]
-            blocks.append(Block(named[key], range(start, i), True) if key >= 0 else
-                          Block(f"(sites {start}-{i - 1})", range(start, i), False))
+            blocks.append(Block(named[key], range(start, i), True, parent[start]) if key >= 0
+                          else Block(f"(sites {start}-{i - 1})", range(start, i), False,
+                                     parent[start]))
             start = i
     ops = tuple(Op(profiles[k].module, b, range(k, k + 1), profiles[k].forward_s,
                    profiles[k].backward_s, 0, 0, 0)
@@ -121,7 +126,7 @@ def choose_recompute(measured: Sequence[Workload], budget_bytes: int, link: repl
     chosen_workload, chosen = mix.choose_among(measured, budget_bytes, link, engine,
                                                inflight_choices=inflight_choices)
     names = tuple(block.name for block, decision in zip(
-        chosen_workload.blocks, chosen.decisions(chosen_workload), strict=True)
+        chosen_workload.blocks, chosen.decisions(), strict=True)
         if decision.action == "recompute")
     return Recomputation(names, chosen, chosen_workload, link, engine, tuple(inflight_choices),
                          tuple(measured))

@@ -45,6 +45,7 @@ class Mix:
     how: str  # which candidate won
     candidates: dict[str, Prediction] = field(default_factory=dict)
     engine: Engine = field(default_factory=Engine)  # the settings it was replayed with
+    workload: Workload | None = None  # the step the plan is for (its parents made whole)
 
     @property
     def inflight_bytes(self) -> int:
@@ -58,8 +59,9 @@ class Mix:
             return 0
         return max(self.prediction.peak_bytes - self.budget_bytes, 0)
 
-    def decisions(self, workload: Workload) -> list[Decision]:
-        return self.plan.decisions(workload)
+    def decisions(self, workload: Workload | None = None) -> list[Decision]:
+        """A decision per block of the mix's own workload (or of ``workload``)."""
+        return self.plan.decisions(workload or self.workload)
 
 
 def choose(workload: Workload, budget_bytes: int | None, link: Link | None = None,
@@ -87,10 +89,21 @@ def choose_among(workloads: Sequence[Workload], budget_bytes: int | None,
                  inflight_choices: Sequence[int] = ()) -> tuple[Workload, Mix]:
     """``choose`` for each of the same step's workloads (its units of recomputation cut
     otherwise, ``Workload.with_units``): the fastest mix that fits, else the first's."""
-    mixes = [(w, choose(w, budget_bytes, link, engine, inflight_choices=inflight_choices))
+    mixes = [choose(w, budget_bytes, link, engine, inflight_choices=inflight_choices)
              for w in workloads]
-    fitting = [(w, m) for w, m in mixes if m.fits]
-    return min(fitting, key=lambda wm: wm[1].prediction.step_s) if fitting else mixes[0]
+    fitting = [m for m in mixes if m.fits]
+    best = min(fitting, key=lambda m: m.prediction.step_s) if fitting else mixes[0]
+    return best.workload, best
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """What the planner may recompute: one block, or (``whole``) every block cut from one
+    parent (a layer whose activation module is a unit of its own)."""
+
+    name: str
+    blocks: tuple[int, ...]
+    whole: bool
 
 
 def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: Engine,
@@ -99,75 +112,106 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
     """``choose`` at one bound on bytes in flight (``held``: the copies in flight count
     against the budget too)."""
     codec_of = codec_of or (lambda block: RAW)
+    variants: dict[frozenset[str], Workload] = {}
 
-    def run(plan: Plan) -> Prediction:
-        return predict(workload, plan, link, engine)
+    def merged(parents: frozenset[str]) -> Workload:
+        if parents not in variants:
+            variants[parents] = workload.merged(parents)
+        return variants[parents]
 
-    keep = run(Plan())
+    def run(chosen: tuple[Workload, Plan]) -> Prediction:
+        return predict(*chosen, link, engine)
+
+    keep = run((workload, Plan()))
     if budget_bytes is None or keep.peak_bytes <= budget_bytes:
-        return Mix(Plan(), keep, keep, budget_bytes, True, "keep everything", engine=engine)
+        return Mix(Plan(), keep, keep, budget_bytes, True, "keep everything", engine=engine,
+                   workload=workload)
     names = [b.name for b in workload.blocks]
-    swap = {b: Decision("swap", codec_of(b)) for b in range(len(names))}
-    ranked = ([b for b in sorted(range(len(names)), key=lambda b: -_bytes_per_second(workload, b))
-               if workload.blocks[b].recomputable] if recompute else [])
+    units = _units(workload) if recompute else []
+    # the ranking over every unit, and over the finest alone (a prefix of the first may take
+    # a whole parent where its pieces alone would do)
+    rankings = [units] + ([[u for u in units if not u.whole]]
+                          if any(u.whole for u in units) else [])
 
-    def plan_of(chosen: dict[int, Decision]) -> Plan:
-        return Plan(KEEP, {names[b]: d for b, d in chosen.items()})
-
-    def fits(chosen: dict[int, Decision]) -> bool:
-        p = run(plan_of(chosen))
+    def fits(chosen: tuple[Workload, Plan]) -> bool:
+        p = run(chosen)
         return max(p.peak_bytes, p.held_peak_bytes if held else 0) <= budget_bytes
 
-    def mixed(swapped: int, recomputed: int) -> dict[int, Decision]:
-        """The earliest ``swapped`` blocks swapped, the ``recomputed`` best others
-        recomputed."""
-        chosen = {b: swap[b] for b in range(swapped)}
-        others = [b for b in ranked if b >= swapped]
-        return chosen | {b: Decision("recompute") for b in others[:recomputed]}
+    def eligible(ranked: list[_Unit], swapped: int) -> list[_Unit]:
+        return [u for u in ranked if min(u.blocks) >= swapped]
+
+    def mixed(ranked: list[_Unit], swapped: int, recomputed: int) -> tuple[Workload, Plan]:
+        """The earliest ``swapped`` blocks swapped, the ``recomputed`` best units of the
+        others recomputed (a piece of a parent recomputed whole goes with it)."""
+        chosen = eligible(ranked, swapped)[:recomputed]
+        whole = frozenset(u.name for u in chosen if u.whole)
+        decisions = {names[b]: Decision("swap", codec_of(b)) for b in range(swapped)}
+        decisions |= {u.name: Decision("recompute") for u in chosen
+                      if u.whole or workload.blocks[u.blocks[0]].parent not in whole}
+        return merged(whole), Plan(KEEP, decisions)
 
     # For each count of earliest blocks swapped, the fewest recomputations that fit.
-    candidates: dict[str, tuple[dict[int, Decision], Prediction]] = {}
-    for swapped in range(len(names) + 1):
-        left = sum(b >= swapped for b in ranked)
-        k = _first(left + 1, lambda k, s=swapped: fits(mixed(s, k)))
-        if k is None:
-            continue
-        chosen = mixed(swapped, k)
-        candidates[f"swap the earliest {swapped} blocks, recompute {k}"] = (
-            chosen, run(plan_of(chosen)))
-        if k == 0:  # swapping more would only add link time
-            break
-    if not candidates and ranked:  # every block recomputed is not enough: move inputs too
-        full = {b: Decision("recompute") for b in ranked}
+    candidates: dict[str, tuple[tuple[Workload, Plan], Prediction]] = {}
+    for n, ranked in enumerate(rankings):
+        for swapped in range(len(names) + 1):
+            left = len(eligible(ranked, swapped))
+            k = _first(left + 1, lambda k, r=ranked, s=swapped: fits(mixed(r, s, k)))
+            if k is None:
+                continue
+            chosen = mixed(ranked, swapped, k)
+            how = f"swap the earliest {swapped} blocks, recompute {k}"
+            candidates[how + (" of the finest units" if n else "")] = (chosen, run(chosen))
+            if k == 0:  # swapping more would only add link time
+                break
+    # every unit recomputed is not enough, or nothing is: move inputs too, on the workload
+    # whose parents are whole (the most a recomputation frees)
+    whole = merged(frozenset(u.name for u in units if u.whole))
+    full = [b for b, block in enumerate(whole.blocks) if block.recomputable] if units else []
 
-        def moved(k: int) -> dict[int, Decision]:
-            chosen = dict(full)
-            for b in range(k):
-                d = chosen.get(b)
-                chosen[b] = (replace(d, swap_input=True, codec=swap[b].codec)
-                             if d is not None else swap[b])
-            return chosen
+    def moved(k: int) -> tuple[Workload, Plan]:
+        decisions = {}
+        for b, block in enumerate(whole.blocks):
+            recomputed = b in full
+            if b < k:
+                decisions[block.name] = Decision(
+                    "recompute" if recomputed else "swap", codec_of(b), swap_input=recomputed)
+            elif recomputed:
+                decisions[block.name] = Decision("recompute")
+        return whole, Plan(KEEP, decisions)
 
-        k = _first(len(names) + 1, lambda k: fits(moved(k)))
+    if not candidates and full:
+        k = _first(len(whole.blocks) + 1, lambda k: fits(moved(k)))
         if k is not None:
             candidates[f"recompute all, swap the earliest {k} inputs or blocks"] = (
-                moved(k), run(plan_of(moved(k))))
+                moved(k), run(moved(k)))
     if candidates:
-        how, (chosen, prediction) = min(candidates.items(), key=lambda kv: kv[1][1].step_s)
-        return Mix(plan_of(chosen), prediction, keep, budget_bytes, True, how,
-                   {h: p for h, (_, p) in candidates.items()}, engine)
+        how, ((w, plan), prediction) = min(candidates.items(), key=lambda kv: kv[1][1].step_s)
+        return Mix(plan, prediction, keep, budget_bytes, True, how,
+                   {h: p for h, (_, p) in candidates.items()}, engine, w)
     # nothing fits: the plan that comes closest, and how far off it is
-    tightest = {b: (Decision("recompute", swap[b].codec, swap_input=True)
-                    if b in ranked else swap[b]) for b in range(len(names))}
-    return Mix(plan_of(tightest), run(plan_of(tightest)), keep, budget_bytes, False,
-               "does not fit", engine=engine)
+    w, plan = moved(len(whole.blocks))
+    return Mix(plan, run((w, plan)), keep, budget_bytes, False, "does not fit",
+               engine=engine, workload=w)
 
 
-def _bytes_per_second(workload: Workload, block: int) -> float:
-    """Bytes a block's recomputation frees (its saved activations but its input) per second
-    of its forward."""
-    ops = workload.ops[workload.blocks[block].ops.start:workload.blocks[block].ops.stop]
-    kept = workload.block_input(block)
+def _units(workload: Workload) -> list[_Unit]:
+    """Every recomputable block, and every parent cut into blocks as a whole, those that
+    free the most bytes per second of recomputation first."""
+    units = [_Unit(b.name, (k,), False) for k, b in enumerate(workload.blocks) if b.recomputable]
+    pieces: dict[str, list[int]] = {}
+    for k, block in enumerate(workload.blocks):
+        if block.parent:
+            pieces.setdefault(block.parent, []).append(k)
+    units += [_Unit(parent, tuple(blocks), True) for parent, blocks in pieces.items()]
+    return sorted(units, key=lambda u: -_bytes_per_second(workload, u.blocks))
+
+
+def _bytes_per_second(workload: Workload, blocks: Sequence[int]) -> float:
+    """Bytes recomputing these blocks as one frees (their saved activations but the first
+    one's input) per second of their forward."""
+    ops = [op for b in blocks
+           for op in workload.ops[workload.blocks[b].ops.start:workload.blocks[b].ops.stop]]
+    kept = workload.block_input(blocks[0])
     freed = sum(workload.saved[i].storage_nbytes for op in ops for i in op.saves
                 if workload.saved[i].activation and workload.saved[i].storage == i
                 and i != kept)
@@ -188,9 +232,10 @@ def _first(n: int, ok: Callable[[int], bool]) -> int | None:
     return lo if lo < n else None
 
 
-def table(mix: Mix, workload: Workload) -> str:
+def table(mix: Mix, workload: Workload | None = None) -> str:
     """A row per block the mix swaps or recomputes (what it saved, what recomputing it costs:
     its forward once more), then the prediction against keeping everything."""
+    workload = mix.workload or workload
     rows = [f"{'block':<28} {'decision':<22} {'saves':>10} {'costs ms':>9}"]
     for block, decision in zip(workload.blocks, mix.decisions(workload), strict=True):
         if decision.action == "keep":

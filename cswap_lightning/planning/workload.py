@@ -38,7 +38,7 @@ from __future__ import annotations
 import gzip
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -84,6 +84,7 @@ class Block:
     name: str
     ops: range  # indices into Workload.ops
     recomputable: bool
+    parent: str = ""  # the unit this block was cut from (``Workload.with_units``), if any
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,8 @@ class Workload:
     def with_units(self, unit: Callable[[Op], bool]) -> Workload:
         """The same step with finer units of recomputation: each op for which ``unit`` holds
         (an activation module inside a layer, say) is a block of its own, and the rest of a
-        block that held one can no longer be recomputed whole."""
+        block that held one cannot be recomputed alone; each piece names that block its
+        ``parent``, which ``merged`` makes whole again."""
         blocks: list[Block] = []
         block_of: list[int] = []
         for block in self.blocks:
@@ -134,16 +136,35 @@ class Workload:
                 block_of += [len(blocks)] * len(block.ops)
                 blocks.append(block)
                 continue
-            start = block.ops.start
+            start, parent = block.ops.start, block.name if block.recomputable else ""
             for k in [*cuts, block.ops.stop]:
                 if k > start:
                     block_of += [len(blocks)] * (k - start)
                     blocks.append(Block(f"{block.name} [{start - block.ops.start}:"
-                                        f"{k - block.ops.start}]", range(start, k), False))
+                                        f"{k - block.ops.start}]", range(start, k), False,
+                                        parent))
                 if k < block.ops.stop:
                     block_of.append(len(blocks))
-                    blocks.append(Block(self.ops[k].module, range(k, k + 1), True))
+                    blocks.append(Block(self.ops[k].module, range(k, k + 1), True, parent))
                 start = k + 1
+        ops = tuple(replace(op, block=b) for op, b in zip(self.ops, block_of, strict=True))
+        return replace(self, ops=ops, blocks=tuple(blocks))
+
+    def merged(self, parents: Collection[str]) -> Workload:
+        """The blocks cut from each of ``parents`` made one recomputable block again (named
+        as the parent); a workload with no such pieces is itself."""
+        if not any(block.parent in parents for block in self.blocks):
+            return self
+        blocks: list[Block] = []
+        block_of: list[int] = []
+        for block in self.blocks:
+            whole = block.parent in parents
+            if whole and blocks and blocks[-1].name == block.parent:
+                last = blocks[-1]
+                blocks[-1] = replace(last, ops=range(last.ops.start, block.ops.stop))
+            else:
+                blocks.append(Block(block.parent, block.ops, True) if whole else block)
+            block_of += [len(blocks) - 1] * len(block.ops)
         ops = tuple(replace(op, block=b) for op, b in zip(self.ops, block_of, strict=True))
         return replace(self, ops=ops, blocks=tuple(blocks))
 
