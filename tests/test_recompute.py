@@ -144,6 +144,21 @@ def test_every_other_block_recomputed_is_bitwise_plain_training():
     assert run.recomputed == {"transformer.h.0", "transformer.h.2"}
 
 
+def test_layers_whole_beside_other_layers_activations_is_bitwise_plain_training():
+    """The planner may recompute some layers whole and only the activation module of others."""
+    built, plain = case("gpt2")
+
+    def mixed(names: list[str]) -> list[str]:
+        layers = outermost(names)
+        return [layers[0], *(n for n in names if n not in layers and not n.startswith(
+            layers[0] + "."))]
+
+    run = recomputing(built, "raw", mixed)
+    assert not differences(plain, run.steps)
+    assert run.recomputed == {"transformer.h.0", "transformer.h.1.mlp.act",
+                              "transformer.h.2.mlp.act"}
+
+
 @pytest.mark.parametrize(("name", "gain"), [("gpt2", True), ("bert", False)])
 def test_recomputed_activations_keep_only_their_input_where_they_save_more(name, gain):
     """GPT-2's gelu_new is four elementwise operations saving four tensors; BERT's GELU is one

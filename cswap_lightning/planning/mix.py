@@ -159,7 +159,8 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
             if k is None:
                 continue
             chosen = mixed(ranked, swapped, k)
-            how = f"swap the earliest {swapped} blocks, recompute {k}"
+            recomputed = sum(d.action == "recompute" for d in chosen[1].blocks.values())
+            how = f"swap the earliest {swapped} blocks, recompute {recomputed}"
             candidates[how + (" of the finest units" if n else "")] = (chosen, run(chosen))
             if k == 0:  # swapping more would only add link time
                 break
