@@ -176,3 +176,45 @@ def test_a_checked_step_over_its_budget_makes_the_next_plan_tighter():
     stats = train(off, model, ids, steps=3)
     assert stats[-1].peak_resident_bytes <= budget
     off.close()
+
+
+class _InstantCodecs:
+    """Codec times for the planner: a terabyte a second, whatever the codec."""
+
+    def predict(self, codec: str, direction: str, nbytes: int, sparsity: float) -> float:
+        return nbytes / 1e12
+
+
+def test_compression_widens_the_links_window_so_the_planner_recomputes_less():
+    """Four blocks, each a dense 1 MiB input and an 8 MiB ReLU output three quarters zeros,
+    on a link of 0.25 MB/ms: raw, the window carries less than a block and the planner
+    recomputes two; zvc (0.36 of the bytes) carries two blocks, and nothing is recomputed."""
+    from cswap_lightning.core.recompute import BlockCall
+    from cswap_lightning.planning import live, replay
+    from cswap_lightning.planning.profiler import SiteProfile
+
+    MB = 1 << 20
+    profiles, calls = [], []
+    for b in range(4):
+        first = len(profiles)
+        profiles += [SiteProfile(first, (MB // 4,), "float32", MB, True, module=f"b{b}.in",
+                                 forward_s=0.004, backward_s=0.004),
+                     SiteProfile(first + 1, (2 * MB,), "float32", 8 * MB, True,
+                                 module=f"b{b}.relu", sparsity=0.75, forward_s=0.004,
+                                 backward_s=0.004)]
+        calls.append(BlockCall(f"b{b}", first, first + 2, 1, 0, 0.008))
+    link = replay.Link(2.5e8, 2.5e8, 1e12)
+    engine = replay.Engine(min_bytes=1, prefetch_bytes=16 * MB, inflight_bytes=64 * MB)
+    steps = live.candidates(profiles, calls)
+    codec_of = live.block_codec(profiles, "zvc", _InstantCodecs())
+    # a bit of mask per element, and the non-zero values: the dense input, a quarter of the rest
+    stored = (MB // 32 + MB) + (8 * MB // 32 + 8 * MB // 4)
+    assert codec_of(steps[0].blocks[0]).ratio == pytest.approx(stored / (9 * MB), rel=1e-3)
+    raw = live.choose_recompute(steps, 24 * MB, link, engine)
+    compressed = live.choose_recompute(steps, 24 * MB, link, engine, codec_of=codec_of)
+    assert raw.names == ("b0", "b1")
+    assert compressed.names == ()
+    swapped = [d.codec.name for d in compressed.mix.decisions() if d.action == "swap"]
+    assert swapped == ["zvc", "zvc"]
+    assert compressed.mix.prediction.step_s < raw.mix.prediction.step_s
+    assert compressed.mix.prediction.peak_bytes <= 24 * MB

@@ -622,7 +622,7 @@ class Offloader:
         budget = self._budget(step.device)
         if budget is None:
             return False
-        link, _ = self._measure(step.device)
+        link, model = self._measure(step.device)
         profiles = self._profiles()
         stats = step.stats
         beside = max((stats.peak_allocated_bytes or 0) - stats.peak_resident_bytes, 0)
@@ -632,7 +632,8 @@ class Offloader:
         measured = live.candidates(profiles, self.block_calls, beside)
         self.recomputation = choice = live.choose_recompute(
             measured, budget, replayed.Link(link.d2h, link.h2d, link.d2d), engine,
-            INFLIGHT_CHOICES if auto_bound else ())
+            INFLIGHT_CHOICES if auto_bound else (),
+            live.block_codec(profiles, self.config.compressor, model))
         if choice.inflight_bytes != self.transfer.inflight_limit:
             _log.info("cswap: up to %s in flight off the device (was %s): the replayed step "
                       "waits less and its memory with the copies in flight fits the budget",

@@ -13,11 +13,13 @@ CPU) is counted as held from the start, as the advisor counts it.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from . import mix, replay
+from .advisor import predicted_stored_bytes
+from .predictor import CodecTimeModel
 from .profiler import SiteProfile
 from .workload import Block, Op, Saved, Workload
 
@@ -93,6 +95,7 @@ class Recomputation:
     engine: replay.Engine
     inflight_choices: tuple[int, ...] = ()
     workloads: tuple[Workload, ...] = ()  # the candidates it was chosen among
+    codec_of: Callable[[Block], replay.Codec] | None = None  # how a block may travel
 
     @property
     def inflight_bytes(self) -> int:
@@ -103,7 +106,7 @@ class Recomputation:
         """The choice for a budget ``by`` bytes tighter, from the same replayed step."""
         return choose_recompute(self.workloads or (self.workload,),
                                 max(self.mix.budget_bytes - by, 0), self.link, self.engine,
-                                self.inflight_choices)
+                                self.inflight_choices, self.codec_of)
 
 
 def candidates(profiles: Sequence[SiteProfile], calls: Sequence[BlockCall],
@@ -116,17 +119,41 @@ def candidates(profiles: Sequence[SiteProfile], calls: Sequence[BlockCall],
     return (outer,) if inner.blocks == outer.blocks else (outer, inner)
 
 
+def block_codec(profiles: Sequence[SiteProfile], codec: str, model: CodecTimeModel
+                ) -> Callable[[Block], replay.Codec]:
+    """How a block of the measured step travels through ``codec``: the bytes its movable
+    sites would store (the format's size at their measured sparsity) against their raw
+    bytes, at the speeds the codec was measured at for them."""
+
+    def codec_of(block: Block) -> replay.Codec:
+        sites = [profiles[k] for k in block.ops if profiles[k].offloadable]
+        raw = sum(p.nbytes for p in sites)
+        if not raw:
+            return replay.RAW
+        stored = sum(predicted_stored_bytes(codec, p) for p in sites)
+        seconds = [sum(model.predict(codec, way, p.nbytes, p.sparsity) for p in sites)
+                   for way in ("encode", "decode")]
+        encode, decode = (raw / s if s > 0 else float("inf") for s in seconds)
+        return replay.Codec(codec, stored / raw, encode, decode)
+
+    return codec_of
+
+
 def choose_recompute(measured: Sequence[Workload], budget_bytes: int, link: replay.Link,
-                     engine: replay.Engine, inflight_choices: Sequence[int] = ()
+                     engine: replay.Engine, inflight_choices: Sequence[int] = (),
+                     codec_of: Callable[[Block], replay.Codec] | None = None
                      ) -> Recomputation:
     """The blocks the planner recomputes to meet ``budget_bytes``, from the measured step
     (with each of its candidate units, ``candidates``) replayed under candidate mixes: none
     where keeping or swapping alone is predicted to meet it at least as fast.
-    ``inflight_choices``: larger bounds on bytes in flight it may pick (``mix.choose``)."""
-    chosen_workload, chosen = mix.choose_among(measured, budget_bytes, link, engine,
-                                               inflight_choices=inflight_choices)
+    ``inflight_choices``: larger bounds on bytes in flight it may pick (``mix.choose``);
+    ``codec_of``: how a block may travel compressed (``block_codec``), weighed against
+    swapping it raw: compression widens what the link carries in its window."""
+    chosen_workload, chosen = mix.choose_among(
+        measured, budget_bytes, link, engine, inflight_choices=inflight_choices,
+        codecs=(None,) if codec_of is None else (None, codec_of))
     names = tuple(block.name for block, decision in zip(
         chosen_workload.blocks, chosen.decisions(), strict=True)
         if decision.action == "recompute")
     return Recomputation(names, chosen, chosen_workload, link, engine, tuple(inflight_choices),
-                         tuple(measured))
+                         tuple(measured), codec_of)

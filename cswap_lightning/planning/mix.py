@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from .replay import KEEP, RAW, Codec, Decision, Engine, Link, Plan, Prediction, predict
-from .workload import Workload
+from .workload import Block, Workload
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class Mix:
 
 
 def choose(workload: Workload, budget_bytes: int | None, link: Link | None = None,
-           engine: Engine | None = None, codec_of: Callable[[int], Codec] | None = None,
+           engine: Engine | None = None, codec_of: Callable[[Block], Codec] | None = None,
            recompute: bool = True, inflight_choices: Sequence[int] = ()) -> Mix:
     """The fastest plan the replay predicts to fit ``budget_bytes`` (the allocator's peak);
     ``codec_of(block)`` is how a swapped block travels (raw by default); ``recompute=False``
@@ -86,11 +86,14 @@ def choose(workload: Workload, budget_bytes: int | None, link: Link | None = Non
 
 def choose_among(workloads: Sequence[Workload], budget_bytes: int | None,
                  link: Link | None = None, engine: Engine | None = None,
-                 inflight_choices: Sequence[int] = ()) -> tuple[Workload, Mix]:
+                 inflight_choices: Sequence[int] = (),
+                 codecs: Sequence[Callable[[Block], Codec] | None] = (None,)
+                 ) -> tuple[Workload, Mix]:
     """``choose`` for each of the same step's workloads (its units of recomputation cut
-    otherwise, ``Workload.with_units``): the fastest mix that fits, else the first's."""
-    mixes = [choose(w, budget_bytes, link, engine, inflight_choices=inflight_choices)
-             for w in workloads]
+    otherwise, ``Workload.with_units``) and each way of swapping (``codecs``: raw, or a
+    codec per block): the fastest mix that fits, else the first's."""
+    mixes = [choose(w, budget_bytes, link, engine, codec_of, inflight_choices=inflight_choices)
+             for w in workloads for codec_of in codecs]
     fitting = [m for m in mixes if m.fits]
     best = min(fitting, key=lambda m: m.prediction.step_s) if fitting else mixes[0]
     return best.workload, best
@@ -107,7 +110,7 @@ class _Unit:
 
 
 def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: Engine,
-            codec_of: Callable[[int], Codec] | None, recompute: bool,
+            codec_of: Callable[[Block], Codec] | None, recompute: bool,
             held: bool = False) -> Mix:
     """``choose`` at one bound on bytes in flight (``held``: the copies in flight count
     against the budget too)."""
@@ -145,7 +148,8 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
         others recomputed (a piece of a parent recomputed whole goes with it)."""
         chosen = eligible(ranked, swapped)[:recomputed]
         whole = frozenset(u.name for u in chosen if u.whole)
-        decisions = {names[b]: Decision("swap", codec_of(b)) for b in range(swapped)}
+        decisions = {names[b]: Decision("swap", codec_of(workload.blocks[b]))
+                     for b in range(swapped)}
         decisions |= {u.name: Decision("recompute") for u in chosen
                       if u.whole or workload.blocks[u.blocks[0]].parent not in whole}
         return merged(whole), Plan(KEEP, decisions)
@@ -175,7 +179,8 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
             recomputed = b in full
             if b < k:
                 decisions[block.name] = Decision(
-                    "recompute" if recomputed else "swap", codec_of(b), swap_input=recomputed)
+                    "recompute" if recomputed else "swap", codec_of(block),
+                    swap_input=recomputed)
             elif recomputed:
                 decisions[block.name] = Decision("recompute")
         return whole, Plan(KEEP, decisions)
