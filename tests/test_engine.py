@@ -76,6 +76,18 @@ def test_offload_in_a_loop_reuses_one_session_and_learns():
     assert offload(config) is not shared  # a closed session is never handed out again
 
 
+def test_a_fixed_plans_table_shows_what_its_tracked_step_did():
+    model, x, y = model_and_batch("mlp")
+    off = Offloader(CSwapConfig(plan="zvc", min_bytes=0, budget=None))
+    assert off.plan is None  # no step yet
+    grads(model, x, y, off, steps=2)
+    table = off.plan.table()
+    assert table.startswith('plan="zvc" is fixed') and off.tracked_step().table() in table
+    moved = [d for d in off.plan.decisions.values() if d.decision not in ("keep", "dedup")]
+    assert moved and {d.decision for d in moved} == {"zvc"}
+    off.close()
+
+
 def test_auto_plan_swaps_raw_while_profiling_then_follows_the_advisor():
     model, x, y = model_and_batch("mlp")
     off = Offloader(CSwapConfig(plan="auto", min_bytes=0, profile_steps=2, budget=None))

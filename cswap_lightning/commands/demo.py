@@ -115,7 +115,7 @@ def run_demo(
           "(one row per tensor autograd saved; once a step has checked the plan, later "
           "steps only sum what they keep and move):")
     print(step.table())
-    if offloader.plan is not None:
+    if config.plan == "auto" and offloader.plan is not None:
         print(f"\nThe advisor's plan, made from {config.profile_steps} measured step(s) at the "
               "start of each epoch (times are predicted transfer time exposed beyond the "
               "compute that can hide it):")

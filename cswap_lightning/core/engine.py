@@ -25,7 +25,7 @@ from ..codecs.lossy import LOSSY_DTYPES as _LOSSY_TORCH_DTYPES
 from ..config import AUTO_INFLIGHT_BYTES, INFLIGHT_CHOICES, LOSSY_CODECS, CSwapConfig, as_config
 from ..planning import live, mix
 from ..planning import replay as replayed
-from ..planning.advisor import HELD_ELSEWHERE, Advisor, Plan, resolve_budget
+from ..planning.advisor import HELD_ELSEWHERE, Advisor, FixedPlan, Plan, resolve_budget
 from ..planning.predictor import CodecTimeModel, calibrate
 from ..planning.prefetch import lookahead_bytes
 from ..planning.profiler import Link, Profiler, measure_link
@@ -86,7 +86,7 @@ class Offloader:
         self.transfer = Transfer(pin_memory=self.config.pin_memory,
                                  inflight_bytes=AUTO_INFLIGHT_BYTES if inflight == "auto"
                                  else inflight)
-        self.plan: Plan | None = None  # the advisor's, for plan="auto"
+        self._plan: Plan | None = None  # the advisor's, for plan="auto"
         # the link and codec times measured for the latest plan (a plan grown for larger
         # steps reuses them)
         self._measured: tuple[Link, CodecTimeModel] | None = None
@@ -153,7 +153,7 @@ class Offloader:
         measure = self._measure_left > sum(step.measure for step, _ in self._closing)
         checked = (self._checked if not measure and self._next_probe is None
                    and self._unchecked is None else None)
-        limits = (self.plan.site_bytes if checked is not None and self.config.plan == "auto"
+        limits = (self._plan.site_bytes if checked is not None and self.config.plan == "auto"
                   else None)
         step = Step(self, self._steps, self._order, measure, checked, limits)
         step.epoch = self._epoch
@@ -242,7 +242,7 @@ class Offloader:
         before = set(self.recomputer.chosen)
         skipped = self.recomputer.choose(names)
         if set(self.recomputer.chosen) != before:
-            self._checked, self._unchecked = None, self.plan
+            self._checked, self._unchecked = None, self._plan
         return skipped
 
     @property
@@ -283,10 +283,10 @@ class Offloader:
             return "keep"
         if self.config.plan != "auto":
             codec = self.config.plan
-        elif self.plan is None:
+        elif self._plan is None:
             codec = "raw"  # not profiled yet: swap uncompressed
         else:
-            codec = self.plan.codec(site, stats.shape, stats.dtype)
+            codec = self._plan.codec(site, stats.shape, stats.dtype)
         if codec in LOSSY_CODECS and not self._lossy_ok(codec, site, stats):
             return "raw"
         return codec
@@ -306,9 +306,9 @@ class Offloader:
         of its largest moved tensors)."""
         window = self.config.prefetch_bytes
         if window == "auto":
-            window = self.plan.prefetch_bytes if self.plan is not None else None
-        elif self.plan is not None and self.config.plan == "auto":
-            window = min(window, self.plan.prefetch_bytes)
+            window = self._plan.prefetch_bytes if self._plan is not None else None
+        elif self._plan is not None and self.config.plan == "auto":
+            window = min(window, self._plan.prefetch_bytes)
         return window
 
     def probe_next_step(self, kind: str) -> Self:
@@ -328,7 +328,7 @@ class Offloader:
         """Move these lossy sites back to lossless from the next step on (the accuracy
         guard's call); a checked plan is checked again with them."""
         self.reverted.update(sites)
-        self._checked, self._unchecked = None, self.plan
+        self._checked, self._unchecked = None, self._plan
 
     def new_epoch(self) -> None:
         """Re-measure the next ``profile_steps`` steps (sparsity; with ``plan="auto"``, the
@@ -344,7 +344,7 @@ class Offloader:
         """What was learned (plan, backward order), JSON-able, for checkpoints."""
         return {
             "version": 1,
-            "plan": self.plan.as_dict() if self.plan is not None else None,
+            "plan": self._plan.as_dict() if self._plan is not None else None,
             "order": self._order,
             "reverted": sorted(self.reverted),
         }
@@ -365,9 +365,9 @@ class Offloader:
         if not _site_list(reverted):
             raise ValueError(f"cswap state 'reverted' must be a list of site numbers (ints "
                              f">= 0), got {reverted!r}")
-        self.plan, self._order, self.reverted = plan, order, set(reverted)
+        self._plan, self._order, self.reverted = plan, order, set(reverted)
         self._unchecked, self._checked = plan, None
-        if self.plan is not None:
+        if self._plan is not None:
             self._measure_left = 0
 
     def last_step(self, device: bool = True) -> StepStats:
@@ -385,6 +385,15 @@ class Offloader:
             self._step.close()
         self._step.stats.host_held_bytes = self.transfer.held_bytes()
         return self._step.stats
+
+    @property
+    def plan(self) -> Plan | FixedPlan | None:
+        """The plan the steps run: the advisor's for ``plan="auto"`` (None until made); for
+        a fixed plan (``"raw"``, ``"zvc"``, ...), what the last step that tracked every site
+        did with each (None before any step). Either way ``.table()`` shows it."""
+        if self.config.plan == "auto":
+            return self._plan
+        return None if self._step is None else FixedPlan(self.config.plan, self.tracked_step())
 
     def tracked_step(self, device: bool = True) -> StepStats:
         """Statistics of the most recent step that tracked every site (a row per saved
@@ -458,13 +467,13 @@ class Offloader:
         if step.blocks is not None:
             self.block_calls = step.blocks.calls()
         if step.epoch == self._epoch and self._other_graph(step):
-            self.plan = self._unchecked = None  # made by position for the other graph
+            self._plan = self._unchecked = None  # made by position for the other graph
             self._replanning()
             return
         auto = self.config.plan == "auto"
         if step.checked is not None:
             if step.stats.resized:  # it saved other sizes than the checking step
-                if auto and not self.plan.covers(step.counted()):
+                if auto and not self._plan.covers(step.counted()):
                     self._outgrown(step)  # its larger tensors were tracked
                     return
                 if not auto:  # the next step tracks every site, and checks the plan again
@@ -475,7 +484,7 @@ class Offloader:
             self._check(self._unchecked, step.stats)
             self._checked_by(step)
         elif (not step.measure and step.probe is None and step.stats.sites and (
-                not auto or (self.plan is not None and self.plan.covers(step.counted())))):
+                not auto or (self._plan is not None and self._plan.covers(step.counted())))):
             self._checked_by(step)
         self._unchecked = None
         if step.checked is None:  # steps running a checked plan see only some first unpacks
@@ -503,12 +512,12 @@ class Offloader:
             if self._measure_left == 0:
                 if not self._plan_recompute(step):
                     self._use(self._advise(step))
-            elif self.plan is None:
+            elif self._plan is None:
                 plan = self._advise(step)
                 if plan.fits and all(d.decision == "keep" for d in plan.decisions.values()):
                     self._use(plan)  # nothing needs to move: the next measured steps keep all
-        elif (step.checked is None and self.plan is not None
-              and not self.plan.covers(step.counted())):
+        elif (step.checked is None and self._plan is not None
+              and not self._plan.covers(step.counted())):
             self._outgrown(step)
 
     def _watched(self, checked: Checked) -> bool:
@@ -516,7 +525,7 @@ class Offloader:
         checked plan that moves nothing: on CUDA, where the allocator's peak says when a step
         nears the budget (a longer batch, say); on the CPU, where nothing does, only if the
         checking step held at most half the budget; always where no budget applies."""
-        plan = self.plan
+        plan = self._plan
         if self.config.plan != "auto" or plan is None or plan.budget_bytes is None:
             return True
         if checked.device is not None and checked.device.type == "cuda":
@@ -528,17 +537,17 @@ class Offloader:
         budget (read without waiting for the device; the peak starts again from here)."""
         device = self._checked.device
         if (device is None or device.type != "cuda" or self.config.plan != "auto"
-                or self.plan is None or self.plan.budget_bytes is None):
+                or self._plan is None or self._plan.budget_bytes is None):
             return False
         peak = torch.cuda.max_memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        return peak >= _NEAR_BUDGET * self.plan.budget_bytes
+        return peak >= _NEAR_BUDGET * self._plan.budget_bytes
 
     def _use(self, plan: Plan) -> None:
         choice = self.recomputation
         if choice is not None and choice.names:
             plan.recompute_table = mix.table(choice.mix, choice.workload)
-        self.plan = self._unchecked = plan
+        self._plan = self._unchecked = plan
         self._checked = None
         moved = [d for d in plan.decisions.values() if d.decision != "keep"]
         budget = "none" if plan.budget_bytes is None else fmt_bytes(plan.budget_bytes)
@@ -667,8 +676,8 @@ class Offloader:
         tracked those), without measuring again, with the link and codec times measured for
         the plan. A step whose tensors are of other kinds (count, dtypes, dimensions) is
         measured again."""
-        if (len(step.counted()) != len(self.plan.signature)
-                or not self.plan.same_kinds(step.stats.sites)):
+        if (len(step.counted()) != len(self._plan.signature)
+                or not self._plan.same_kinds(step.stats.sites)):
             self._replanning()
             return
         self.profiler.observe(step.stats, {})

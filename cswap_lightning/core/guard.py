@@ -75,9 +75,10 @@ class AccuracyGuard:
         self._handed_out = 0  # reports new_report() has returned
 
     def lossy_in_use(self) -> bool:
-        plan, config = self.offloader.plan, self.offloader.config
-        if config.plan in LOSSY_CODECS:
-            return True
+        config = self.offloader.config
+        if config.plan != "auto":
+            return config.plan in LOSSY_CODECS
+        plan = self.offloader.plan
         return plan is not None and any(d.decision in LOSSY_CODECS
                                         for d in plan.decisions.values())
 

@@ -63,7 +63,7 @@ import torch
 
 from ..codecs import get_codec
 from ..config import COMPRESSORS, LOSSY_CODECS
-from ..core.stats import SiteStats, fmt_bytes
+from ..core.stats import SiteStats, StepStats, fmt_bytes
 from .predictor import CodecTimeModel
 from .profiler import Link, SiteProfile
 
@@ -214,6 +214,26 @@ class Plan:
                           for i, entry in enumerate(data["signature"]))
         return cls(decisions, signature, data["budget_bytes"], data["base_bytes"],
                    data["predicted_peak"], data["fits"], data["prefetch_bytes"])
+
+
+@dataclass(frozen=True)
+class FixedPlan:
+    """A plan given by name (``plan="raw"``, ``"zvc"``, ...): no advisor weighed it, so what
+    it shows is what the step that tracked every site did with each saved tensor."""
+
+    name: str
+    step: StepStats
+
+    @property
+    def decisions(self) -> dict[int, SiteStats]:
+        """Each site's row, with its ``decision`` as the step made it."""
+        return {s.site: s for s in self.step.sites}
+
+    def table(self, every_site: bool = False) -> str:
+        """The step's table, under a line saying the plan is fixed."""
+        return (f'plan="{self.name}" is fixed (no advisor\'s decisions): every site that can '
+                f"move goes {self.name}. What step {self.step.step} did with each saved tensor:\n"
+                + self.step.table())
 
 
 def _exposed(seconds: float) -> str:
