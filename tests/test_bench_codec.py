@@ -27,8 +27,8 @@ def tiny_run() -> dict:
 def test_every_codec_and_dtype_is_measured_and_round_trips(tiny_run):
     rows = tiny_run["rows"]
     cases = {(r["codec"], r["dtype"], r["target_sparsity"]) for r in rows}
-    assert cases == {(c, d, s) for c in ("zvc", "rle") for d in ("float32", "float16", "bfloat16")
-                     for s in (0, 90)}
+    assert cases == {(c, d, s) for c in ("zvc", "rle", "int8")
+                     for d in ("float32", "float16", "bfloat16") for s in (0, 90)}
     for r in rows:
         assert r["impl"] == "reference (pure torch)"
         assert r["compress_gbps"] > 0 and r["decompress_gbps"] > 0 and r["copy_gbps"] > 0
@@ -63,6 +63,26 @@ def test_a_decode_that_changes_one_bit_stops_the_benchmark():
     broken = Contender("broken", "test", zvc.encode, flip_last_bit, lambda p: p.nbytes)
     with pytest.raises(RuntimeError, match="did not reproduce its input bit for bit"):
         measure(broken, torch.rand(1000), torch.device("cpu"), warmup=0, repeats=1)
+
+
+def test_lossy_rows_carry_their_error_and_a_lossless_row_none(tiny_run):
+    for r in tiny_run["rows"]:
+        if r["codec"] == "int8":
+            assert 0 < r["relative_error"] < 0.05
+            assert r["ratio"] > (3.5 if r["dtype"] == "float32" else 1.8)
+        else:
+            assert r["relative_error"] is None
+
+
+def test_a_lossy_decode_past_its_ceiling_stops_the_benchmark():
+    int8 = get_codec("int8")
+
+    def halve(packed, t):
+        return int8.decode(packed) * 0.5
+
+    broken = Contender("int8", "test", int8.encode, halve, lambda p: p.nbytes)
+    with pytest.raises(RuntimeError, match=r"lost more than its ceiling \(relative error 0.5"):
+        measure(broken, torch.randn(1000), torch.device("cpu"), warmup=0, repeats=1)
 
 
 def test_target_line_compares_both_directions_with_the_copy():

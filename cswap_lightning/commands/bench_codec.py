@@ -1,9 +1,11 @@
-"""`cswap bench codec`: zvc and rle throughput and ratio against the copies they compete with.
+"""`cswap bench codec`: the codecs' throughput and ratio against the copies they compete with.
 
 For each codec, dtype, size and sparsity, on synthetic tensors (ReLU-like values, a uniformly
 random fraction set to zero) and on real post-ReLU activations of the demo CNN, it measures
 compression and decompression throughput (GB/s of *uncompressed* bytes) and the compression
-ratio, and checks that every decode is bitwise equal to its input. In the same run it
+ratio, and checks that every lossless decode is bitwise equal to its input (a lossy one,
+int8 by default, fp8 and int4 on request: within its relative error ceiling below; the
+planner needs their speed to weigh lossy swaps). In the same run it
 measures the limits: a device-to-device copy of the same size (on the CPU: a memory copy) and
 pinned device-to-host and host-to-device copies (CUDA only). Where ``nvidia.nvcomp`` imports
 (CUDA only), nvCOMP's Cascaded, Bitcomp and LZ4 run on the same tensors.
@@ -25,6 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..codecs import bit_view
+from ..codecs.lossy import FP8Codec, Int4Codec, Int8Codec, relative_error
 from ..codecs.reference import Codec, RLECodec, ZVCCodec
 from ..core.stats import fmt_bytes
 from ..planning.profiler import median_seconds
@@ -36,7 +39,12 @@ CPU_SIZES = (256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB)
 SPARSITIES = (0, 25, 50, 75, 90, 95)  # percent
 QUICK_SPARSITIES = (0, 50, 90)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-CODECS = {"zvc": ZVCCodec, "rle": RLECodec}
+CODECS = {"zvc": ZVCCodec, "rle": RLECodec, "int8": Int8Codec, "fp8": FP8Codec,
+          "int4": Int4Codec}
+DEFAULT_CODECS = ("zvc", "rle", "int8")
+# A lossy round trip whose relative L2 error passes this is a codec bug, not a speed to report
+# (measured on activations: int8 0.01-0.03, int4 0.2-0.5).
+LOSSY_CEILING = {"int8": 0.05, "fp8": 0.1, "int4": 0.6}
 # nvCOMP algorithms and their options; Bitcomp's algorithm_type 1 is its variant for sparse data.
 NVCOMP_ALGORITHMS = {"Cascaded": {}, "Bitcomp": {}, "Bitcomp sparse": {"algorithm_type": 1},
                      "LZ4": {}}
@@ -69,17 +77,25 @@ class Contender:
 
 
 def our_contenders(dev: torch.device, names: list[str]) -> tuple[list[Contender], list[str]]:
-    """The zvc/rle codecs for ``dev``: CUDA kernels when the library loads, else the reference."""
+    """The codecs for ``dev``: CUDA kernels when the library loads, else the reference."""
     codecs: list[Codec] = [CODECS[n]() for n in names]
     impl, notes = "reference (pure torch)", []
     if dev.type == "cuda":
-        from ..codecs.cuda import CudaRLECodec, CudaZVCCodec, load_extension
+        from ..codecs.cuda import (
+            CudaFP8Codec,
+            CudaInt4Codec,
+            CudaInt8Codec,
+            CudaRLECodec,
+            CudaZVCCodec,
+            load_extension,
+        )
 
         if load_extension() is None:
             notes.append("the CUDA codec library did not load: the reference codecs were "
                          "measured on the GPU instead (see the warning above)")
         else:
-            cuda_classes = {"zvc": CudaZVCCodec, "rle": CudaRLECodec}
+            cuda_classes = {"zvc": CudaZVCCodec, "rle": CudaRLECodec, "int8": CudaInt8Codec,
+                            "fp8": CudaFP8Codec, "int4": CudaInt4Codec}
             codecs, impl = [cuda_classes[n]() for n in names], "CUDA kernels"
     return [Contender(c.name, impl, c.encode, lambda p, t, c=c: c.decode(p), _packed_nbytes)
             for c in codecs], notes
@@ -188,19 +204,24 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def measure(contender: Contender, t: torch.Tensor, dev: torch.device, warmup: int,
             repeats: int) -> dict:
-    """One contender on one tensor: ratio, both throughputs; raises if the round trip differs."""
+    """One contender on one tensor: ratio, both throughputs; raises if the round trip differs
+    (a lossy one: if its error passes its ceiling)."""
     packed = contender.encode(t)
-    if not same_bits(contender.decode(packed, t), t):
+    restored = contender.decode(packed, t)
+    ceiling = LOSSY_CEILING.get(contender.name)
+    error = None if ceiling is None else float(relative_error(t, restored.reshape(t.shape)))
+    if (not same_bits(restored, t)) if ceiling is None else not error <= ceiling:
+        what = ("did not reproduce its input bit for bit" if ceiling is None else
+                f"lost more than its ceiling (relative error {error:.3g} > {ceiling})")
         raise RuntimeError(
-            f"{contender.name} ({contender.impl}) did not reproduce its input bit for bit: "
-            f"{t.dtype} tensor of {t.numel()} elements. This is a codec bug; the benchmark "
-            "stops rather than report its speed.")
+            f"{contender.name} ({contender.impl}) {what}: {t.dtype} tensor of {t.numel()} "
+            "elements. This is a codec bug; the benchmark stops rather than report its speed.")
     nbytes, compressed = t.numel() * t.element_size(), contender.nbytes(packed)
     compress_s = median_seconds(lambda: contender.encode(t), dev, warmup, repeats)
     decompress_s = median_seconds(lambda: contender.decode(packed, t), dev, warmup, repeats)
     ratio = nbytes / compressed
     return {"codec": contender.name, "impl": contender.impl,
-            "compressed_bytes": compressed, "ratio": ratio,
+            "compressed_bytes": compressed, "ratio": ratio, "relative_error": error,
             "compress_gbps": nbytes / compress_s / 1e9,
             "decompress_gbps": nbytes / decompress_s / 1e9,
             # Uncompressed bytes per second through compress-then-decompress, times the ratio.
@@ -232,7 +253,7 @@ def run_codec_bench(device: str = "auto", sizes: list[int] | None = None,
     sparsities = sparsities or list(QUICK_SPARSITIES if quick else SPARSITIES)
     warmup = (0 if quick else 1) if warmup is None else warmup
     repeats = (2 if quick else 10 if gpu else 3) if repeats is None else repeats
-    contenders, notes = our_contenders(dev, codecs or list(CODECS))
+    contenders, notes = our_contenders(dev, codecs or list(DEFAULT_CODECS))
     nvcomp_skipped = "not requested (--no-nvcomp)"
     if nvcomp:
         found, nvcomp_skipped = nvcomp_contenders(dev)
@@ -320,8 +341,11 @@ def nvcomp_lines(rows: list[dict]) -> list[str]:
     cases = {(r["source"], r["dtype"]) for r in rows if r["source"] != "synthetic"}
     for source, dtype in sorted(cases):
         mine = [r for r in rows if (r["source"], r["dtype"]) == (source, dtype)]
-        ours = max((r for r in mine if not r["codec"].startswith("nvcomp")),
-                   key=lambda r: r["roundtrip_x_ratio"])
+        lossless = [r for r in mine
+                    if not r["codec"].startswith("nvcomp") and r["codec"] not in LOSSY_CEILING]
+        if not lossless:
+            continue
+        ours = max(lossless, key=lambda r: r["roundtrip_x_ratio"])
         theirs = [r for r in mine if r["codec"].startswith("nvcomp")]
         if not theirs:
             continue
@@ -337,6 +361,10 @@ def _gbps(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.1f}"
 
 
+def _error(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
 _LIMITS_HEAD = """## Limits
 
 GB/s of a copy of each size: on a GPU a device-to-device copy and pinned host copies; on the
@@ -349,9 +377,11 @@ _CASES_HEAD = """## Cases
 Throughput in GB/s of uncompressed bytes. "vs copy" divides it by the device copy of the same
 size. "round trip x ratio" is bytes / (compress + decompress time) x compression ratio.
 
+"error" is a lossy round trip's relative L2 error ("-": lossless, checked bit for bit).
+
 | source | dtype | size | zeros | codec | impl | ratio | compress | decompress | vs copy (c / d) \
-| round trip x ratio |
-|---|---|---:|---:|---|---|---:|---:|---:|---:|---:|"""
+| round trip x ratio | error |
+|---|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|"""
 _TARGET_HEAD = (f"## Target: >= {fmt_bytes(TARGET_BYTES)} at {TARGET_SPARSITY}% sparsity, each "
                 f"direction >= {TARGET_FRACTION:.0%} of the device copy")
 
@@ -368,7 +398,8 @@ def markdown(doc: dict, cases: bool = True) -> str:
             f"{100 * r['sparsity']:.1f}% | {r['codec']} | {r['impl']} | {r['ratio']:.2f}x | "
             f"{r['compress_gbps']:.2f} | {r['decompress_gbps']:.2f} | "
             f"{r['compress_vs_copy']:.0%} / {r['decompress_vs_copy']:.0%} | "
-            f"{r['roundtrip_x_ratio']:.2f} |" for r in doc["rows"]))
+            f"{r['roundtrip_x_ratio']:.2f} | {_error(r.get('relative_error'))} |"
+            for r in doc["rows"]))
     summary = doc["summary"]
     parts.append(_bullets(_TARGET_HEAD, summary["target"]))
     parts.append(_bullets("## nvCOMP on ReLU activations (round trip x ratio)",

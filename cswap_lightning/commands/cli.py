@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                        "GPU, 256KiB..16MiB on the CPU)")
     codec.add_argument("--dtypes", nargs="+", choices=("float32", "float16", "bfloat16"),
                        default=None)
-    codec.add_argument("--codecs", nargs="+", choices=("zvc", "rle"), default=None)
+    codec.add_argument("--codecs", nargs="+", choices=("zvc", "rle", "int8", "fp8", "int4"),
+                       default=None, help="default: zvc rle int8")
     codec.add_argument("--sparsities", nargs="+", type=_whole(0, 100), default=None,
                        metavar="PCT",
                        help="percentages of zeros (default: 0 25 50 75 90 95)")
