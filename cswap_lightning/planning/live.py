@@ -149,9 +149,11 @@ def choose_recompute(measured: Sequence[Workload], budget_bytes: int, link: repl
     ``inflight_choices``: larger bounds on bytes in flight it may pick (``mix.choose``);
     ``codec_of``: how a block may travel compressed (``block_codec``), weighed against
     swapping it raw: compression widens what the link carries in its window."""
+    shrinks = codec_of is not None and any(codec_of(block).ratio < 1
+                                           for block in measured[0].blocks)
     chosen_workload, chosen = mix.choose_among(
         measured, budget_bytes, link, engine, inflight_choices=inflight_choices,
-        codecs=(None,) if codec_of is None else (None, codec_of))
+        codecs=(None, codec_of) if shrinks else (None,))
     names = tuple(block.name for block, decision in zip(
         chosen_workload.blocks, chosen.decisions(), strict=True)
         if decision.action == "recompute")

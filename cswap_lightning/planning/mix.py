@@ -79,8 +79,9 @@ def choose(workload: Workload, budget_bytes: int | None, link: Link | None = Non
             break
         wider = _choose(workload, budget_bytes, link or Link(),
                         replace(engine, inflight_bytes=bound), codec_of, recompute, held=True)
-        if wider.fits and wider.prediction.step_s < best.prediction.step_s:
-            best = wider
+        if not (wider.fits and wider.prediction.step_s < best.prediction.step_s):
+            break  # a wider bound held more than the budget, or gained nothing
+        best = wider
     return best
 
 
