@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import warnings
 import weakref
 from collections import deque
@@ -636,6 +637,7 @@ class Offloader:
         stats = step.stats
         beside = max((stats.peak_allocated_bytes or 0) - stats.peak_resident_bytes, 0)
         auto_bound = self.config.inflight_bytes == "auto"
+        started = time.perf_counter()
         engine = replayed.Engine(self.config.min_bytes, self._window(profiles, link),
                                  self.transfer.inflight_limit)
         measured = live.candidates(profiles, self.block_calls, beside)
@@ -643,6 +645,8 @@ class Offloader:
             measured, budget, replayed.Link(link.d2h, link.h2d, link.d2d), engine,
             INFLIGHT_CHOICES if auto_bound else (),
             live.block_codec(profiles, self.config.compressor, model))
+        _log.info("cswap: the planner replayed the measured step under its candidate mixes in "
+                  "%.1f s: %s", time.perf_counter() - started, choice.mix.how)
         if choice.inflight_bytes != self.transfer.inflight_limit:
             _log.info("cswap: up to %s in flight off the device (was %s): the replayed step "
                       "waits less and its memory with the copies in flight fits the budget",
