@@ -294,6 +294,11 @@ class CudaInt4Codec(_CudaLossyCodec, Int4Codec):
     """int4 with CUDA kernels; the reference codec for tensors not on a CUDA device."""
 
 
+# The CUDA codec of each reference codec's name.
+CUDA_CODECS: dict[str, type[_Launches]] = {
+    c.name: c for c in (CudaZVCCodec, CudaRLECodec, CudaInt8Codec, CudaFP8Codec, CudaInt4Codec)}
+
+
 def enable_cuda_codecs(
     tuned: Mapping[str, Mapping[tuple[str, int], tuple[int, int]]] | None = None,
 ) -> bool:
@@ -306,10 +311,8 @@ def enable_cuda_codecs(
     from . import register
 
     tuned = tuned or {}
-    register(CudaZVCCodec(tuned=tuned.get("zvc")))
-    register(CudaRLECodec(tuned=tuned.get("rle")))
-    for codec in (CudaInt8Codec, CudaFP8Codec, CudaInt4Codec):
-        register(codec(tuned=tuned.get(codec.name)))
+    for name, codec in CUDA_CODECS.items():
+        register(codec(tuned=tuned.get(name)))
     return True
 
 

@@ -81,22 +81,13 @@ def our_contenders(dev: torch.device, names: list[str]) -> tuple[list[Contender]
     codecs: list[Codec] = [CODECS[n]() for n in names]
     impl, notes = "reference (pure torch)", []
     if dev.type == "cuda":
-        from ..codecs.cuda import (
-            CudaFP8Codec,
-            CudaInt4Codec,
-            CudaInt8Codec,
-            CudaRLECodec,
-            CudaZVCCodec,
-            load_extension,
-        )
+        from ..codecs.cuda import CUDA_CODECS, load_extension
 
         if load_extension() is None:
             notes.append("the CUDA codec library did not load: the reference codecs were "
                          "measured on the GPU instead (see the warning above)")
         else:
-            cuda_classes = {"zvc": CudaZVCCodec, "rle": CudaRLECodec, "int8": CudaInt8Codec,
-                            "fp8": CudaFP8Codec, "int4": CudaInt4Codec}
-            codecs, impl = [cuda_classes[n]() for n in names], "CUDA kernels"
+            codecs, impl = [CUDA_CODECS[n]() for n in names], "CUDA kernels"
     return [Contender(c.name, impl, c.encode, lambda p, t, c=c: c.decode(p), _packed_nbytes)
             for c in codecs], notes
 
