@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import math
 import os
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
@@ -466,24 +467,12 @@ class Advisor:
                 peaks[k] = _replay(profiles, order, set(movable[:k]), window)
             return peaks[k]
 
-        fewest = _first(lambda k: peak(k)[0] <= room, len(movable))
+        # the least k for which each holds (false, then true, as k grows), or len(movable)
+        fewest = bisect_left(range(len(movable)), True, key=lambda k: peak(k)[0] <= room)
         if max(peak(fewest)) <= room:
             return fewest
-        meet = _first(lambda k: peak(k)[0] <= peak(k)[1], len(movable))
+        meet = bisect_left(range(len(movable)), True, key=lambda k: peak(k)[0] <= peak(k)[1])
         return min({max(meet - 1, 0), meet}, key=lambda k: (max(peak(k)), k))
-
-
-def _first(holds: Callable[[int], bool], n: int) -> int:
-    """The smallest ``k`` in [0, n] for which ``holds`` (false, then true, as ``k`` grows),
-    or ``n``."""
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if holds(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
 
 
 def resident_peak(profiles: Sequence[SiteProfile], order: Sequence[int],

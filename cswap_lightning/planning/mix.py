@@ -26,6 +26,7 @@ figure is a prediction.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -229,14 +230,8 @@ def _bytes_per_second(workload: Workload, blocks: Sequence[int]) -> float:
 def _first(n: int, ok: Callable[[int], bool]) -> int | None:
     """The least k in [0, n) with ok(k), assuming ok is monotone (False then True); None if
     none."""
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if ok(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo if lo < n else None
+    k = bisect_left(range(n), True, key=ok)
+    return k if k < n else None
 
 
 def table(mix: Mix, workload: Workload | None = None) -> str:
