@@ -277,7 +277,11 @@ class _Replay:
         now = self.w.start_bytes + self.device_bytes + self.copies + self.grads + other
         if now > self.peak:
             self.peak, self.peak_at = now, where
-        copying = sum(n for end, n in self.inflight if end > self.compute)
+        copying = 0
+        for end, n in reversed(self.inflight):  # one lane: the copies end in order
+            if end <= self.compute:
+                break
+            copying += n
         self.held_peak = max(self.held_peak, now + copying)
 
     def _allocate(self, storage: int) -> None:
