@@ -351,7 +351,8 @@ def test_emulated_kernels_match_the_reference(emulated_harness, tmp_path, name):
 def test_emulated_look_back_combines_tiles_in_order(emulated_harness):
     """The look-back of 70 tiles running at once (three windows of 32), some publishing late,
     gives each tile the in-order combination of its predecessors' summaries, for the zvc count,
-    the rle encode counts and the rle decode run state (whose combination is not commutative)."""
+    the rle encode counts and the rle decode run state (whose combination is not commutative).
+    The harness exits 1 on the first wrong prefix, which ``run_emulated`` asserts against."""
     run_emulated(emulated_harness, [["lookback", 70]])
 
 
