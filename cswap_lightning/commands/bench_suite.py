@@ -209,7 +209,7 @@ class Skip(Exception):
     """A method that cannot run here; the message says why."""
 
 
-def _hf_checkpointing(model: nn.Module, offload: bool) -> None:
+def hf_checkpointing(model: nn.Module, offload: bool) -> None:
     """Non-reentrant checkpointing of each layer through the model's own switch, with its
     built-in offload where asked."""
     import transformers
@@ -233,14 +233,14 @@ class _Method:
         self.context: contextlib.AbstractContextManager = contextlib.nullcontext()
         if name == CHECKPOINTING:
             if wl.hf:
-                _hf_checkpointing(model, offload=False)
+                hf_checkpointing(model, offload=False)
             else:
                 self.model = checkpoint_blocks(model)
         elif name == HF_OFFLOAD:
             if not wl.hf:
                 raise Skip("not a Hugging Face model (transformers' offload switch belongs to "
                            "its PreTrainedModel layers)")
-            _hf_checkpointing(model, offload=True)
+            hf_checkpointing(model, offload=True)
         elif name == SAVE_ON_CPU:
             self.context = torch.autograd.graph.save_on_cpu(pin_memory=True)
         elif name == TORCHTUNE:

@@ -128,6 +128,16 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--models", nargs="+", default=None,
                       choices=("gpt2-medium", "bert-large", "resnet50", "vgg16"))
     plan.add_argument("--out", default=None, help="write markdown and JSON results here (stem)")
+    measure = bench_kinds.add_parser(
+        "measure", help="this device's profile, the planner's predictions from it, and the "
+        "methods measured beside them, interleaved (a GPU; on the CPU a dry run)")
+    measure.add_argument("--models", nargs="+", default=["gpt2-medium", "resnet50"],
+                         choices=("gpt2-medium", "bert-large", "resnet50", "vgg16", "llama"))
+    measure.add_argument("--rounds", type=_whole(1), default=12,
+                         help="interleaved timed rounds (one step of each method)")
+    measure.add_argument("--device", type=_device, default="auto")
+    measure.add_argument("--out", required=True, help="write markdown and JSON results here "
+                         "(stem); profiles go beside")
     from .bench_suite import add_parser as add_suite_parser
 
     add_suite_parser(bench_kinds)
@@ -215,6 +225,11 @@ def main(argv: list[str] | None = None) -> int:
         from .bench_plan import run_plan_bench
 
         run_plan_bench(args.models, args.out)
+        return 0
+    if args.bench == "measure":
+        from .bench_measure import run_measure_bench
+
+        run_measure_bench(args.models, args.out, args.rounds, args.device)
         return 0
     if args.bench == "suite":
         from .bench_suite import run_suite

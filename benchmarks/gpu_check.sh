@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# The GPU check in one call of the device machine (at most 8 minutes), most important first;
+# after each step the results so far are packed into $OUT, so a call cut short still returns
+# what it reached. The device (H100 or H200) is named in every result file.
+#
+#   1. measure: `cswap bench measure` on GPT-2 medium (s1024 b8) and ResNet-50 (b128), bf16:
+#      this device's profile, the planner's mixes from it at 85%, 50% and checkpointing's
+#      peak, then no offload, checkpointing, each budget and the default engine measured
+#      interleaved beside the predictions;
+#   2. overhead: host time per saved tensor on CUDA (`cswap bench overhead --device cuda`);
+#   3. codec: zvc, rle and int8 at 16 and 64 MiB against a device-to-device copy;
+#   4. exit-codes: tests/test_exit.py (exit status with and without close(), CUDA codecs);
+#   5. llama: the profile of Llama-3-8B's layer shapes, 4 layers, s4096 b1 (LLM fine-tuning);
+#   6. pytest-gpu: `pytest -m gpu` with what time is left (the junit XML names what ran);
+#   7. measure-more: BERT-large and VGG-16, if time remains.
+#
+# How to call it (from a session whose device `status` says a machine is lent):
+#   once, here, in the repository root (the wheels the image lacks, and the codec library built
+#   with this machine's nvcc 13.0, the device's too, so the device need not compile it):
+#     echo /.whl/ >> .git/info/exclude; echo /.devcache/ >> .git/info/exclude
+#     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+#       -d .whl hyperopt==0.3.0 jsonargparse==4.53.0 docstring-parser==0.18.0 \
+#       typeshed-client==2.14.0
+#     CSWAP_CACHE_DIR=$PWD/.devcache .venv/bin/python -m cswap_lightning build-ext
+#   then: run(command="bash benchmarks/gpu_check.sh", carry=[".whl", ".devcache"],
+#             timeout_s=500)
+#   What comes back: summary.txt (each step's exit code and time, the measure table) and
+#   check.tar.gz (every log and result file, the profiles). Commit the results under
+#   benchmarks/results/ and the profiles under cswap_lightning/planning/evidence/.
+#
+# Environment: OUT (set by the device machine), BUDGET_S (seconds for the whole call, default
+# 450), ONLY (space-separated step names to run instead of all), DRY=1 (list each step with
+# its limit and command, run nothing: `DRY=1 bash benchmarks/gpu_check.sh`).
+set -u
+cd "$(dirname "$0")/.." || exit 1
+OUT=${OUT:-$PWD/gpu-check-out}
+WORK=$(mktemp -d /tmp/gpu-check.XXXXXX)/check
+SUMMARY=$WORK/summary.txt
+DEADLINE=$((SECONDS + ${BUDGET_S:-450}))
+RESERVE=10  # seconds kept for the last packing
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+[[ -d .devcache ]] && export CSWAP_CACHE_DIR=$PWD/.devcache
+mkdir -p "$OUT" "$WORK"
+
+selected() { [[ -z ${ONLY:-} || " $ONLY " == *" $1 "* ]]; }
+
+# pack: the logs and result files so far into $OUT/check.tar.gz, the summary beside it.
+pack() {
+    [[ -n ${DRY:-} ]] && return 0
+    tar czf "$OUT/check.tar.gz.tmp" -C "$(dirname "$WORK")" check &&
+        mv "$OUT/check.tar.gz.tmp" "$OUT/check.tar.gz"
+    cp "$SUMMARY" "$OUT/summary.txt"
+}
+
+# step NAME CAP COMMAND...: COMMAND with a time limit (CAP, or what is left if less), its
+# output to $WORK/NAME.log; its exit code and time, and the end of its log if it failed, to
+# the summary; then pack.
+step() {
+    local name=$1 cap=$2 began=$SECONDS limit rc verdict=ok
+    selected "$name" || return 0
+    shift 2
+    limit=$((DEADLINE - SECONDS - RESERVE))
+    ((cap < limit)) && limit=$cap
+    if ((limit < 15)); then
+        echo "$name: skipped, out of time (${limit}s left)" | tee -a "$SUMMARY"
+        return 0
+    fi
+    echo "== $name (limit ${limit}s): $*" | tee -a "$SUMMARY"
+    [[ -n ${DRY:-} ]] && return 0
+    timeout --kill-after=5 "$limit" "$@" >"$WORK/$name.log" 2>&1
+    rc=$?
+    ((rc == 124 || rc == 137)) && verdict="TIMED OUT" || { ((rc != 0)) && verdict=FAILED; }
+    echo "$name: $verdict (exit $rc, $((SECONDS - began)) s)" | tee -a "$SUMMARY"
+    [[ $verdict != ok ]] && tail -n 8 "$WORK/$name.log" | sed 's/^/    /' | tee -a "$SUMMARY"
+    pack
+}
+
+CSWAP=(python3 -m cswap_lightning)
+ENGINE=(env CSWAP_CUDA_CODECS=1 "${CSWAP[@]}")
+if compgen -G ".whl/*.whl" >/dev/null; then
+    step install-wheels 40 python3 -m pip install -q --no-index --no-deps --no-compile \
+        --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+step environment 20 bash -c 'nvidia-smi; python3 -c "import torch; print(torch.__version__, \
+    torch.version.cuda, torch.cuda.get_device_name())"; nvcc --version | tail -2'
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
+    awk '{print tolower($2)}')
+TAG=${GPU:-gpu}-$(date +%F)
+step build-ext 60 "${CSWAP[@]}" build-ext
+step measure 230 "${ENGINE[@]}" bench measure --models gpt2-medium resnet50 --rounds 12 \
+    --out "$WORK/measure-$TAG"
+[[ -f $WORK/measure-$TAG.md ]] && grep "^|" "$WORK/measure-$TAG.md" >>"$SUMMARY"
+step overhead 60 "${ENGINE[@]}" bench overhead --device cuda --rounds 5 --steady-steps 3 \
+    --out "$WORK/overhead-$TAG"
+step codec 40 "${ENGINE[@]}" bench codec --sizes 16MiB 64MiB --codecs zvc rle int8 \
+    --sparsities 0 50 90 --no-relu --no-nvcomp --out "$WORK/codec-$TAG"
+step exit-codes 60 python3 -m pytest -q -p no:cacheprovider tests/test_exit.py
+step llama 60 "${CSWAP[@]}" bench measure --models llama --out "$WORK/llama-$TAG"
+step pytest-gpu 150 python3 -m pytest -q -p no:cacheprovider -m gpu --timeout 60 \
+    --junitxml="$WORK/pytest-gpu.xml"
+step measure-more 200 "${ENGINE[@]}" bench measure --models bert-large vgg16 --rounds 10 \
+    --out "$WORK/measure-more-$TAG"
+pack
+echo "done in $SECONDS s; in $OUT:"
+ls -la "$OUT"

@@ -1,0 +1,462 @@
+"""`cswap bench measure`: the planner's predictions on this device, then measured beside them.
+
+For each model, in one process:
+
+1. **Profile.** This device's profile of the step without offload (``planning/capture.py``),
+   written as ``profile-<model>-<device>.json.gz`` (the schema the H100 profiles have).
+2. **Predict.** The replay of that profile with this device's link: no offload, activation
+   checkpointing of every block, and the planner's mix (``planning/mix.py``) at 85% and 50% of
+   the measured no-offload peak and at checkpointing's measured peak.
+3. **Measure**, interleaved (one step of each method per round, the order rotated each round):
+   no offload, checkpointing, the engine at each budget (``plan="auto"``, recomputation on,
+   the model watched: the engine measures, plans and checks on its own, and its own prediction
+   from its measured step is shown too), and the default engine on a run that fits.
+
+Every method trains its own copy of the model (the engine's recomputation wraps a model's
+blocks, one engine a model), so the allocator holds the other copies' weights beside each step:
+a step's peak is reported as the allocator's peak above the step's start plus the start of one
+model alone (its weights and batch, as the profile measured it), and each engine's budget is
+given that much more (what the other copies hold), so that it plans for one model's step. The
+step is forward and backward (no optimizer: the profile and the replay time the same). Step
+times are medians of the timed rounds, device time between events around the step.
+
+On the CPU it runs the small models as a dry run of the code path: the figures mean nothing
+(no allocator, one thread) and the result is labelled so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import gzip
+import importlib.util
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..config import INFLIGHT_CHOICES, CSwapConfig
+from ..core.engine import Offloader
+from ..planning import mix
+from ..planning.capture import capture
+from ..planning.profiled import _ACTIVATION
+from ..planning.profiler import measure_link
+from ..planning.replay import Engine, Link, checkpoint_all, predict
+from ..planning.workload import Workload, from_profile
+from .bench_step import device_name, result_meta, write_results
+from .bench_suite import Checkpointed, checkpoint_blocks, hf_checkpointing
+from .bench_suite import Workload as Model
+from .bench_suite import workload as model_workload
+
+LEVELS = (0.85, 0.5)
+# The models of the first H100 run at their profiled sizes, and a Llama-3-8B layer stack.
+BATCH = {"gpt2-medium": 8, "resnet50": 128, "bert-large": 16, "vgg16": 64}
+
+
+@dataclass
+class Method:
+    """One method's model, the context around its forward, and its timed steps."""
+
+    name: str
+    model: nn.Module
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    offloader: Offloader | None = None
+    budget_bytes: int | None = None  # one model's budget (the engine gets the others' more)
+    steps: list[tuple[float, float, int]] = field(default_factory=list)  # step ms, fwd ms, peak
+    warmup: int = 0
+    settled: bool = True
+
+
+def _spec(key: str, small: bool) -> Model:
+    """The model as the first H100 run profiled it: torchvision's CNNs where torchvision
+    imports (their module names are the profiles'), else the package's own."""
+    spec = model_workload(key, small)
+    if key in ("resnet50", "vgg16") and not small and importlib.util.find_spec("torchvision"):
+        import torchvision
+
+        spec = replace(spec, build=getattr(torchvision.models, key))
+    return spec
+
+
+def _checkpointed(model: nn.Module, hf: bool) -> nn.Module:
+    """Every block under activation checkpointing: a transformers model's layers (its own
+    switch), a torchvision ResNet's bottlenecks, a VGG's stages (up to each max-pool)."""
+    if hf:
+        hf_checkpointing(model, offload=False)
+    elif hasattr(model, "layer4"):
+        for name in ("layer1", "layer2", "layer3", "layer4"):
+            setattr(model, name, nn.Sequential(*map(Checkpointed, getattr(model, name))))
+    elif hasattr(model, "features"):
+        model.features = checkpoint_blocks(model.features)
+    else:
+        model = checkpoint_blocks(model)
+    return model
+
+
+def _bf16_batch(batch):
+    if isinstance(batch, dict):
+        return {k: _bf16_batch(v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_bf16_batch(v) for v in batch)
+    return batch.to(torch.bfloat16) if batch.is_floating_point() else batch
+
+
+def _step(m: Method, spec: Model, batch, dev: torch.device, own_start: int
+          ) -> tuple[float, float, int]:
+    """One forward and backward of ``m``: device ms of the step and of forward, and the peak
+    as one model's (the module docstring)."""
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        marks[0].record()
+    else:
+        began = time.perf_counter()
+    with m.context():
+        loss = spec.loss(m.model, batch)
+    if cuda:
+        marks[1].record()
+    else:
+        forward = time.perf_counter()
+    loss.backward()
+    del loss
+    m.model.zero_grad(set_to_none=True)
+    if cuda:
+        marks[2].record()
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - before + own_start
+        return marks[0].elapsed_time(marks[2]), marks[0].elapsed_time(marks[1]), peak
+    end = time.perf_counter()
+    return 1e3 * (end - began), 1e3 * (forward - began), 0
+
+
+def _settle(m: Method, spec: Model, batch, dev: torch.device, own_start: int,
+            most: int = 16) -> None:
+    """Run an engine's steps until its plan is checked and the same two steps in a row (its
+    measured steps, its planning and the step that checks the plan come first)."""
+    if m.offloader is None:
+        _step(m, spec, batch, dev, own_start)
+        m.warmup = 1
+        return
+    previous = None
+    for n in range(1, most + 1):
+        _step(m, spec, batch, dev, own_start)
+        plan = m.offloader.plan
+        checked = plan is not None and getattr(plan, "measured_peak", None) is not None
+        if checked and plan is previous:
+            m.warmup, m.settled = n, True
+            return
+        previous = plan
+    m.warmup, m.settled = most, False
+
+
+def _candidates(w: Workload) -> tuple[Workload, ...]:
+    finer = w.with_units(lambda op: bool(_ACTIVATION.search(op.module)))
+    return (w,) if finer.blocks == w.blocks else (w, finer)
+
+
+def _engine_summary(m: Method) -> dict:
+    """What the engine decided and predicted for itself (its own replay of its measured
+    step; its figures count the other copies' weights, taken off here)."""
+    off = m.offloader
+    out: dict = {"warmup_steps": m.warmup, "settled": m.settled}
+    choice = off.recomputation
+    if choice is not None:
+        p = choice.mix.prediction
+        out |= {"engine_how": choice.mix.how, "engine_recomputed": len(choice.names),
+                "engine_predicted_step_s": p.step_s - p.optimizer_s,
+                "engine_predicted_peak_raw": p.peak_bytes, "engine_fits": choice.mix.fits}
+    last = off.last_step()
+    out |= {"offloaded_bytes": last.offloaded_bytes, "stored_bytes": last.stored_bytes,
+            "hooks_off": bool(getattr(last, "hooks_off", False)),
+            "moved_sites": sum(s.decision not in ("keep", "dedup") for s in last.sites),
+            "recomputed_blocks": len(off.recomputed)}
+    plan = off.plan
+    if plan is not None and hasattr(plan, "table"):
+        out["plan_table"] = plan.table()
+    return out
+
+
+def run_model(key: str, dev: torch.device, out_dir: Path, rounds: int, small: bool,
+              log: Callable[[str], None] = print) -> dict:
+    """One model: profile, predictions, interleaved measurements (module docstring)."""
+    spec = _spec(key, small)
+    batch_size = spec.batch_size if small else BATCH.get(key, spec.batch_size)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    began = time.monotonic()
+    base = spec.build().to(dev, dtype).train()
+    batch = spec.make_batch(batch_size, dev)
+    if dtype == torch.bfloat16:
+        batch = _bf16_batch(batch)
+    name = f"{key}-b{batch_size}"
+    profile = capture(base, lambda: spec.loss(base, batch), name, log=log)
+    gpu = device_name(dev).split()[1].lower() if dev.type == "cuda" else "cpu"
+    path = out_dir / f"profile-{key}-{gpu}.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(profile, f)
+    log(f"{key}: profile written to {path} ({time.monotonic() - began:.0f} s)")
+    own_start = profile["allocated_before_step"]
+    keep_peak = profile["peak_allocated"] or 1 << 30  # the CPU has no allocator peak
+
+    # the methods, each on its own copy; the checkpointed one measured first for its peak
+    copies: dict[str, nn.Module] = {}
+
+    def clone() -> nn.Module:
+        return copy.deepcopy(base)
+
+    methods = [Method("no offload", base)]
+    ckpt = _checkpointed(clone(), spec.hf)
+    methods.append(Method("checkpointing", ckpt))
+    ckpt_peak = max(_step(methods[1], spec, batch, dev, own_start)[2] for _ in range(2))
+    budgets = [(f"{level:.0%} of no offload", int(level * keep_peak)) for level in LEVELS]
+    budgets.append(("checkpointing's peak", ckpt_peak or keep_peak // 3))
+    engines = [(f"cswap, budget {label}", b) for label, b in budgets] + [
+        ("cswap default (fits)", None)]
+    for label, b in engines:
+        model = copies[label] = clone()
+        methods.append(Method(label, model, budget_bytes=b))
+    # what the other copies hold beside one model's step
+    others = (torch.cuda.memory_allocated(dev) - own_start) if dev.type == "cuda" else 0
+    for m in methods[2:]:
+        budget = "auto" if m.budget_bytes is None else m.budget_bytes + others
+        m.offloader = Offloader(CSwapConfig(budget=budget)).watch(m.model)
+        m.context = (lambda off=m.offloader: off)
+
+    # predictions from this device's profile
+    measured_link = measure_link(dev)
+    link = Link(measured_link.d2h, measured_link.h2d, measured_link.d2d)
+    w = from_profile(profile)
+    replay_engine = Engine()
+    rows: dict[str, dict] = {}
+    keep = predict(w, link=link, engine=replay_engine)
+    rows["no offload"] = {"predicted_step_s": keep.step_s - keep.optimizer_s,
+                          "predicted_peak": keep.peak_bytes}
+    ck = predict(w, checkpoint_all(), link=link, engine=replay_engine)
+    rows["checkpointing"] = {"predicted_step_s": ck.step_s - ck.optimizer_s,
+                             "predicted_peak": ck.peak_bytes}
+    for label, b in engines:
+        if b is None:
+            rows[label] = {"predicted_step_s": rows["no offload"]["predicted_step_s"],
+                           "predicted_peak": keep.peak_bytes, "budget_bytes": None}
+            continue
+        planned = time.monotonic()
+        _, chosen = mix.choose_among(_candidates(w), b, link, replay_engine,
+                                     inflight_choices=INFLIGHT_CHOICES)
+        p = chosen.prediction
+        rows[label] = {"predicted_step_s": p.step_s - p.optimizer_s,
+                       "predicted_peak": p.peak_bytes, "budget_bytes": b,
+                       "planner_how": chosen.how, "planner_fits": chosen.fits,
+                       "planning_s": time.monotonic() - planned}
+        log(f"{key}: {label}: planner {chosen.how} (predicted "
+            f"{p.step_s / keep.step_s:.3f}x no offload)")
+
+    failed: dict[str, str] = {}
+
+    def guarded(m: Method, run: Callable[[], object]) -> None:
+        """A method that fails is reported and dropped; the others go on."""
+        try:
+            run()
+        except Exception as err:  # noqa: BLE001
+            failed[m.name] = f"{type(err).__name__}: {str(err)[:300]}"
+            log(f"{key}: {m.name}: FAILED: {failed[m.name]}")
+            methods.remove(m)
+            if m.offloader is not None:
+                with contextlib.suppress(Exception):
+                    m.offloader.close()
+
+    for m in methods[:]:  # each engine measures, plans and checks before the timed rounds
+        settle_began = time.monotonic()
+        guarded(m, lambda m=m: _settle(m, spec, batch, dev, own_start))
+        log(f"{key}: {m.name}: ready after {m.warmup} steps "
+            f"({time.monotonic() - settle_began:.1f} s){'' if m.settled else ', NOT settled'}")
+    for r in range(rounds):
+        order = methods[r % len(methods):] + methods[:r % len(methods)]
+        for m in order:
+            guarded(m, lambda m=m: m.steps.append(_step(m, spec, batch, dev, own_start)))
+    for name, reason in failed.items():
+        rows[name] |= {"method": name, "failed": reason}
+
+    for m in methods:
+        row = rows[m.name]
+        row |= {"method": m.name,
+                "step_s": statistics.median(s for s, _, _ in m.steps) / 1e3,
+                "forward_s": statistics.median(f for _, f, _ in m.steps) / 1e3,
+                "peak_bytes": max(p for _, _, p in m.steps), "timed_steps": len(m.steps)}
+        if m.offloader is not None:
+            row |= _engine_summary(m)
+            if "engine_predicted_peak_raw" in row:
+                row["engine_predicted_peak"] = row.pop("engine_predicted_peak_raw") - others
+            m.offloader.close()
+    base_row = rows["no offload"]
+    ck_row = rows["checkpointing"]
+    for row in rows.values():
+        if "step_s" not in row:
+            continue
+        row["time_vs_no_offload"] = row["step_s"] / base_row["step_s"]
+        row["peak_vs_no_offload"] = row["peak_bytes"] / max(base_row["peak_bytes"], 1)
+        row["throughput_vs_checkpointing"] = ck_row.get("step_s", float("nan")) / row["step_s"]
+        row["step_error"] = row["predicted_step_s"] / row["step_s"] - 1
+        row["peak_error"] = row["predicted_peak"] / max(row["peak_bytes"], 1) - 1
+        b = row.get("budget_bytes")
+        if b:
+            row["within_budget"] = row["peak_bytes"] <= 1.03 * b
+    return {"model": key, "label": spec.label, "batch": batch_size, "shape": spec.shape,
+            "dtype": str(dtype).removeprefix("torch."), "link": vars(link) | {},
+            "others_bytes": others, "own_start_bytes": own_start,
+            "profile": path.name, "rows": list(rows.values()),
+            "seconds": time.monotonic() - began}
+
+
+def link_check(dev: torch.device, nbytes: int = 256 << 20, repeats: int = 5) -> dict:
+    """The pinned link each way alone, both ways at once (two streams), and device-to-host
+    while bf16 matrix products run: the replay models the directions as independent and
+    copies as free for compute; these say whether they are (GB/s, medians)."""
+    if dev.type != "cuda":
+        return {}
+    src, back = (torch.empty(nbytes, dtype=torch.uint8, device=dev) for _ in range(2))
+    host, host_in = (torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2))
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    streams = [torch.cuda.Stream(dev) for _ in range(2)]
+
+    def timed(*work: Callable[[], object]) -> float:
+        times = []
+        for _ in range(repeats):
+            torch.cuda.synchronize(dev)
+            began = time.perf_counter()
+            for stream, job in zip(streams, work, strict=False):
+                with torch.cuda.stream(stream):
+                    job()
+            torch.cuda.synchronize(dev)
+            times.append(time.perf_counter() - began)
+        return statistics.median(times)
+
+    out = {"d2h_alone": nbytes / timed(lambda: host.copy_(src, non_blocking=True)),
+           "h2d_alone": nbytes / timed(lambda: back.copy_(host_in, non_blocking=True))}
+    both = timed(lambda: host.copy_(src, non_blocking=True),
+                 lambda: back.copy_(host_in, non_blocking=True))
+    out["both_at_once_each"] = nbytes / both
+    matmuls = 4
+    compute = timed(lambda: [a @ a for _ in range(matmuls)])
+    loaded = timed(lambda: [a @ a for _ in range(matmuls)],
+                   lambda: host.copy_(src, non_blocking=True))
+    out |= {"matmul_s": compute, "matmul_with_d2h_s": loaded,
+            "d2h_under_matmul_lower_bound": nbytes / loaded}
+    return {k: (v / 1e9 if not k.endswith("_s") else v) for k, v in out.items()}
+
+
+def run_llama(dev: torch.device, out_dir: Path, small: bool,
+              log: Callable[[str], None] = print) -> dict:
+    """The profile of an LLM fine-tuning shape: Llama-3-8B's layer shapes (4 layers, random
+    init), SDPA, sequence 4096, batch 1, bf16 (on the CPU a tiny one)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    seq = 64 if small else 4096
+    cfg = LlamaConfig(
+        hidden_size=64 if small else 4096, intermediate_size=224 if small else 14336,
+        num_hidden_layers=2 if small else 4, num_attention_heads=4 if small else 32,
+        num_key_value_heads=2 if small else 8, vocab_size=1000 if small else 128256,
+        max_position_embeddings=seq, rope_theta=500000.0, use_cache=False,
+        attn_implementation="sdpa")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    began = time.monotonic()
+    with dev:
+        model = LlamaForCausalLM(cfg).to(dtype).train()
+    ids = torch.randint(0, cfg.vocab_size, (1, seq), device=dev)
+    key = f"llama3-8b-4l-s{seq}-b1" if not small else f"llama-tiny-s{seq}-b1"
+    profile = capture(model, lambda: model(input_ids=ids, labels=ids).loss, key, log=log)
+    gpu = device_name(dev).split()[1].lower() if dev.type == "cuda" else "cpu"
+    path = out_dir / f"profile-{key}-{gpu}.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(profile, f)
+    saved = sum(r["storage_nbytes"] for r in profile["saved"]
+                if r["first_of_storage"] and not r["parameter"])
+    in_layers = sum(r["storage_nbytes"] for r in profile["saved"]
+                    if r["first_of_storage"] and not r["parameter"]
+                    and ".layers." in r["module"])
+    log(f"llama: profile written to {path} ({time.monotonic() - began:.0f} s)")
+    return {"model": "llama", "profile": path.name, "seq": seq,
+            "plain_forward_ms": profile["plain_forward_ms"],
+            "plain_backward_ms": profile["plain_backward_ms"],
+            "peak_bytes": profile["peak_allocated"], "saved_bytes": saved,
+            "saved_kib_per_token_per_layer_in_leaf_modules":
+                in_layers / seq / cfg.num_hidden_layers / 1024}
+
+
+def markdown(results: list[dict], dev: torch.device) -> str:
+    """One table: predicted beside measured, the error of each."""
+    head = ("| model | method | budget | step (ms) predicted / measured | error | "
+            "peak (GiB) predicted / measured | error | time vs no offload | "
+            "peak vs no offload | throughput vs checkpointing | engine's own prediction |")
+    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for result in results:
+        for r in result["rows"]:
+            if "failed" in r:
+                lines.append(f"| {result['label']} | {r['method']} | | FAILED: "
+                             f"{r['failed'][:120]} | | | | | | | |")
+                continue
+            b = r.get("budget_bytes")
+            budget = "" if not b else f"{b / 2**30:.2f} GiB" + (
+                "" if r.get("within_budget", True) else " (OVER)")
+            own = ""
+            if "engine_predicted_step_s" in r:
+                own = (f"{1e3 * r['engine_predicted_step_s']:.0f} ms, "
+                       f"{r['engine_predicted_peak'] / 2**30:.2f} GiB ({r['engine_how']})")
+            elif r.get("hooks_off"):
+                own = "moves nothing, hooks off"
+            lines.append(
+                f"| {result['label']} | {r['method']} | {budget} | "
+                f"{1e3 * r['predicted_step_s']:.1f} / {1e3 * r['step_s']:.1f} | "
+                f"{100 * r['step_error']:+.0f}% | "
+                f"{r['predicted_peak'] / 2**30:.2f} / {r['peak_bytes'] / 2**30:.2f} | "
+                f"{100 * r['peak_error']:+.0f}% | {r['time_vs_no_offload']:.3f}x | "
+                f"{r['peak_vs_no_offload']:.0%} | {r['throughput_vs_checkpointing']:.2f}x | "
+                f"{own} |")
+    kind = ("measurement" if dev.type == "cuda" else
+            "DRY RUN on the CPU: the figures mean nothing (no allocator, small models)")
+    return (f"Kind: {kind}. Predicted: the replay of this device's profile (captured in the "
+            "same process) with this device's measured link; measured: median device time of "
+            "forward and backward over the interleaved rounds, and the allocator's peak as one "
+            "model's (see `cswap_lightning/commands/bench_measure.py`).\n\n" + "\n".join(lines))
+
+
+def run_measure_bench(models: list[str], out: str, rounds: int = 12,
+                      device: str = "auto") -> list[dict]:
+    """Each model profiled, predicted and measured; the result files rewritten after each."""
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                       ("cpu" if device == "auto" else device))
+    small = dev.type != "cuda"
+    out_dir = Path(out).parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results: list[dict] = []
+    link = link_check(dev)
+    print(f"link (GB/s; seconds for *_s): {link}", flush=True)
+    for key in models:
+        if dev.type == "cuda":  # the models before are gone: their memory back
+            gc.collect()
+            torch.cuda.empty_cache()
+        try:
+            results.append(run_llama(dev, out_dir, small) if key == "llama"
+                           else run_model(key, dev, out_dir, rounds, small))
+        except Exception as err:  # noqa: BLE001 - one model failing leaves the others' rows
+            print(f"{key}: FAILED: {type(err).__name__}: {err}", flush=True)
+            results.append({"model": key, "failed": f"{type(err).__name__}: {err}"})
+        table = markdown([r for r in results if "rows" in r], dev)
+        table += "".join(f"\n\nProfile {r['profile']}: plain forward {r['plain_forward_ms']:.1f} ms, "
+                         f"backward {r['plain_backward_ms']:.1f} ms, peak "
+                         f"{r['peak_bytes'] / 2**30:.2f} GiB, saved "
+                         f"{r['saved_bytes'] / 2**30:.2f} GiB"
+                         for r in results if r.get("model") == "llama" and "profile" in r)
+        print(table, flush=True)
+        meta = result_meta(dev, kind="measurement" if dev.type == "cuda" else "dry run",
+                           rounds=rounds, link_gb_s=link)
+        write_results(out, "cswap bench measure: predicted beside measured", meta,
+                      {"results": results}, table)
+    return results
