@@ -79,7 +79,7 @@ def hf_loss(model: nn.Module, inputs: dict) -> torch.Tensor:
 def projected(out: torch.Tensor, seed: int = 7) -> torch.Tensor:
     """A scalar that depends on every element with a different weight (a plain sum or mean of
     squares is constant under a final LayerNorm and would give degenerate gradients)."""
-    weight = torch.randn(out.shape, generator=_gen(seed), dtype=out.dtype)
+    weight = torch.randn(out.shape, generator=_gen(seed), dtype=out.dtype).to(out.device)
     return (out * weight).sum()
 
 
