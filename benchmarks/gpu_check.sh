@@ -30,7 +30,8 @@
 #   benchmarks/results/ and the profiles under cswap_lightning/planning/evidence/.
 #
 # Environment: OUT (set by the device machine), BUDGET_S (seconds for the whole call, default
-# 450), ONLY (space-separated step names to run instead of all), DRY=1 (list each step with
+# 450), ONLY (space-separated step names to run instead of all), TESTS (pytest node ids to
+# run before the measure step, as the step "tests"), DRY=1 (list each step with
 # its limit and command, run nothing: `DRY=1 bash benchmarks/gpu_check.sh`).
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -89,6 +90,9 @@ GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
     awk '{print tolower($2)}')
 TAG=${GPU:-gpu}-$(date +%F)
 step build-ext 60 "${CSWAP[@]}" build-ext
+if [[ -n ${TESTS:-} ]]; then  # named tests first (TESTS='tests/test_x.py::test_y ...')
+    step tests 60 python3 -m pytest -q -p no:cacheprovider $TESTS
+fi
 step measure 230 "${ENGINE[@]}" bench measure --models gpt2-medium resnet50 --rounds 12 \
     --out "$WORK/measure-$TAG"
 [[ -f $WORK/measure-$TAG.md ]] && grep "^|" "$WORK/measure-$TAG.md" >>"$SUMMARY"
@@ -96,7 +100,7 @@ step overhead 60 "${ENGINE[@]}" bench overhead --device cuda --rounds 5 --steady
     --out "$WORK/overhead-$TAG"
 step codec 40 "${ENGINE[@]}" bench codec --sizes 16MiB 64MiB --codecs zvc rle int8 \
     --sparsities 0 50 90 --no-relu --no-nvcomp --out "$WORK/codec-$TAG"
-step exit-codes 60 python3 -m pytest -q -p no:cacheprovider tests/test_exit.py
+step exit-codes 120 python3 -m pytest -q -p no:cacheprovider tests/test_exit.py
 step llama 60 "${CSWAP[@]}" bench measure --models llama --out "$WORK/llama-$TAG"
 step pytest-gpu 150 python3 -m pytest -q -p no:cacheprovider -m gpu --timeout 60 \
     --junitxml="$WORK/pytest-gpu.xml"

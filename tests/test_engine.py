@@ -637,3 +637,85 @@ def test_a_storage_unpacked_on_a_second_stream_waits_for_its_restore():
         assert_bitwise_equal(ref, got)
         assert "dedup" in {s.decision for s in off.last_step().sites}
     off.close()
+
+
+# -- what the measured steps measure (the H200 check of 2026-11-26) ---------------------------
+def _swapping_step(peak: int, moved: int):
+    from cswap_lightning.core.stats import SiteStats, StepStats
+
+    stats = StepStats(0)
+    stats.peak_allocated_bytes = peak
+    row = SiteStats(0, (moved,), "uint8", moved, "raw")
+    row.stored_bytes = moved
+    stats.sites.append(row)
+    return stats
+
+
+def test_measured_steps_keep_every_tensor_only_where_the_device_has_room_for_them():
+    """The swap-all step's peak above today's allocation plus what it moved must fit in four
+    fifths of what the device can still give (free, and reserved but unused)."""
+    from cswap_lightning.core.engine import room_to_keep
+
+    GiB = 1 << 30
+    stats = _swapping_step(peak=10 * GiB, moved=5 * GiB)
+    assert stats.offloaded_bytes == 5 * GiB
+    cuda = torch.device("cuda", 0)
+    # extra = (10 - 4) + 5 = 11 GiB; can give 20 + 12 - 4 = 28 GiB (22.4 of it allowed)
+    assert room_to_keep(stats, cuda, (20 * GiB, 12 * GiB, 4 * GiB))
+    assert not room_to_keep(stats, cuda, (5 * GiB, 12 * GiB, 4 * GiB))  # 10.4 allowed
+    assert not room_to_keep(stats, torch.device("cpu"), (20 * GiB, 12 * GiB, 4 * GiB))
+
+
+def test_the_profiler_times_sites_from_the_steps_that_moved_nothing():
+    """A swapping step's windows hold its copies' stalls; a step that kept everything times
+    the compute alone, and its windows are the ones the planner replays."""
+    from cswap_lightning.core.stats import SiteStats, StepStats
+    from cswap_lightning.planning.profiler import Profiler
+
+    def step(decision: str) -> StepStats:
+        stats = StepStats(0)
+        stats.sites.append(SiteStats(0, (1024,), "float32", 4096, decision))
+        return stats
+
+    profiler = Profiler()
+    profiler.observe(step("raw"), {0: (1.0, 2.0)})
+    assert profiler.profile()[0].forward_s == 1.0  # no plain step yet: the swapping one
+    profiler.observe(step("keep"), {0: (0.1, 0.3)})
+    profiler.observe(step("raw"), {0: (5.0, 5.0)})
+    site = profiler.profile()[0]
+    assert (site.forward_s, site.backward_s) == (0.1, 0.3)
+
+
+@pytest.mark.gpu
+def test_the_step_peak_is_the_allocators_when_backward_ends():
+    """A trainer that resets the allocator's peak between steps (as the benchmarks do) left
+    the engine reading the peak since that reset when the step closed, at the next step's
+    start: the budget then planned without the weights, gradients and loss."""
+    model, x, y = model_and_batch("mlp", "cuda")
+    off = Offloader(CSwapConfig(plan="keep"))
+    with off:
+        loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    peak = torch.cuda.max_memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    assert off.last_step().peak_allocated_bytes == peak
+    off.close()
+
+
+@pytest.mark.gpu
+def test_under_a_budget_a_measured_step_keeps_every_tensor_where_the_device_has_room():
+    """The first measured step swaps (safe where nothing fits); the next keeps all, so the
+    planner's windows and the allocator's peak are those of the step without copies."""
+    model, x, y = model_and_batch("mlp", "cuda")
+    plain = Offloader(CSwapConfig(plan="keep"))
+    grads(model, x, y, plain)
+    keep_peak = plain.last_step().peak_allocated_bytes
+    plain.close()
+    off = Offloader(CSwapConfig(budget=keep_peak // 2, min_bytes=0))
+    rows = []
+    for _ in range(off.config.profile_steps + 2):
+        grads(model, x, y, off)
+        rows.append({s.decision for s in off.last_step().sites})
+    assert "raw" in rows[0]
+    assert any(decisions <= {"keep", "dedup"} for decisions in rows[1:]), rows
+    off.close()

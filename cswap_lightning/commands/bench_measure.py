@@ -182,6 +182,7 @@ def _engine_summary(m: Method) -> dict:
     plan = off.plan
     if plan is not None and hasattr(plan, "table"):
         out["plan_table"] = plan.table()
+        out["engine_beside_bytes_raw"] = getattr(plan, "base_bytes", None)
     return out
 
 
@@ -292,8 +293,9 @@ def run_model(key: str, dev: torch.device, out_dir: Path, rounds: int, small: bo
                 "peak_bytes": max(p for _, _, p in m.steps), "timed_steps": len(m.steps)}
         if m.offloader is not None:
             row |= _engine_summary(m)
-            if "engine_predicted_peak_raw" in row:
-                row["engine_predicted_peak"] = row.pop("engine_predicted_peak_raw") - others
+            for raw in ("engine_predicted_peak", "engine_beside_bytes"):
+                if row.get(f"{raw}_raw") is not None:
+                    row[raw] = row.pop(f"{raw}_raw") - others
             m.offloader.close()
     base_row = rows["no offload"]
     ck_row = rows["checkpointing"]

@@ -49,6 +49,12 @@ _TIGHTENINGS = 3
 # On the CPU, where no allocator says so, steps run without hooks only if the checking step
 # held at most this fraction of the budget.
 _CPU_HEADROOM = 0.5
+# Measured steps keep every tensor where the extra bytes take at most this share of what the
+# device can still give (``room_to_keep``).
+_KEEP_ROOM = 0.8
+# The engine's host time per moved tensor, as `cswap bench overhead` measured it (plan=raw):
+# on CUDA the replay's own figure (the H200's), on the CPU 13.2 us (2026-11-25).
+_HOST_S_PER_MOVE = {"cuda": replayed.Engine.host_s_per_move, "cpu": 13.2e-6}
 _log = logging.getLogger(__name__)
 
 
@@ -94,6 +100,9 @@ class Offloader:
         self._unchecked: Plan | None = None  # a plan no step has run yet
         self.profiler = Profiler()
         self._measure_left = self.config.profile_steps
+        # Measured steps keep every saved tensor where the device has room for them (CUDA):
+        # their times have no copies in them and their allocator peak is keeping all's.
+        self._measure_keeping = self._measured_keeping = False
         self._order: list[int] | None = None  # backward's order of sites, learned
         self.modules: ModuleTracker | None = None  # names sites by module, after watch()
         # the watched model's blocks run recomputed, after watch(); and each block call of
@@ -158,6 +167,7 @@ class Offloader:
                   else None)
         step = Step(self, self._steps, self._order, measure, checked, limits)
         step.epoch = self._epoch
+        step.keeping = measure and self._measure_keeping
         if checked is not None and checked.moves_nothing and self._watched(checked):
             step.dormant = step.stats.hooks_off = True
             step.device = checked.device
@@ -284,8 +294,8 @@ class Offloader:
             return "keep"
         if self.config.plan != "auto":
             codec = self.config.plan
-        elif self._plan is None:
-            codec = "raw"  # not profiled yet: swap uncompressed
+        elif self._plan is None:  # not profiled yet: swap uncompressed, or keep to time it
+            codec = "keep" if self._step.keeping else "raw"
         else:
             codec = self._plan.codec(site, stats.shape, stats.dtype)
         if codec in LOSSY_CODECS and not self._lossy_ok(codec, site, stats):
@@ -336,6 +346,7 @@ class Offloader:
         windows too, then plan again), and which sites' moving frees nothing."""
         self.profiler = Profiler()
         self._measure_left = self.config.profile_steps
+        self._measure_keeping = self._measured_keeping = False
         self.held_elsewhere = set()
         self._checked = None
         self._graphs = {}
@@ -510,6 +521,12 @@ class Offloader:
             timer = step.timer
             self.profiler.observe(step.stats, timer.windows() if timer else {},
                                   timer.unpack_order() if timer else None)
+            self._measured_keeping |= step.keeping
+            if not self._measure_keeping and self._plan is None:
+                self._measure_keeping = room_to_keep(step.stats, step.device)
+            if self._measure_left == 0 and self._measure_keeping and not self._measured_keeping:
+                self._measure_left = 1  # one more, keeping every tensor, then the plan
+                return
             if self._measure_left == 0:
                 if not self._plan_recompute(step):
                     self._use(self._advise(step))
@@ -639,7 +656,8 @@ class Offloader:
         auto_bound = self.config.inflight_bytes == "auto"
         started = time.perf_counter()
         engine = replayed.Engine(self.config.min_bytes, self._window(profiles, link),
-                                 self.transfer.inflight_limit)
+                                 self.transfer.inflight_limit,
+                                 _HOST_S_PER_MOVE.get(step.device.type, 0.0))
         measured = live.candidates(profiles, self.block_calls, beside)
         self.recomputation = choice = live.choose_recompute(
             measured, budget, replayed.Link(link.d2h, link.h2d, link.d2d), engine,
@@ -736,6 +754,23 @@ class Offloader:
         """The configured budget in bytes, less what checked steps showed it lacked."""
         budget = resolve_budget(self.config.budget, device)
         return None if budget is None else max(budget - self._tightened, 0)
+
+
+def room_to_keep(stats: StepStats, device: torch.device | None,
+                 memory: tuple[int, int, int] | None = None) -> bool:
+    """Whether a step like ``stats`` (measured swapping its tensors) could keep them all on
+    ``device`` instead: its allocator peak above what is allocated now, plus the bytes it
+    moved, within four fifths of what the device can still give (free, and reserved by the
+    allocator but unused). ``memory``: (free, reserved, allocated) bytes, measured if None.
+    CUDA only: the CPU's measured steps swap, as on a device without room."""
+    if device is None or device.type != "cuda" or stats.peak_allocated_bytes is None:
+        return False
+    if memory is None:
+        memory = (torch.cuda.mem_get_info(device)[0], torch.cuda.memory_reserved(device),
+                  torch.cuda.memory_allocated(device))
+    free, reserved, allocated = memory
+    extra = max(stats.peak_allocated_bytes - allocated, 0) + stats.offloaded_bytes
+    return extra <= _KEEP_ROOM * (free + reserved - allocated)
 
 
 def _site_list(value: object) -> bool:

@@ -20,6 +20,7 @@ makes the next step track every site again.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -176,12 +177,17 @@ class Step:
             self.stats.peak_resident_bytes = checked.stats.peak_resident_bytes
         self.residency = Residency(self.stats)
         self.measure = measure  # time the windows and count every site's zeros
+        self.keeping = False  # a measured step that keeps every tensor (the engine's choice)
         self.timer: StepTimer | None = None
         self.blocks: BlockTimer | None = None  # each block's sites and time, when measured
         self.numbering: frozenset[str] = frozenset()  # the blocks it recomputed (engine's)
         self._unpacked: set[int] = set()
         self.device: torch.device | None = None
         self.failed = self.closed = False
+        # The allocator's peak when backward ended (CUDA), read then: what runs before the
+        # step closes (the optimizer, a trainer resetting the peak) does not count.
+        self.backward_peak: int | None = None
+        self._backward_begun = False
         self.probe: str | None = None  # an accuracy-guard probe step (Offloader.probe_next_step)
         # Autograd runs backward on one thread per device: a model split over several GPUs in
         # one process unpacks from several threads at once.
@@ -381,6 +387,8 @@ class Step:
     def unpack(self, saved: tuple | _Entry | _View) -> torch.Tensor:
         if _dynamo_callback() is not None:  # in a compiled module's eager fallback
             return torch.compiler.disable(self.unpack)(saved)
+        if not self._backward_begun:
+            self._begin_backward()
         if type(saved) is tuple:  # kept: the tensor, its version when saved, its site
             t, version, site = saved
             if t._version != version:
@@ -419,6 +427,20 @@ class Step:
         if stride is not None and (offset or base.shape != size or base.stride() != stride):
             base = base.as_strided(size, stride, offset)
         return base if rebuild is None else rebuild(base)
+
+    def _begin_backward(self) -> None:
+        """At backward's first unpack, on CUDA: have autograd read the allocator's peak when
+        this backward ends (``backward_peak``)."""
+        self._backward_begun = True
+        device = self.device
+        if device is None or device.type != "cuda":
+            return
+
+        def ended() -> None:
+            self.backward_peak = torch.cuda.max_memory_allocated(device)
+
+        with contextlib.suppress(RuntimeError):  # an unpack outside backward: read at close
+            torch.autograd.Variable._execution_engine.queue_callback(ended)
 
     def _time_unpack(self, site: int) -> None:
         if site not in self._unpacked:
@@ -567,7 +589,9 @@ class Step:
         for stats, numel, nonzero in counts:  # ints, or counts copied to host memory
             stats.sparsity = 1.0 - int(nonzero) / numel if numel else 0.0
         if self.device is not None and self.device.type == "cuda":
-            self.stats.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device)
+            self.stats.peak_allocated_bytes = (
+                self.backward_peak if self.backward_peak is not None
+                else torch.cuda.max_memory_allocated(self.device))
 
 
 # Dynamo compiles every Python frame that starts while its frame callback is set, as it is

@@ -188,17 +188,22 @@ class Profiler:
         self.sites: dict[int, SiteProfile] = {}
         self.order: list[int] = []  # backward's order of first unpacks, last profiled step
         self._windows: dict[int, list[tuple[float, float]]] = {}
+        # windows of steps that moved nothing: no copies in them, preferred where there are
+        self._plain: dict[int, list[tuple[float, float]]] = {}
 
     def observe(self, step: StepStats, windows: dict[int, tuple[float, float]],
                 order: list[int] | None = None) -> None:
         """Fold one profiled step in (call after the step's statistics are closed), with
-        the order backward first needed its sites (``StepTimer.unpack_order``).
+        the order backward first needed its sites (``StepTimer.unpack_order``). A site's
+        windows are those of the steps that moved nothing, where there are any: the copies of
+        a step that swapped stretch them.
 
         A site keeps the largest size seen of its kind (dtype and dimensions), so that a
         plan made from the profile serves every step no larger (shorter sequences); a site
         of another kind starts afresh."""
         if order:
             self.order = order
+        plain = all(s.decision in ("keep", "dedup") for s in step.sites)
         for s in step.sites:
             offloadable = not s.reason or s.reason == "plan"
             profile = self.sites.get(s.site)
@@ -207,7 +212,7 @@ class Profiler:
             if new:
                 profile = SiteProfile(s.site, s.shape, s.dtype, s.nbytes, offloadable)
                 self.sites[s.site] = profile
-                self._windows[s.site] = []
+                self._windows[s.site], self._plain[s.site] = [], []
             elif (numel := math.prod(s.shape)) > (old := math.prod(profile.shape)):
                 # grown: its bytes in proportion
                 profile.nbytes = profile.nbytes * numel // old if old else s.nbytes
@@ -224,8 +229,9 @@ class Profiler:
             if s.stored_bytes:
                 profile.stored[s.decision] = s.stored_bytes
             if s.site in windows:
-                self._windows[s.site].append(windows[s.site])
-        for site, measured in self._windows.items():
+                (self._plain if plain else self._windows)[s.site].append(windows[s.site])
+        for site, swapping in self._windows.items():
+            measured = self._plain[site] or swapping
             if measured:
                 self.sites[site].forward_s = statistics.median(w[0] for w in measured)
                 self.sites[site].backward_s = statistics.median(w[1] for w in measured)

@@ -33,7 +33,12 @@ the peak says): ``held_peak_bytes`` counts those too. At each op the allocator a
 beside the saved tensors (its temporaries in forward; weight gradients so far and activation
 gradients in backward).
 
-Not modelled: a host that issues kernels slower than the device runs them (a profile holds
+The engine's host time per moved tensor (its pack and unpack hooks, the copies' launches:
+124.5 us on the H200, 188 us on the H100) moves the host clock, half at the copy out and half
+at the unpack: where it adds up past the device's work, the step waits for the host. The two
+directions never copy at once here, as in the engine: backward's first restore waits for
+forward's last copy out (on the H200 each direction ran at 50.3 GB/s with the other busy,
+55.0 alone). Not modelled: the host's own time to issue each op's kernels (a profile holds
 device times only), and the allocator's fragmentation.
 Every figure the replay gives is a prediction, not a measurement.
 """
@@ -161,6 +166,9 @@ class Engine:
     min_bytes: int = CSwapConfig.min_bytes
     prefetch_bytes: int = 512 << 20  # the engine's fixed window when the H100 run was made
     inflight_bytes: int = AUTO_INFLIGHT_BYTES
+    # measured, not a setting: the engine's host time per moved tensor on CUDA (`cswap bench
+    # overhead --device cuda`, plan=raw: 124.5 us on the H200, 2026-11-26)
+    host_s_per_move: float = 124.5e-6
 
 
 @dataclass(frozen=True)
@@ -353,6 +361,7 @@ class _Replay:
         while self.inflight and flying + nbytes > self.engine.inflight_bytes:
             end, n = self.inflight.pop(0)
             self.host, flying = max(self.host, end), flying - n
+        self.host += self.engine.host_s_per_move / 2
         start = max(self.compute, self.host, self.d2h_free)
         end = start + nbytes / codec.encode + stored / self.link.d2h
         self.d2h_free = end
@@ -436,6 +445,7 @@ class _Replay:
         """The storage's copy back for the op about to run (restored now if none lives),
         prefetching after it (``Step._prefetch_after``); when the copy is complete."""
         entry = self.entries[storage]
+        self.host += self.engine.host_s_per_move / 2
         if entry.prefetched:
             entry.prefetched = False
             self.ahead -= entry.nbytes
