@@ -9,7 +9,8 @@
 #      interleaved beside the predictions;
 #   2. overhead: host time per saved tensor on CUDA (`cswap bench overhead --device cuda`);
 #   3. codec: zvc, rle and int8 at 16 and 64 MiB against a device-to-device copy;
-#   4. exit-codes: tests/test_exit.py (exit status with and without close(), CUDA codecs);
+#   4. exit-codes: the CUDA cases of tests/test_exit.py (exit status with and without close(),
+#      the CUDA codecs; CI runs the CPU ones);
 #   5. llama: the profile of Llama-3-8B's layer shapes, 4 layers, s4096 b1 (LLM fine-tuning);
 #   6. pytest-gpu: `pytest -m gpu` with what time is left (the junit XML names what ran);
 #   7. measure-more: BERT-large and VGG-16, if time remains.
@@ -100,7 +101,7 @@ step overhead 60 "${ENGINE[@]}" bench overhead --device cuda --rounds 5 --steady
     --out "$WORK/overhead-$TAG"
 step codec 40 "${ENGINE[@]}" bench codec --sizes 16MiB 64MiB --codecs zvc rle int8 \
     --sparsities 0 50 90 --no-relu --no-nvcomp --out "$WORK/codec-$TAG"
-step exit-codes 120 python3 -m pytest -q -p no:cacheprovider tests/test_exit.py
+step exit-codes 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_exit.py
 step llama 60 "${CSWAP[@]}" bench measure --models llama --out "$WORK/llama-$TAG"
 step pytest-gpu 150 python3 -m pytest -q -p no:cacheprovider -m gpu --timeout 60 \
     --junitxml="$WORK/pytest-gpu.xml"
