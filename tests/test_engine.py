@@ -719,3 +719,33 @@ def test_under_a_budget_a_measured_step_keeps_every_tensor_where_the_device_has_
     assert "raw" in rows[0]
     assert any(decisions <= {"keep", "dedup"} for decisions in rows[1:]), rows
     off.close()
+
+
+def test_with_room_every_measured_step_after_a_swapping_one_keeps_all_and_plans_from_it(
+        monkeypatch):
+    """The engine's real path with the device's answer injected (the CPU has no allocator):
+    under a budget nothing fits, a measured step that swapped is followed by one that keeps
+    every tensor, before the plan and again after new_epoch() with the plan in place; the
+    steps between run the plan, which moves."""
+    from cswap_lightning.core import engine
+
+    model, x, y = model_and_batch("mlp")
+
+    def decisions(room: bool) -> list[set[str]]:
+        monkeypatch.setattr(engine, "room_to_keep", lambda stats, device: room)
+        off = Offloader(CSwapConfig(budget=1, min_bytes=0, profile_steps=2, recompute="off"))
+        rows = []
+        for epoch in range(2):
+            if epoch:
+                off.new_epoch()
+            for _ in range(4):
+                grads(model, x, y, off)
+                step = off.last_step()
+                rows.append(step.offloaded_bytes + step.untracked_moved_bytes > 0)
+        off.close()
+        return rows
+
+    assert decisions(room=False) == [True] * 8  # no room: every step moves
+    rows = decisions(room=True)  # whether each step moved
+    assert rows[:3] == [True, False, True]  # measured: swapping, keeping; then the plan
+    assert rows[4:6] == [True, False], rows  # after new_epoch: the plan, then keeping

@@ -292,10 +292,12 @@ class Offloader:
         if site in self.held_elsewhere:
             stats.reason = "held elsewhere"
             return "keep"
+        if self._step.keeping:  # a measured step with room to keep them all (room_to_keep)
+            return "keep"
         if self.config.plan != "auto":
             codec = self.config.plan
-        elif self._plan is None:  # not profiled yet: swap uncompressed, or keep to time it
-            codec = "keep" if self._step.keeping else "raw"
+        elif self._plan is None:
+            codec = "raw"  # not profiled yet: swap uncompressed
         else:
             codec = self._plan.codec(site, stats.shape, stats.dtype)
         if codec in LOSSY_CODECS and not self._lossy_ok(codec, site, stats):
@@ -522,7 +524,7 @@ class Offloader:
             self.profiler.observe(step.stats, timer.windows() if timer else {},
                                   timer.unpack_order() if timer else None)
             self._measured_keeping |= step.keeping
-            if not self._measure_keeping and self._plan is None:
+            if not self._measure_keeping:
                 self._measure_keeping = room_to_keep(step.stats, step.device)
             if self._measure_left == 0 and self._measure_keeping and not self._measured_keeping:
                 self._measure_left = 1  # one more, keeping every tensor, then the plan
