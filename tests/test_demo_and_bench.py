@@ -73,3 +73,44 @@ def test_step_bench_measures_every_method(tmp_path):
     saved = json.loads((tmp_path / "step.json").read_text())
     assert saved["meta"]["model"] == "mlp" and len(saved["rows"]) == len(rows)
     assert "| cswap plan=zvc |" in (tmp_path / "step.md").read_text()
+
+
+def test_a_captured_profile_replays_as_the_h100_ones_do(tmp_path):
+    """planning/capture.py writes the schema workload.load reads: every saved tensor, its
+    storage seen once, weights marked, each leaf module's time; the plain totals beside."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from cswap_lightning.planning.capture import capture
+    from cswap_lightning.planning.workload import from_profile
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=300, n_embd=32, n_layer=2, n_head=2,
+                                       n_positions=32, use_cache=False))
+    ids = torch.randint(0, 300, (2, 32))
+    profile = capture(model, lambda: model(input_ids=ids, labels=ids).loss, "gpt2-tiny-b2",
+                      warmup=1, steps=2, log=lambda _: None)
+    saved = profile["saved"]
+    assert any(r["parameter"] for r in saved) and not all(r["parameter"] for r in saved)
+    assert sum(r["first_of_storage"] for r in saved) < len(saved)  # a storage saved twice
+    assert {r["module"] for r in saved} >= {"transformer.h.0.ln_1", "transformer.h.1.mlp.c_fc"}
+    assert all(m["calls"] >= 1 for m in profile["modules"] if m["module"].endswith("c_fc"))
+    assert profile["plain_forward_ms"] > 0 and profile["plain_backward_ms"] > 0
+    assert model.transformer.h[0].ln_1.weight.grad is None  # left as it found it
+    w = from_profile(profile)
+    assert [b.name for b in w.blocks if b.recomputable] == ["transformer.h.0", "transformer.h.1"]
+    assert len(w.saved) == len(saved)
+
+
+def test_measure_bench_runs_every_method_and_labels_a_cpu_run_a_dry_run(tmp_path):
+    from cswap_lightning.commands.bench_measure import run_measure_bench
+
+    results = run_measure_bench(["resnet50"], str(tmp_path / "measure"), rounds=1,
+                                device="cpu")
+    rows = {r["method"]: r for r in results[0]["rows"]}
+    assert set(rows) == {"no offload", "checkpointing", "cswap, budget 85% of no offload",
+                         "cswap, budget 50% of no offload",
+                         "cswap, budget checkpointing's peak", "cswap default (fits)"}
+    assert all(r["timed_steps"] == 1 and r["predicted_step_s"] > 0 for r in rows.values())
+    assert (tmp_path / "profile-resnet50-cpu.json.gz").exists()
+    text = (tmp_path / "measure.md").read_text()
+    assert "DRY RUN on the CPU" in text and "| ResNet-50 | checkpointing |" in text

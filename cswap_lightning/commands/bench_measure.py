@@ -68,9 +68,11 @@ class Method:
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     offloader: Offloader | None = None
     budget_bytes: int | None = None  # one model's budget (the engine gets the others' more)
-    steps: list[tuple[float, float, int]] = field(default_factory=list)  # step ms, fwd ms, peak
+    # step ms, forward ms, peak as one model's, allocated at the step's start
+    steps: list[tuple[float, float, int, int]] = field(default_factory=list)
     warmup: int = 0
     settled: bool = True
+    held_bytes: int = 0  # device memory its engine holds between steps, once settled
 
 
 def _spec(key: str, small: bool) -> Model:
@@ -108,9 +110,9 @@ def _bf16_batch(batch):
 
 
 def _step(m: Method, spec: Model, batch, dev: torch.device, own_start: int
-          ) -> tuple[float, float, int]:
-    """One forward and backward of ``m``: device ms of the step and of forward, and the peak
-    as one model's (the module docstring)."""
+          ) -> tuple[float, float, int, int]:
+    """One forward and backward of ``m``: device ms of the step and of forward, the peak as
+    one model's (the module docstring), and the allocator's bytes at the step's start."""
     cuda = dev.type == "cuda"
     if cuda:
         torch.cuda.synchronize(dev)
@@ -133,9 +135,9 @@ def _step(m: Method, spec: Model, batch, dev: torch.device, own_start: int
         marks[2].record()
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - before + own_start
-        return marks[0].elapsed_time(marks[2]), marks[0].elapsed_time(marks[1]), peak
+        return marks[0].elapsed_time(marks[2]), marks[0].elapsed_time(marks[1]), peak, before
     end = time.perf_counter()
-    return 1e3 * (end - began), 1e3 * (forward - began), 0
+    return 1e3 * (end - began), 1e3 * (forward - began), 0, 0
 
 
 def _settle(m: Method, spec: Model, batch, dev: torch.device, own_start: int,
@@ -146,16 +148,20 @@ def _settle(m: Method, spec: Model, batch, dev: torch.device, own_start: int,
         _step(m, spec, batch, dev, own_start)
         m.warmup = 1
         return
+    cuda = dev.type == "cuda"
+    before = torch.cuda.memory_allocated(dev) if cuda else 0
     previous = None
+    m.warmup, m.settled = most, False
     for n in range(1, most + 1):
         _step(m, spec, batch, dev, own_start)
         plan = m.offloader.plan
         checked = plan is not None and getattr(plan, "measured_peak", None) is not None
         if checked and plan is previous:
             m.warmup, m.settled = n, True
-            return
+            break
         previous = plan
-    m.warmup, m.settled = most, False
+    if cuda:
+        m.held_bytes = torch.cuda.memory_allocated(dev) - before
 
 
 def _candidates(w: Workload) -> tuple[Workload, ...]:
@@ -167,7 +173,8 @@ def _engine_summary(m: Method) -> dict:
     """What the engine decided and predicted for itself (its own replay of its measured
     step; its figures count the other copies' weights, taken off here)."""
     off = m.offloader
-    out: dict = {"warmup_steps": m.warmup, "settled": m.settled}
+    out: dict = {"warmup_steps": m.warmup, "settled": m.settled,
+                 "held_between_steps_bytes": m.held_bytes}
     choice = off.recomputation
     if choice is not None:
         p = choice.mix.prediction
@@ -288,9 +295,10 @@ def run_model(key: str, dev: torch.device, out_dir: Path, rounds: int, small: bo
     for m in methods:
         row = rows[m.name]
         row |= {"method": m.name,
-                "step_s": statistics.median(s for s, _, _ in m.steps) / 1e3,
-                "forward_s": statistics.median(f for _, f, _ in m.steps) / 1e3,
-                "peak_bytes": max(p for _, _, p in m.steps), "timed_steps": len(m.steps)}
+                "step_s": statistics.median(s[0] for s in m.steps) / 1e3,
+                "forward_s": statistics.median(s[1] for s in m.steps) / 1e3,
+                "peak_bytes": max(s[2] for s in m.steps), "timed_steps": len(m.steps),
+                "allocated_at_start": statistics.median(s[3] for s in m.steps)}
         if m.offloader is not None:
             row |= _engine_summary(m)
             for raw in ("engine_predicted_peak", "engine_beside_bytes"):
