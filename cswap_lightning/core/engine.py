@@ -31,7 +31,7 @@ from ..planning.predictor import CodecTimeModel, calibrate
 from ..planning.prefetch import lookahead_bytes
 from ..planning.profiler import Link, Profiler, measure_link
 from .module_names import ModuleTracker
-from .recompute import BlockCall, BlockTimer, Recompute
+from .recompute import BlockCall, BlockTimer, Recompute, left_out_rows
 from .stats import SiteStats, StepStats, fmt_bytes
 from .step import Checked, Move, Step, hide_from_dynamo
 from .transfer import Transfer
@@ -146,6 +146,7 @@ class Offloader:
             self._push_hooks(self._step)
             return self
         self._close_step()
+        self._drop_unfit()
         if self._checked is not None and self._checked.moves_nothing and self._near_budget():
             _log.info("cswap: the allocator's peak neared the budget on a step without hooks: "
                       "measuring again")
@@ -270,6 +271,18 @@ class Offloader:
             recomputer.arm()
         elif recomputer.model is not None:
             step.blocks = BlockTimer(recomputer, lambda: len(step.sizes))
+
+    def _drop_unfit(self) -> None:
+        """Run plainly from now on the chosen blocks found unfit since they were chosen (by
+        a measured step, or for hooks added inside them), and say so."""
+        recomputer = self.recomputer
+        unfit = recomputer.unfit_chosen() if recomputer is not None else {}
+        if not unfit:
+            return
+        warnings.warn(f"cswap: no longer recomputing {', '.join(map(repr, unfit))}: "
+                      + "; ".join(f"{name} {why}" for name, why in unfit.items()),
+                      RuntimeWarning, stacklevel=3)
+        self.recompute([name for name in recomputer.chosen if name not in unfit])
 
     def _disarm_recompute(self, step: Step) -> None:
         if self.recomputer is not None:
@@ -546,8 +559,12 @@ class Offloader:
 
     def _use(self, plan: Plan) -> None:
         choice = self.recomputation
+        tables = []
         if choice is not None and choice.names:
-            plan.recompute_table = mix.table(choice.mix, choice.workload)
+            tables.append(mix.table(choice.mix, choice.workload))
+        if self.recomputer is not None and self.config.recompute != "off":
+            tables.append(left_out_rows(self.recomputer.left_out()))
+        plan.recompute_table = "\n".join(table for table in tables if table)
         self._plan = self._unchecked = plan
         self._checked = None
         moved = [d for d in plan.decisions.values() if d.decision != "keep"]
@@ -640,7 +657,9 @@ class Offloader:
         started = time.perf_counter()
         engine = replayed.Engine(self.config.min_bytes, self._window(profiles, link),
                                  self.transfer.inflight_limit)
-        measured = live.candidates(profiles, self.block_calls, beside)
+        left_out = self.recomputer.left_out()
+        measured = live.candidates(
+            profiles, [c for c in self.block_calls if c.name not in left_out], beside)
         self.recomputation = choice = live.choose_recompute(
             measured, budget, replayed.Link(link.d2h, link.h2d, link.d2d), engine,
             INFLIGHT_CHOICES if auto_bound else (),

@@ -424,6 +424,8 @@ class Step:
         if site not in self._unpacked:
             self._unpacked.add(site)
             self.timer.unpacked(site)
+            if self.blocks is not None:
+                self.blocks.backward_started()
 
     def _device_copy(self, entry: _Entry) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """The entry's tensor on its device: prefetched, still held from an earlier unpack,
