@@ -8,6 +8,7 @@ measured, the sites whose moving freed nothing) and hands each step to a ``Step`
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 import warnings
@@ -31,7 +32,7 @@ from ..planning.predictor import CodecTimeModel, calibrate
 from ..planning.prefetch import lookahead_bytes
 from ..planning.profiler import Link, Profiler, measure_link
 from .module_names import ModuleTracker
-from .recompute import BlockCall, BlockTimer, Recompute, left_out_rows
+from .recompute import BlockCall, BlockTimer, Recompute, left_out_rows, top_hooks
 from .stats import SiteStats, StepStats, fmt_bytes
 from .step import Checked, Move, Step, hide_from_dynamo
 from .transfer import Transfer
@@ -49,6 +50,10 @@ _TIGHTENINGS = 3
 # On the CPU, where no allocator says so, steps run without hooks only if the checking step
 # held at most this fraction of the budget.
 _CPU_HEADROOM = 0.5
+# Steps without hooks see nothing of what they save: at least one step in this many runs with
+# them, counting, so that a graph that changed (another model entered from the same loop) is
+# seen.
+DORMANT_STEPS = 20
 _log = logging.getLogger(__name__)
 
 
@@ -123,6 +128,10 @@ class Offloader:
         # nested blocks' hooks (None: a step without hooks)
         self._hooks: list[torch.autograd.graph.saved_tensors_hooks | None] = []
         self._owner: int | None = None  # the thread inside the block
+        # where the latest step was entered from (code, line), and the steps without hooks in
+        # a row since one with them
+        self._entered_from: tuple | None = None
+        self._dormant = 0
         self._steps = 0
         self._replans = 0
         # The count of saved tensors and the sites of weights among them of the graph measured
@@ -159,9 +168,13 @@ class Offloader:
                   else None)
         step = Step(self, self._steps, self._order, measure, checked, limits)
         step.epoch = self._epoch
-        if checked is not None and checked.moves_nothing and self._watched(checked):
+        caller = sys._getframe(1)
+        entered_from, self._entered_from = self._entered_from, (caller.f_code, caller.f_lineno)
+        if (checked is not None and checked.moves_nothing and self._watched(checked)
+                and self._same_graph(entered_from)):
             step.dormant = step.stats.hooks_off = True
             step.device = checked.device
+        self._dormant = self._dormant + 1 if step.dormant else 0
         self._push_hooks(step)  # raises where saved-tensor hooks are disabled: nothing changed
         step.probe, self._next_probe = self._next_probe, None
         self._step, self._owner = step, threading.get_ident()
@@ -212,6 +225,7 @@ class Offloader:
             if self.recomputer is not None:
                 self.recomputer.release()
             self.recomputer = Recompute(model)
+            self._checked = None  # a new model: the next step tracks and checks the plan
         return self
 
     def recompute(self, names: Iterable[str]) -> dict[str, str]:
@@ -480,6 +494,8 @@ class Offloader:
             step.close()
         if step.blocks is not None:
             self.block_calls = step.blocks.calls()
+        if not step.sizes:  # it saved nothing: it says nothing of the graph
+            return
         if step.epoch == self._epoch and self._other_graph(step):
             self._plan = self._unchecked = None  # made by position for the other graph
             self._replanning()
@@ -536,15 +552,27 @@ class Offloader:
 
     def _watched(self, checked: Checked) -> bool:
         """Whether steps may run without hooks (autograd keeps every saved tensor) under a
-        checked plan that moves nothing: on CUDA, where the allocator's peak says when a step
-        nears the budget (a longer batch, say); on the CPU, where nothing does, only if the
-        checking step held at most half the budget; always where no budget applies."""
+        checked plan that moves nothing: never under a forced plan other than ``"keep"`` (it
+        moves what it can: a step that found nothing to move says nothing of the next graph);
+        under the advisor's, on CUDA, where the allocator's peak says when a step nears the
+        budget (a longer batch, say); on the CPU, where nothing does, only if the checking step
+        held at most half the budget; always where no budget applies."""
         plan = self._plan
-        if self.config.plan != "auto" or plan is None or plan.budget_bytes is None:
+        if self.config.plan != "auto":
+            return self.config.plan == "keep"
+        if plan is None or plan.budget_bytes is None:
             return True
         if checked.device is not None and checked.device.type == "cuda":
             return True
         return checked.stats.peak_resident_bytes <= _CPU_HEADROOM * plan.budget_bytes
+
+    def _same_graph(self, entered_from: tuple | None) -> bool:
+        """Whether a step without hooks would run the graph the plan was checked on, as far as
+        can be seen without hooks: entered from where the step before it was (a new graph
+        comes from other code), not inside saved-tensor hooks of the user's (which would take
+        its tensors), and not the ``DORMANT_STEPS``-th step in a row without hooks."""
+        return (entered_from == self._entered_from and top_hooks() is None
+                and self._dormant < DORMANT_STEPS - 1)
 
     def _near_budget(self) -> bool:
         """On CUDA, whether the allocator's peak since the last step came near the plan's

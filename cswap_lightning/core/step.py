@@ -172,9 +172,11 @@ class Step:
         self.min_bytes = offloader.config.min_bytes
         self.prefetch_bytes = offloader.prefetch_window()
         self.stats = StepStats(index)
+        self.residency = Residency(self.stats)
         if checked is not None:  # as measured on the step that checked the plan
             self.stats.peak_resident_bytes = checked.stats.peak_resident_bytes
-        self.residency = Residency(self.stats)
+            self.stats.keep_all_bytes = checked.stats.keep_all_bytes
+            self.residency.sums_keep_all = False
         self.measure = measure  # time the windows and count every site's zeros
         self.timer: StepTimer | None = None
         self.blocks: BlockTimer | None = None  # each block's sites and time, when measured
