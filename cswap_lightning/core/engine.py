@@ -330,8 +330,8 @@ class Offloader:
     def prefetch_window(self) -> int | None:
         """Bytes backward may bring back ahead of use: ``prefetch_bytes`` (for ``"auto"``, what
         hides the link measured for the plan), or less where the plan needed a smaller window
-        to fit its budget; None where nothing is measured yet, for the step to choose (two
-        of its largest moved tensors)."""
+        to fit its budget; None where nothing is measured yet, for the step to choose
+        (``prefetch.resident_window``: two of its largest moved tensors but the largest)."""
         window = self.config.prefetch_bytes
         if window == "auto":
             window = self._plan.prefetch_bytes if self._plan is not None else None

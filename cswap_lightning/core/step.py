@@ -370,7 +370,7 @@ class Step:
         self._by_storage.clear()
         self._kept.clear()
         self.transfer.poll()
-        if self.prefetch_bytes is None:  # nothing measured: two of its largest moved tensors
+        if self.prefetch_bytes is None:  # nothing measured: two of its largest moved (but one)
             self.prefetch_bytes = resident_window(
                 [entry.nbytes for entry in self.live_entries() if entry.kept is None])
         if self.checked is not None:
