@@ -499,10 +499,11 @@ class BlockTimer:
         modules = unit.modules()
         root = unit.module
         open_calls: list[tuple[int, list[tuple[torch.Tensor, int]], _State, Any]] = []
-        norms = {(id(m), n) for m, n in norm_buffers(m for top in modules for m in top.modules())}
-        buffers = [(where, m, n) for where, m in _named_within(root, unit)
+        named = _named_within(root, unit)
+        norms = {(id(m), n) for m, n in norm_buffers(m for _, m in named)}
+        buffers = [(where, m, n) for where, m in named
                    for n in m._buffers if (id(m), n) not in norms]
-        parameters = [(f"{where}.{n}".lstrip("."), p) for where, m in _named_within(root, unit)
+        parameters = [(f"{where}.{n}".lstrip("."), p) for where, m in named
                       for n, p in m._parameters.items() if p is not None]
 
         # Inside a region torch.compile traces (a model compiled whole) the hooks do nothing:

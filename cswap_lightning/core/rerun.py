@@ -7,11 +7,12 @@ with what its first run saw: each module's training flag (``model.eval()`` may h
 between forward and backward), the buffers its forward changes (measured on the engine's
 measured steps: a counter, spectral norm's power-iteration vectors), the generators of its
 own (module attributes, or arguments), a Hugging Face cache among its arguments; and leaves
-them all as they were before it ran. Norms' running statistics are only read in eval mode,
-where they are not updated: they are put back after it, not shown as before.
+them all as it found them. Norms' running statistics are only read in eval mode, where they
+are not updated: they are put back after it, not shown as before.
 
-What cannot be put back makes a block unfit to recompute (``Recompute.unfit``): an input or a
-parameter changed in place, and forward hooks on the modules inside it, which would run again.
+What cannot be put back keeps a block from being recomputed (``Recompute.left_out``): an input
+or a parameter changed in place, and forward hooks on the modules inside it, which would run
+again.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ class FirstRun:
                  generators: list[torch.Generator], caches: CacheStates | None) -> None:
         self.parts = parts
         self.flags = [m.training for m in parts.modules]
-        self.changed = [(m, n, m._buffers[n].clone()) for m, n in changed]
+        self.changed = [(m, n, b.clone()) for m, n in changed
+                        if (b := m._buffers.get(n)) is not None]
         self.generators = [(g, g.get_state()) for g in generators]
         self.caches = caches
 
