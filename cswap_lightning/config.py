@@ -79,7 +79,8 @@ class CSwapConfig:
         prefetch_bytes: how many bytes backward may bring back ahead of use; ``"auto"``: as few
             as hide the measured link (the largest tensors backward uses during the link's time
             for a tensor, at least two of the largest moved ones), since every byte brought
-            back early is held on the device.
+            back early is held on the device; the largest moved tensor comes back alone, and
+            the window holds at most half the bytes of the others (``planning.prefetch``).
         inflight_bytes: how many bytes forward may leave on their way off the device
             (copies not yet done, tensors not yet compressed) before it waits for the
             oldest; the wait is reported as ``StepStats.forward_wait_s``. ``"auto"``: 1 GiB,

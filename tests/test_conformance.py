@@ -422,9 +422,11 @@ def seed_all(seed: int) -> None:
 
 
 def train(built: Built, steps: int, offloader: cswap.Offloader | None = None,
-          prepare: Callable[[nn.Module], object] | None = None) -> list[Step]:
+          prepare: Callable[[nn.Module], object] | None = None,
+          modes: tuple[bool, bool] = (True, True)) -> list[Step]:
     """``steps`` SGD steps of a deep copy of ``built``, seeded alike before each forward
-    (``prepare``: called with the copy first)."""
+    (``prepare``: called with the copy first); ``modes``: the model's training flag in
+    forward and in backward (``model.eval()`` between them, say)."""
     model = copy.deepcopy(built.model).train()
     if prepare is not None:
         prepare(model)
@@ -436,11 +438,13 @@ def train(built: Built, steps: int, offloader: cswap.Offloader | None = None,
         for v in inputs.values():
             v.grad = None
         seed_all(1000 + i)
+        model.train(modes[0])
         if offloader is None:
             loss = built.loss(model, inputs)
         else:
             with offloader:
                 loss = built.loss(model, inputs)
+        model.train(modes[1])
         loss.backward()
         rng = torch.get_rng_state()
         stats = offloader.last_step() if offloader is not None else None

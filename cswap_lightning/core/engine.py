@@ -8,6 +8,7 @@ measured, the sites whose moving freed nothing) and hands each step to a ``Step`
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 import warnings
@@ -31,7 +32,7 @@ from ..planning.predictor import CodecTimeModel, calibrate
 from ..planning.prefetch import lookahead_bytes
 from ..planning.profiler import Link, Profiler, measure_link
 from .module_names import ModuleTracker
-from .recompute import BlockCall, BlockTimer, Recompute
+from .recompute import BlockCall, BlockTimer, Recompute, left_out_rows, top_hooks
 from .stats import SiteStats, StepStats, fmt_bytes
 from .step import Checked, Move, Step, hide_from_dynamo
 from .transfer import Transfer
@@ -55,6 +56,10 @@ _KEEP_ROOM = 0.8
 # The engine's host time per moved tensor, as `cswap bench overhead` measured it (plan=raw):
 # on CUDA the replay's own figure (the H200's), on the CPU 13.2 us (2026-11-25).
 _HOST_S_PER_MOVE = {"cuda": replayed.Engine.host_s_per_move, "cpu": 13.2e-6}
+# Steps without hooks see nothing of what they save: at least one step in this many runs with
+# them, counting, so that a graph that changed (another model entered from the same loop) is
+# seen.
+DORMANT_STEPS = 20
 _log = logging.getLogger(__name__)
 
 
@@ -132,6 +137,10 @@ class Offloader:
         # nested blocks' hooks (None: a step without hooks)
         self._hooks: list[torch.autograd.graph.saved_tensors_hooks | None] = []
         self._owner: int | None = None  # the thread inside the block
+        # where the latest step was entered from (code, line), and the steps without hooks in
+        # a row since one with them
+        self._entered_from: tuple | None = None
+        self._dormant = 0
         self._steps = 0
         self._replans = 0
         # The count of saved tensors and the sites of weights among them of the graph measured
@@ -155,6 +164,7 @@ class Offloader:
             self._push_hooks(self._step)
             return self
         self._close_step()
+        self._drop_unfit()
         if self._checked is not None and self._checked.moves_nothing and self._near_budget():
             _log.info("cswap: the allocator's peak neared the budget on a step without hooks: "
                       "measuring again")
@@ -168,9 +178,13 @@ class Offloader:
         step = Step(self, self._steps, self._order, measure, checked, limits)
         step.epoch = self._epoch
         step.keeping = measure and self._measure_keeping
-        if checked is not None and checked.moves_nothing and self._watched(checked):
+        caller = sys._getframe(1)
+        entered_from, self._entered_from = self._entered_from, (caller.f_code, caller.f_lineno)
+        if (checked is not None and checked.moves_nothing and self._watched(checked)
+                and self._same_graph(entered_from)):
             step.dormant = step.stats.hooks_off = True
             step.device = checked.device
+        self._dormant = self._dormant + 1 if step.dormant else 0
         self._push_hooks(step)  # raises where saved-tensor hooks are disabled: nothing changed
         step.probe, self._next_probe = self._next_probe, None
         self._step, self._owner = step, threading.get_ident()
@@ -221,6 +235,7 @@ class Offloader:
             if self.recomputer is not None:
                 self.recomputer.release()
             self.recomputer = Recompute(model)
+            self._checked = None  # a new model: the next step tracks and checks the plan
         return self
 
     def recompute(self, names: Iterable[str]) -> dict[str, str]:
@@ -281,6 +296,18 @@ class Offloader:
         elif recomputer.model is not None:
             step.blocks = BlockTimer(recomputer, lambda: len(step.sizes))
 
+    def _drop_unfit(self) -> None:
+        """Run plainly from now on the chosen blocks found unfit since they were chosen (by
+        a measured step, or for hooks added inside them), and say so."""
+        recomputer = self.recomputer
+        unfit = recomputer.unfit_chosen() if recomputer is not None else {}
+        if not unfit:
+            return
+        warnings.warn(f"cswap: no longer recomputing {', '.join(map(repr, unfit))}: "
+                      + "; ".join(f"{name} {why}" for name, why in unfit.items()),
+                      RuntimeWarning, stacklevel=3)
+        self.recompute([name for name in recomputer.chosen if name not in unfit])
+
     def _disarm_recompute(self, step: Step) -> None:
         if self.recomputer is not None:
             self.recomputer.disarm()
@@ -315,8 +342,8 @@ class Offloader:
     def prefetch_window(self) -> int | None:
         """Bytes backward may bring back ahead of use: ``prefetch_bytes`` (for ``"auto"``, what
         hides the link measured for the plan), or less where the plan needed a smaller window
-        to fit its budget; None where nothing is measured yet, for the step to choose (two
-        of its largest moved tensors)."""
+        to fit its budget; None where nothing is measured yet, for the step to choose
+        (``prefetch.resident_window``: two of its largest moved tensors but the largest)."""
         window = self.config.prefetch_bytes
         if window == "auto":
             window = self._plan.prefetch_bytes if self._plan is not None else None
@@ -480,6 +507,8 @@ class Offloader:
             step.close()
         if step.blocks is not None:
             self.block_calls = step.blocks.calls()
+        if not step.sizes:  # it saved nothing: it says nothing of the graph
+            return
         if step.epoch == self._epoch and self._other_graph(step):
             self._plan = self._unchecked = None  # made by position for the other graph
             self._replanning()
@@ -542,15 +571,27 @@ class Offloader:
 
     def _watched(self, checked: Checked) -> bool:
         """Whether steps may run without hooks (autograd keeps every saved tensor) under a
-        checked plan that moves nothing: on CUDA, where the allocator's peak says when a step
-        nears the budget (a longer batch, say); on the CPU, where nothing does, only if the
-        checking step held at most half the budget; always where no budget applies."""
+        checked plan that moves nothing: never under a forced plan other than ``"keep"`` (it
+        moves what it can: a step that found nothing to move says nothing of the next graph);
+        under the advisor's, on CUDA, where the allocator's peak says when a step nears the
+        budget (a longer batch, say); on the CPU, where nothing does, only if the checking step
+        held at most half the budget; always where no budget applies."""
         plan = self._plan
-        if self.config.plan != "auto" or plan is None or plan.budget_bytes is None:
+        if self.config.plan != "auto":
+            return self.config.plan == "keep"
+        if plan is None or plan.budget_bytes is None:
             return True
         if checked.device is not None and checked.device.type == "cuda":
             return True
         return checked.stats.peak_resident_bytes <= _CPU_HEADROOM * plan.budget_bytes
+
+    def _same_graph(self, entered_from: tuple | None) -> bool:
+        """Whether a step without hooks would run the graph the plan was checked on, as far as
+        can be seen without hooks: entered from where the step before it was (a new graph
+        comes from other code), not inside saved-tensor hooks of the user's (which would take
+        its tensors), and not the ``DORMANT_STEPS``-th step in a row without hooks."""
+        return (entered_from == self._entered_from and top_hooks() is None
+                and self._dormant < DORMANT_STEPS - 1)
 
     def _near_budget(self) -> bool:
         """On CUDA, whether the allocator's peak since the last step came near the plan's
@@ -565,8 +606,12 @@ class Offloader:
 
     def _use(self, plan: Plan) -> None:
         choice = self.recomputation
+        tables = []
         if choice is not None and choice.names:
-            plan.recompute_table = mix.table(choice.mix, choice.workload)
+            tables.append(mix.table(choice.mix, choice.workload))
+        if self.recomputer is not None and self.config.recompute != "off":
+            tables.append(left_out_rows(self.recomputer.left_out()))
+        plan.recompute_table = "\n".join(table for table in tables if table)
         self._plan = self._unchecked = plan
         self._checked = None
         moved = [d for d in plan.decisions.values() if d.decision != "keep"]
@@ -660,7 +705,9 @@ class Offloader:
         engine = replayed.Engine(self.config.min_bytes, self._window(profiles, link),
                                  self.transfer.inflight_limit,
                                  _HOST_S_PER_MOVE.get(step.device.type, 0.0))
-        measured = live.candidates(profiles, self.block_calls, beside)
+        left_out = self.recomputer.left_out()
+        measured = live.candidates(
+            profiles, [c for c in self.block_calls if c.name not in left_out], beside)
         self.recomputation = choice = live.choose_recompute(
             measured, budget, replayed.Link(link.d2h, link.h2d, link.d2d), engine,
             INFLIGHT_CHOICES if auto_bound else (),

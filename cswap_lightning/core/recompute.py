@@ -25,20 +25,30 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.pooling import _AdaptiveMaxPoolNd, _MaxPoolNd
 from torch.utils.checkpoint import checkpoint
 
 from ..planning.profiler import Clock
 from .compile import containers, is_compiled
+from .rerun import (
+    Buffer,
+    CacheStates,
+    FirstRun,
+    Parts,
+    as_first,
+    generators_among,
+    norm_buffers,
+    rerun_hooks,
+    reruns,
+)
+from .tensors import version_probe
 
 _STAGE_ENDS = (_MaxPoolNd, _AdaptiveMaxPoolNd)  # as the replay cuts a Sequential's stages
 
@@ -135,8 +145,13 @@ class Recompute:
     def __init__(self, model: nn.Module) -> None:
         self._model = weakref.ref(model)
         self.chosen: dict[str, Unit] = {}
+        self._inside: dict[str, list[nn.Module]] = {}  # a chosen unit's modules, but a block
         # Units measured not to be recomputable, with why (``BlockTimer``).
         self.unfit: dict[str, str] = {}
+        # The buffers each unit's forward was measured to change, or found changed after it
+        # returned, named within its module (a stage's: within its nn.Sequential): its
+        # recomputation is shown their values from before its first run.
+        self.changed: dict[str, set[str]] = {}
         self.armed = False
         self.hooks: tuple[Callable, Callable] | None = None  # the step's, when armed
 
@@ -169,13 +184,30 @@ class Recompute:
         for name in self.chosen.keys() - chosen.keys():
             self._release(self.chosen[name])
         self.chosen = chosen
+        self._inside = {name: [m for top in unit.modules() for m in top.modules()
+                               if unit.span is not None or m is not top]
+                        for name, unit in chosen.items()}
         for unit in chosen.values():
             self._wrap(unit)
         return skipped
 
+    def left_out(self) -> dict[str, str]:
+        """Every unit of the model that is not recomputed, whatever is chosen, with why."""
+        return {name: why for name, unit in self.units().items() if (why := self._unfit(unit))}
+
+    def unfit_chosen(self) -> dict[str, str]:
+        """The chosen units found unfit since they were chosen (on a measured step, or hooks
+        added inside them), with why."""
+        return {name: why for name, unit in self.chosen.items()
+                if (why := self.unfit.get(name) or (any(map(reruns, self._inside[name]))
+                                                    and _rerun_hooks(unit)))}
+
     def _unfit(self, unit: Unit) -> str:
         if unit.name in self.unfit:
             return self.unfit[unit.name]
+        hooks = _rerun_hooks(unit)
+        if hooks:
+            return hooks
         if _self_checkpointed([m for top in unit.modules() for m in top.modules()]):
             return "checkpointed by the model's own gradient checkpointing"
         owner = _wrapper(unit)
@@ -194,8 +226,10 @@ class Recompute:
                        if unit.span is None else StagedForward(module, self))
             module.forward = wrapper
         wrapper.recompute = self
-        if unit.span is not None:
-            wrapper.spans[unit.span.start] = unit.span
+        if unit.span is None:
+            wrapper.name = unit.name
+        else:
+            wrapper.spans[unit.span.start] = unit
 
     def _release(self, unit: Unit) -> None:
         """Give the unit its forward back (where its wrapper is still in place)."""
@@ -238,6 +272,24 @@ class Recompute:
         return (not torch.compiler.is_compiling() and self.armed and torch.is_grad_enabled()
                 and top_hooks() == self.hooks)
 
+    def changed_buffers(self, name: str, root: nn.Module) -> list[Buffer]:
+        """The buffers unit ``name`` (its module, or its stage's ``nn.Sequential``: ``root``)
+        was measured to change."""
+        return [_buffer(root, where) for where in self.changed.get(name, ())]
+
+
+def _buffer(root: nn.Module, where: str) -> Buffer:
+    path, _, name = where.rpartition(".")
+    return root.get_submodule(path), name
+
+
+def _rerun_hooks(unit: Unit) -> str:
+    if unit.span is None:
+        return rerun_hooks([(unit.name, unit.module)], True)
+    prefix = unit.name.rsplit("[", 1)[0]
+    return rerun_hooks([(".".join(p for p in (prefix, str(i)) if p), layer)
+                        for i, layer in zip(unit.span, unit.modules(), strict=True)], False)
+
 
 class RecomputedForward:
     """A block's ``forward`` that runs it under checkpoint while its :class:`Recompute` is on.
@@ -245,13 +297,14 @@ class RecomputedForward:
     class's. A copy or a pickle of the block gets a wrapper that never recomputes."""
 
     def __init__(self, block: nn.Module, inner_forward: Callable | None,
-                 recompute: Recompute | None) -> None:
+                 recompute: Recompute | None, name: str = "") -> None:
         self.block = block
         self.inner_forward = inner_forward
         self.recompute = recompute
-        # the block's batch norms, and its modules that may checkpoint themselves: found at
-        # the first call recomputed (a block being copied has no modules yet)
-        self._parts: tuple[list[_BatchNorm], list[nn.Module]] | None = None
+        self.name = name  # the unit's
+        # the block's modules as a recomputation needs them: found at the first call
+        # recomputed (a block being copied has no modules yet)
+        self._parts: Parts | None = None
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         if self.inner_forward is not None:
@@ -263,21 +316,20 @@ class RecomputedForward:
         if recompute is None or not recompute.on():
             return self.run(*args, **kwargs)
         if self._parts is None:
-            self._parts = (_norms([self.block]), [m for m in self.block.modules()
-                                                  if hasattr(m, "gradient_checkpointing")])
-        norms, switches = self._parts
-        if _self_checkpointed(switches):
+            self._parts = Parts.of([self.block])
+        if _self_checkpointed(self._parts.switches):
             return self.run(*args, **kwargs)
-        return checkpointed(self.run, norms, args, kwargs)
+        return checkpointed(self.run, self._parts,
+                            recompute.changed_buffers(self.name, self.block), args, kwargs)
 
     def __deepcopy__(self, memo: dict) -> RecomputedForward:
         from copy import deepcopy
 
         return RecomputedForward(deepcopy(self.block, memo),
-                                 deepcopy(self.inner_forward, memo), None)
+                                 deepcopy(self.inner_forward, memo), None, self.name)
 
     def __reduce__(self) -> tuple:
-        return RecomputedForward, (self.block, self.inner_forward, None)
+        return RecomputedForward, (self.block, self.inner_forward, None, self.name)
 
 
 class StagedForward:
@@ -290,7 +342,8 @@ class StagedForward:
     def __init__(self, sequential: nn.Sequential, recompute: Recompute | None) -> None:
         self.sequential = sequential
         self.recompute = recompute
-        self.spans: dict[int, range] = {}
+        self.spans: dict[int, Unit] = {}  # the stages recomputed, by first child
+        self._parts: dict[int, Parts] = {}  # theirs, as a recomputation needs them
 
     def __call__(self, input: Any) -> Any:
         recompute = self.recompute
@@ -299,14 +352,19 @@ class StagedForward:
         children = list(self.sequential.children())
         i = 0
         while i < len(children):
-            span = self.spans.get(i)
-            if span is None:
+            unit = self.spans.get(i)
+            if unit is None:
                 input = children[i](input)
                 i += 1
                 continue
-            layers = children[span.start:span.stop]
-            input = checkpointed(partial(_in_turn, layers), _norms(layers), (input,), {})
-            i = span.stop
+            layers = children[unit.span.start:unit.span.stop]
+            parts = self._parts.get(i)
+            if parts is None or parts.modules[0] is not layers[0]:
+                parts = self._parts[i] = Parts.of(layers)
+            input = checkpointed(partial(_in_turn, layers), parts,
+                                 recompute.changed_buffers(unit.name, self.sequential),
+                                 (input,), {})
+            i = unit.span.stop
         return input
 
     def __deepcopy__(self, memo: dict) -> StagedForward:
@@ -330,19 +388,20 @@ def _wrapper(unit: Unit) -> RecomputedForward | StagedForward | None:
     return forward if isinstance(forward, kind) else None
 
 
-def checkpointed(run: Callable, norms: list[_BatchNorm], args: tuple,
+def checkpointed(run: Callable, parts: Parts, changed: list[Buffer], args: tuple,
                  kwargs: dict[str, Any]) -> Any:
     """``run(*args, **kwargs)`` under non-reentrant checkpoint. Tensor keyword arguments are
     passed positionally, so that they too are saved through the hooks around it (the engine
     sees them; checkpoint would hold keyword arguments itself). A recomputation runs as the
-    first run did, and changes nothing the first run changed: the ``norms``' running
-    statistics are put back afterwards (they would be updated twice), and a Hugging Face cache
-    among the arguments is shown as it was before the first run, then put back (its keys and
-    values would be written twice, and the recomputation would attend to them)."""
+    first run did, and changes nothing the first run changed (``rerun.as_first``: the
+    ``parts``' training flags, norms and generators, the ``changed`` buffers, the generators
+    and Hugging Face caches among the arguments)."""
     tensors = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
     others = {k: v for k, v in kwargs.items() if k not in tensors}
     count = len(args)
-    caches = _CacheStates.of((*args, *kwargs.values()))
+    values = (*args, *kwargs.values())
+    first_run = FirstRun(parts, changed, parts.generators + generators_among(values),
+                         CacheStates.of(values))
     first = True
 
     def body(*inputs: Any) -> Any:
@@ -351,81 +410,10 @@ def checkpointed(run: Callable, norms: list[_BatchNorm], args: tuple,
         if first:
             first = False
             return run(*inputs[:count], **named)
-        with _as_before(norms, caches):
+        with as_first(first_run):
             return run(*inputs[:count], **named)
 
     return checkpoint(body, *args, *(kwargs[k] for k in tensors), use_reentrant=False)
-
-
-@contextmanager
-def _as_before(norms: list[_BatchNorm], caches: _CacheStates | None) -> Iterator[None]:
-    """Run a recomputation with the caches as ``caches`` holds them, and put the running
-    statistics and the caches back as they are now afterwards."""
-    kept = [(b, b.clone()) for m in norms
-            for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
-    now = caches.again() if caches is not None else None
-    if caches is not None:
-        caches.restore()
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buffer, value in kept:
-                buffer.copy_(value)
-        if now is not None:
-            now.restore()
-
-
-class _CacheStates:
-    """The state of Hugging Face caches (``transformers.cache_utils``: a cache, the caches and
-    layers it holds), copied shallowly: the tensors are shared, the attributes and the lists
-    and dicts they are kept in are copied, so the state can be put back after updates."""
-
-    def __init__(self, roots: list[Any]) -> None:
-        self.roots = roots
-        self.states = [(o, _copied(o.__dict__)) for o in _cache_objects(roots)]
-
-    @classmethod
-    def of(cls, values: Iterable[Any]) -> _CacheStates | None:
-        """The state of the caches among ``values``, or None where there are none."""
-        cache_utils = sys.modules.get("transformers.cache_utils")
-        if cache_utils is None:
-            return None
-        roots = [v for v in values if isinstance(v, cache_utils.Cache)]
-        return cls(roots) if roots else None
-
-    def again(self) -> _CacheStates:
-        """Their state now."""
-        return _CacheStates(self.roots)
-
-    def restore(self) -> None:
-        for obj, state in self.states:
-            obj.__dict__.clear()
-            obj.__dict__.update(_copied(state))
-
-
-def _cache_objects(roots: list[Any]) -> list[Any]:
-    from transformers.cache_utils import Cache, CacheLayerMixin
-
-    found, todo, seen = [], list(roots), set()
-    while todo:
-        obj = todo.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        found.append(obj)
-        for value in obj.__dict__.values():
-            items = value if isinstance(value, (list, tuple)) else (value,)
-            todo += [v for v in items if isinstance(v, (Cache, CacheLayerMixin))]
-    return found
-
-
-def _copied(state: dict[str, Any]) -> dict[str, Any]:
-    return {k: v.copy() if isinstance(v, (list, dict)) else v for k, v in state.items()}
-
-
-def _norms(modules: list[nn.Module]) -> list[_BatchNorm]:
-    return [m for top in modules for m in top.modules() if isinstance(m, _BatchNorm)]
 
 
 def _self_checkpointed(modules: Iterable[nn.Module]) -> bool:
@@ -433,6 +421,11 @@ def _self_checkpointed(modules: Iterable[nn.Module]) -> bool:
     on in training."""
     return any(getattr(m, "gradient_checkpointing", False) is True and m.training
                for m in modules)
+
+
+def left_out_rows(left_out: dict[str, str]) -> str:
+    """A row per unit not recomputed whatever is chosen (``Recompute.left_out``), with why."""
+    return "\n".join(f"{name:<28} not recomputed: {why}" for name, why in left_out.items())
 
 
 def _listed(found: dict[str, Unit], most: int = 8) -> str:
@@ -479,10 +472,15 @@ def renumbered(calls: list[BlockCall], chosen: Iterable[str], sites: int) -> dic
 
 class BlockTimer:
     """Hooks around each unit of a model for one measured step: where its saves begin and end
-    in the step's sites (``next_site()``), and clock stamps. It also learns which units must
-    not be recomputed (``Recompute.unfit``): one that changes an input in place (checkpoint
-    keeps the input, and backward would find it changed), or one that runs under saved-tensor
-    hooks other than the step's (an outer checkpoint, ``save_on_cpu``)."""
+    in the step's sites (``next_site()``), and clock stamps. It also learns what a unit's
+    recomputation could not replay exactly. Some of it makes the unit unfit to recompute
+    (``Recompute.unfit``): it changes an input or a parameter in place, in forward or after it
+    returns (checkpoint keeps the inputs, and backward would find them changed; a
+    recomputation would read the parameter changed), or it runs under saved-tensor hooks other
+    than the step's (an outer checkpoint, ``save_on_cpu``). The rest is put back for its
+    recomputation (``Recompute.changed``): the buffers its forward changes, or that change
+    after it returns (norms' running statistics apart, put back in any case). What changes
+    after a unit returns is looked for at the end of forward and as backward starts."""
 
     def __init__(self, recompute: Recompute, next_site: Callable[[], int]) -> None:
         self.recompute = recompute
@@ -491,12 +489,22 @@ class BlockTimer:
         self.clock: Clock | None = None
         self.stamps: list[tuple[str, int, int, int, int, Any, Any]] = []
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        # each unit call returned, with its inputs' version probes and its state
+        self.returned: list[tuple[str, list[tuple[torch.Tensor, int]], _State]] = []
         for unit in recompute.units().values():
-            modules = unit.modules()
-            self._watch(unit.name, modules[0], modules[-1])
+            self._watch(unit)
 
-    def _watch(self, name: str, first: nn.Module, last: nn.Module) -> None:
-        open_calls: list[tuple[int, list[tuple[torch.Tensor, int]], Any]] = []
+    def _watch(self, unit: Unit) -> None:
+        name = unit.name
+        modules = unit.modules()
+        root = unit.module
+        open_calls: list[tuple[int, list[tuple[torch.Tensor, int]], _State, Any]] = []
+        named = _named_within(root, unit)
+        norms = {(id(m), n) for m, n in norm_buffers(m for _, m in named)}
+        buffers = [(where, m, n) for where, m in named
+                   for n in m._buffers if (id(m), n) not in norms]
+        parameters = [(f"{where}.{n}".lstrip("."), p) for where, m in named
+                      for n, p in m._parameters.items() if p is not None]
 
         # Inside a region torch.compile traces (a model compiled whole) the hooks do nothing:
         # its saves all come at its end, and Dynamo would break its graph here.
@@ -510,29 +518,88 @@ class BlockTimer:
                 self.recompute.unfit[name] = ("runs under saved-tensor hooks other than the "
                                               "step's (an outer checkpoint, save_on_cpu)")
             versions = [(t, t._version) for t in inputs]
-            open_calls.append((self.next_site(), versions, self.clock.now()))
+            open_calls.append((self.next_site(), versions, _State(buffers, parameters),
+                               self.clock.now()))
 
         def after(module: nn.Module, args: tuple, output: Any) -> None:
             if torch.compiler.is_compiling() or not open_calls:
                 return
-            first_site, versions, start = open_calls.pop()
+            first_site, versions, state, start = open_calls.pop()
             if any(t._version != v for t, v in versions):
                 self.recompute.unfit[name] = "changes an input in place"
+            self._learn(name, state, "")
+            probes = [(version_probe(t.detach()), t._version) for t, _ in versions]
+            self.returned.append((name, probes, _State(buffers, parameters)))
             nbytes = sum(t.numel() * t.element_size() for t, _ in versions)
             self.stamps.append((name, first_site, self.next_site(), len(versions), nbytes,
                                 start, self.clock.now()))
 
-        self.handles.append(first.register_forward_pre_hook(before, with_kwargs=True))
-        self.handles.append(last.register_forward_hook(after))
+        self.handles.append(modules[0].register_forward_pre_hook(before, with_kwargs=True))
+        self.handles.append(modules[-1].register_forward_hook(after))
+
+    def _learn(self, name: str, state: _State, when: str) -> None:
+        """What changed of a unit's ``state`` since it was taken."""
+        changed, parameter = state.changes()
+        if changed:
+            self.recompute.changed.setdefault(name, set()).update(changed)
+        if parameter:
+            self.recompute.unfit.setdefault(name, f"changes its parameter {parameter} in "
+                                                  f"place{when}")
+
+    def look_back(self) -> None:
+        """What changed after each unit call returned (at the end of forward, as backward
+        starts): an input changed in place makes the unit unfit."""
+        for name, probes, state in self.returned:
+            if any(p._version != v for p, v in probes):
+                self.recompute.unfit.setdefault(name, "its input is changed in place after "
+                                                      "it returns (checkpoint keeps it)")
+            self._learn(name, state, " after it returns")
 
     def remove(self) -> None:
         """Take the hooks off (at the end of forward)."""
         for handle in self.handles:
             handle.remove()
         self.handles, self.next_site = [], None  # the step's: no cycle through it
+        self.look_back()
+
+    def backward_started(self) -> None:
+        """A first unpack of a site (the step's ``_time_unpack``): the first after forward
+        looks back once more, then lets the unit calls go (their states hold the weights)."""
+        if self.returned and not self.handles:
+            self.look_back()
+            self.returned = []
 
     def calls(self) -> list[BlockCall]:
         """Every unit call of the step, in order (read once the step's device work is done:
         on CUDA this waits for the stamps' events)."""
+        self.returned = []
         return [BlockCall(*call, self.clock.seconds(start, end))
                 for *call, start, end in self.stamps]
+
+
+def _named_within(root: nn.Module, unit: Unit) -> list[tuple[str, nn.Module]]:
+    """The unit's modules, named within ``root`` (its block, or its stage's Sequential)."""
+    if unit.span is None:
+        return list(root.named_modules())
+    return [(f"{i}.{where}".rstrip("."), m) for i in unit.span
+            for where, m in unit.modules()[i - unit.span.start].named_modules()]
+
+
+class _State:
+    """The buffers (each a name within the unit, its module and its name there) and the
+    parameters (each a name within the unit and itself) of a unit, as they are now: which
+    tensor each buffer is, and every version."""
+
+    def __init__(self, buffers: list[tuple[str, nn.Module, str]],
+                 parameters: list[tuple[str, nn.Parameter]]) -> None:
+        self.buffers = [(f"{where}.{n}".lstrip("."), m, n, t, t._version)
+                        for where, m, n in buffers if (t := m._buffers.get(n)) is not None]
+        self.parameters = [(where, p, p._version) for where, p in parameters]
+
+    def changes(self) -> tuple[list[str], str]:
+        """The buffers changed since (in place or replaced), and the first parameter changed
+        in place (``""``: none)."""
+        changed = [where for where, m, n, t, v in self.buffers
+                   if m._buffers.get(n) is not t or t._version != v]
+        parameter = next((where for where, p, v in self.parameters if p._version != v), "")
+        return changed, parameter

@@ -47,6 +47,9 @@ class Residency:
         self._changes: deque[tuple[float, int]] = deque()
         self._append = self._changes.append
         self._freed_callback = self._freed  # one bound method for every reference
+        # whether the storages held are summed into ``keep_all_bytes`` (not on a step that
+        # runs a checked plan: it reports the checking step's)
+        self.sums_keep_all = True
 
     def hold(self, storage: torch.UntypedStorage) -> Held:
         """Count ``storage`` until it is freed (once, however often it is held); the weak
@@ -58,7 +61,8 @@ class Residency:
             nbytes = ref.nbytes = storage.nbytes()
             ref.key = key
             self._append((time.perf_counter(), nbytes))
-            self.stats.keep_all_bytes += nbytes
+            if self.sums_keep_all:
+                self.stats.keep_all_bytes += nbytes
         return ref
 
     def restored(self, copy: torch.Tensor, nbytes: int) -> Held:

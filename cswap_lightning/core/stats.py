@@ -48,7 +48,9 @@ class StepStats:
     # What keeping every saved tensor would hold at the end of forward, where all of them are
     # alive (the peak of a step that moves nothing): the bytes of each storage the ledger
     # counted, once; weights excepted, as the peak excepts them. Summed on the sites a step
-    # tracks: compare it with ``peak_resident_bytes`` on a step that tracked every site.
+    # tracks: compare it with ``peak_resident_bytes`` on a step that tracked every site. A
+    # step that ran a checked plan (untracked, or without hooks) reports the checking step's,
+    # as it reports its peak.
     keep_all_bytes: int = 0
     timeline_s: array = field(default_factory=lambda: array("d"), repr=False)
     timeline_bytes: array = field(default_factory=lambda: array("q"), repr=False)

@@ -173,9 +173,11 @@ class Step:
         self.min_bytes = offloader.config.min_bytes
         self.prefetch_bytes = offloader.prefetch_window()
         self.stats = StepStats(index)
+        self.residency = Residency(self.stats)
         if checked is not None:  # as measured on the step that checked the plan
             self.stats.peak_resident_bytes = checked.stats.peak_resident_bytes
-        self.residency = Residency(self.stats)
+            self.stats.keep_all_bytes = checked.stats.keep_all_bytes
+            self.residency.sums_keep_all = False
         self.measure = measure  # time the windows and count every site's zeros
         self.keeping = False  # a measured step that keeps every tensor (the engine's choice)
         self.timer: StepTimer | None = None
@@ -374,7 +376,7 @@ class Step:
         self._by_storage.clear()
         self._kept.clear()
         self.transfer.poll()
-        if self.prefetch_bytes is None:  # nothing measured: two of its largest moved tensors
+        if self.prefetch_bytes is None:  # nothing measured: two of its largest moved (but one)
             self.prefetch_bytes = resident_window(
                 [entry.nbytes for entry in self.live_entries() if entry.kept is None])
         if self.checked is not None:
@@ -446,6 +448,8 @@ class Step:
         if site not in self._unpacked:
             self._unpacked.add(site)
             self.timer.unpacked(site)
+            if self.blocks is not None:
+                self.blocks.backward_started()
 
     def _device_copy(self, entry: _Entry) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """The entry's tensor on its device: prefetched, still held from an earlier unpack,

@@ -1,0 +1,195 @@
+"""What a recomputed block must find as its first run found it, and leave as that run left it.
+
+A block recomputed in backward runs its forward a second time, after the rest of the step has
+run. ``torch.utils.checkpoint`` puts back the global RNG states and autocast for it; all else
+it reads is as the step left it, and all it changes it changes twice. So a recomputation runs
+with what its first run saw: each module's training flag (``model.eval()`` may have come
+between forward and backward), the buffers its forward changes (measured on the engine's
+measured steps: a counter, spectral norm's power-iteration vectors), the generators of its
+own (module attributes, or arguments), a Hugging Face cache among its arguments; and leaves
+them all as it found them. Norms' running statistics are only read in eval mode, where they
+are not updated: they are put back after it, not shown as before.
+
+What cannot be put back keeps a block from being recomputed (``Recompute.left_out``): an input
+or a parameter changed in place, and forward hooks on the modules inside it, which would run
+again.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.utils.prune import BasePruningMethod
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
+
+# Hooks that compute a weight from parameters and buffers (which are put back): running them
+# again gives the same weight.
+_PURE_HOOKS = (SpectralNorm, WeightNorm, BasePruningMethod)
+Buffer = tuple[nn.Module, str]  # a module and the name of one of its buffers
+
+
+@dataclass
+class Parts:
+    """A unit's modules, as a recomputation needs them: all of them (their training flags),
+    its norms' running statistics, the generators they hold, and those that may checkpoint
+    themselves (Hugging Face's ``gradient_checkpointing``)."""
+
+    modules: list[nn.Module]
+    norms: list[Buffer]
+    generators: list[torch.Generator]
+    switches: list[nn.Module]
+
+    @classmethod
+    def of(cls, tops: Iterable[nn.Module]) -> Parts:
+        modules = list(dict.fromkeys(m for top in tops for m in top.modules()))
+        generators = [v for m in modules for v in vars(m).values()
+                      if isinstance(v, torch.Generator)]
+        return cls(modules, norm_buffers(modules), generators,
+                   [m for m in modules if hasattr(m, "gradient_checkpointing")])
+
+
+def norm_buffers(modules: Iterable[nn.Module]) -> list[Buffer]:
+    """The running statistics of the norms among ``modules`` (BatchNorm, InstanceNorm)."""
+    return [(m, name) for m in modules if isinstance(m, _NormBase)
+            for name in ("running_mean", "running_var", "num_batches_tracked")
+            if m._buffers.get(name) is not None]
+
+
+class FirstRun:
+    """What a unit's first run started from: the training flags of its ``parts``' modules,
+    the values of the buffers its forward changes (``changed``, copied), the states of its
+    generators (``generators``: its parts' and those among its arguments), the caches among
+    its arguments."""
+
+    def __init__(self, parts: Parts, changed: list[Buffer],
+                 generators: list[torch.Generator], caches: CacheStates | None) -> None:
+        self.parts = parts
+        self.flags = [m.training for m in parts.modules]
+        self.changed = [(m, n, b.clone()) for m, n in changed
+                        if (b := m._buffers.get(n)) is not None]
+        self.generators = [(g, g.get_state()) for g in generators]
+        self.caches = caches
+
+
+@contextmanager
+def as_first(first: FirstRun) -> Iterator[None]:
+    """Run a recomputation as the first run ran (flags, changed buffers, generators and caches
+    as they were; norms' running statistics on the side), and put back all of it as it is
+    now afterwards. A changed buffer is shown as a fresh copy of its first value, swapped in
+    for the buffer: tensors saved before keep the buffer's own values."""
+    modules = first.parts.modules
+    flags = [m.training for m in modules]
+    buffers = [(m, n, m._buffers[n]) for m, n, _ in first.changed]
+    norms = [(b, b.clone()) for m, n in first.parts.norms
+             if (b := m._buffers.get(n)) is not None]
+    generators = [(g, g.get_state()) for g, _ in first.generators]
+    caches = first.caches.again() if first.caches is not None else None
+    for module, flag in zip(modules, first.flags, strict=True):
+        module.training = flag
+    for module, name, value in first.changed:
+        module._buffers[name] = value.clone()  # a second backward recomputes from it again
+    for generator, state in first.generators:
+        generator.set_state(state)
+    if first.caches is not None:
+        first.caches.restore()
+    try:
+        yield
+    finally:
+        for module, flag in zip(modules, flags, strict=True):
+            module.training = flag
+        for module, name, buffer in buffers:
+            module._buffers[name] = buffer
+        with torch.no_grad():
+            for buffer, value in norms:
+                buffer.copy_(value)
+        for generator, state in generators:
+            generator.set_state(state)
+        if caches is not None:
+            caches.restore()
+
+
+def generators_among(values: Iterable[Any]) -> list[torch.Generator]:
+    return [v for v in values if isinstance(v, torch.Generator)]
+
+
+def rerun_hooks(tops: list[tuple[str, nn.Module]], whole: bool) -> str:
+    """Why a unit (its modules ``tops``, by qualified name; ``whole``: a block, whose own
+    hooks run once, outside its recomputation) cannot be recomputed for the forward hooks on
+    the modules inside it, which its recomputation would run again; ``""`` where none would."""
+    for name, top in tops:
+        hooked = next((m for m in top.modules() if reruns(m) and not (whole and m is top)),
+                      None)
+        if hooked is not None:
+            inner = next(n for n, m in top.named_modules() if m is hooked)
+            return (f"forward hooks on {'.'.join(p for p in (name, inner) if p)} would run "
+                    "again in backward (they run once plainly)")
+    return ""
+
+
+def reruns(module: nn.Module) -> bool:
+    """Whether ``module`` has forward hooks a recomputation would run again with effect: any
+    but the block timer's own (measured steps) and hooks that only compute a weight."""
+    if not (module._forward_pre_hooks or module._forward_hooks):
+        return False
+    hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+    return any(not (isinstance(h, _PURE_HOOKS)
+                    or getattr(h, "__qualname__", "").startswith("BlockTimer._watch."))
+               for h in hooks)
+
+
+class CacheStates:
+    """The state of Hugging Face caches (``transformers.cache_utils``: a cache, the caches and
+    layers it holds), copied shallowly: the tensors are shared, the attributes and the lists
+    and dicts they are kept in are copied, so the state can be put back after updates. A
+    recomputation given the cache as the first run left it would attend to keys and values
+    written twice."""
+
+    def __init__(self, roots: list[Any]) -> None:
+        self.roots = roots
+        self.states = [(o, _copied(o.__dict__)) for o in _cache_objects(roots)]
+
+    @classmethod
+    def of(cls, values: Iterable[Any]) -> CacheStates | None:
+        """The state of the caches among ``values``, or None where there are none."""
+        cache_utils = sys.modules.get("transformers.cache_utils")
+        if cache_utils is None:
+            return None
+        roots = [v for v in values if isinstance(v, cache_utils.Cache)]
+        return cls(roots) if roots else None
+
+    def again(self) -> CacheStates:
+        """Their state now."""
+        return CacheStates(self.roots)
+
+    def restore(self) -> None:
+        for obj, state in self.states:
+            obj.__dict__.clear()
+            obj.__dict__.update(_copied(state))
+
+
+def _cache_objects(roots: list[Any]) -> list[Any]:
+    from transformers.cache_utils import Cache, CacheLayerMixin
+
+    found, todo, seen = [], list(roots), set()
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        found.append(obj)
+        for value in obj.__dict__.values():
+            items = value if isinstance(value, (list, tuple)) else (value,)
+            todo += [v for v in items if isinstance(v, (Cache, CacheLayerMixin))]
+    return found
+
+
+def _copied(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.copy() if isinstance(v, (list, dict)) else v for k, v in state.items()}
