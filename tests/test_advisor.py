@@ -13,14 +13,10 @@ from torch.nn import functional as F
 from cswap_lightning import CSwapConfig, Offloader
 from cswap_lightning.codecs import get_codec
 from cswap_lightning.commands.bench_advisor import accuracy, report, run_advisor_check
+from cswap_lightning.core.stats import StepStats
 from cswap_lightning.planning import predictor
-from cswap_lightning.planning.advisor import (
-    Advisor,
-    Plan,
-    exposed_s,
-    predicted_stored_bytes,
-    resident_peak,
-)
+from cswap_lightning.planning.advisor import Advisor, Plan, exposed_s, predicted_stored_bytes
+from cswap_lightning.planning.planner import Measured, Planner
 from cswap_lightning.planning.predictor import CodecTimeModel, KernelRun, calibrate, record_runs
 from cswap_lightning.planning.profiler import Link, SiteProfile
 
@@ -66,7 +62,7 @@ def test_predictor_ignores_a_run_slowed_by_something_else():
 
 
 def test_exposed_time_is_what_the_windows_cannot_hide():
-    link = Link(d2h=1 * GB, h2d=2 * GB, d2d=100 * GB)
+    link = Link(d2h=1 * GB, h2d=2 * GB, device=100 * GB)
     assert exposed_s(10**9, link, 0.0, 0.0) == pytest.approx(1.5)
     assert exposed_s(10**9, link, 0.4, 0.1) == pytest.approx(0.6 + 0.4)
     assert exposed_s(10**9, link, 5.0, 5.0) == 0.0
@@ -82,7 +78,7 @@ def test_predicted_payload_is_the_formats_exact_size():
 
 
 def test_compression_decision_flips_where_the_equations_say():
-    link = Link(d2h=10 * GB, h2d=10 * GB, d2d=1000 * GB)
+    link = Link(d2h=10 * GB, h2d=10 * GB, device=1000 * GB)
     m = model()
     advisor = Advisor("zvc", link, m)
     n = 16 * MiB
@@ -107,7 +103,7 @@ def test_compression_decision_flips_where_the_equations_say():
 
 
 def test_lossy_is_weighed_only_for_dense_allowed_sites_and_only_where_it_pays():
-    link = Link(d2h=1 * GB, h2d=1 * GB, d2d=1000 * GB)  # a slow link: shrinking pays
+    link = Link(d2h=1 * GB, h2d=1 * GB, device=1000 * GB)  # a slow link: shrinking pays
     runs = linear_runs("zvc", 1e-5, 1e-5, 1e-5) + linear_runs("int8", 1e-5, 1e-5, 0.0)
     m = CodecTimeModel().fit(runs)
     dense, sparse = site(0.1), site(0.8)
@@ -124,49 +120,57 @@ def test_lossy_is_weighed_only_for_dense_allowed_sites_and_only_where_it_pays():
     assert Advisor("zvc", link, slow, lossy="int8").decide(dense).decision != "int8"
 
 
+def planned(profiles, budget, beside=0, prefetch_bytes=0, order=None, link=None):
+    """The planner's plan for these measured sites (no clock: link and codec times given),
+    ``beside`` bytes held beside them at the step's peak."""
+    stats = StepStats(0)
+    stats.peak_resident_bytes, stats.peak_allocated_bytes = MiB, MiB + beside
+    config = CSwapConfig(budget=budget, prefetch_bytes=prefetch_bytes, min_bytes=1)
+    planner = Planner(config, link or Link(10 * GB, 10 * GB, 1000 * GB), model())
+    return planner.plan(Measured(profiles, [], order, stats, torch.device("cpu")))
+
+
 def test_budget_offloads_the_fewest_earliest_sites_that_make_the_peak_fit():
-    link = Link(10 * GB, 10 * GB, 1000 * GB)
-    advisor = Advisor("zvc", link, model(), prefetch_bytes=0)
     profiles = [site(0.0, MiB * (i + 1), index=i) for i in range(4)]  # 1, 2, 3, 4 MiB
     profiles.append(SiteProfile(4, (10,), "float32", 40, False, reason="parameter"))
     profiles.append(SiteProfile(5, (10,), "float32", MiB, False, reason="small"))
     base = 2 * MiB  # what the step holds beside its saved tensors
-    no_budget = advisor.plan(profiles, base, None)
+    no_budget = planned(profiles, None, base)
     assert [no_budget.decisions[i].decision for i in range(4)] == ["raw"] * 4
-    plan = advisor.plan(profiles, base, 10 * MiB)  # room for 8: small 1 + latest sites 4 + 3
+    plan = planned(profiles, 10 * MiB, base)  # room for 8: small 1 + latest sites 4 + 3
     assert [plan.decisions[i].decision for i in range(4)] == ["raw", "raw", "keep", "keep"]
     assert plan.predicted_peak == 8 * MiB and plan.fits
     assert plan.decisions[4].decision == "keep"  # parameters are not counted
-    roomy = advisor.plan(profiles, base, 100 * MiB)
+    roomy = planned(profiles, 100 * MiB, base)
     assert all(d.decision == "keep" for d in roomy.decisions.values())
     assert roomy.predicted_peak == 11 * MiB
-    tight = advisor.plan(profiles, base, 2 * MiB)  # even offloading everything does not fit
+    tight = planned(profiles, 2 * MiB, base)  # even offloading everything does not fit
     assert not tight.fits and "DOES NOT FIT" in tight.table()
     assert [tight.decisions[i].decision for i in range(4)] == ["raw"] * 4
-    assert tight.predicted_peak == 4 * MiB  # the largest site, in forward and in backward
+    assert tight.predicted_peak == 4 * MiB  # the largest site, while forward saves it
 
 
-def test_the_replayed_peak_counts_what_backward_brings_back_and_what_one_op_holds():
+def test_the_plan_counts_what_backward_brings_back_and_what_stays_held():
+    """The replayed peak of the measured step: a tensor the loop holds is there all along;
+    a prefetch window brings restores back ahead of use; one as large as all of them brings
+    them back at once, and no count of moved sites fits then but the window halved."""
     held = SiteProfile(0, (MiB // 4,), "float32", MiB, False, reason="held elsewhere")
-    weight = SiteProfile(5, (MiB // 4,), "float32", MiB, False, reason="view of a leaf")
     acts = [site(0.0, MiB, index=i) for i in range(1, 5)]
-    profiles = [held, *acts, weight]
-    order = [5, 4, 3, 2, 1, 0]
-    moved = {1, 2, 3, 4}
-    assert resident_peak(profiles, order, (), 0) == 5 * MiB  # the input, held, and all four
-    assert resident_peak(profiles, order, moved, 0) == 2 * MiB  # the input and one
-    # A 2 MiB window: the one restored on demand and the next two.
-    assert resident_peak(profiles, order, moved, 2 * MiB) == 4 * MiB
-    assert resident_peak(profiles, order, moved, 512 * MiB) == 5 * MiB  # all back at once
-    assert resident_peak(profiles, order, {1, 2}, 2 * MiB) == 3 * MiB  # 3, 4 kept, in forward
-    # Sites 2 and 3 saved by one op, which asks for them in the order it saved them: forward
-    # held both originals, backward holds both restored tensors, until the op is done.
-    assert resident_peak(profiles, [5, 4, 2, 3, 1, 0], moved, 0) == 3 * MiB
+    profiles = [held, *acts]
+    everything = planned(profiles, None)
+    assert everything.predicted_peak == 2 * MiB  # the held one and one at a time
+    windowed = planned(profiles, None, prefetch_bytes=2 * MiB)
+    assert windowed.predicted_peak == 4 * MiB  # held, one in use and the next two
+    at_once = planned(profiles, 2 * MiB, prefetch_bytes=512 * MiB)
+    assert at_once.fits and at_once.prefetch_bytes == 0, at_once.table()
+    assert at_once.predicted_peak == 2 * MiB
+    # the latest stays: backward uses it first, before any restore
+    assert [at_once.decisions[i].decision for i in range(1, 5)] == ["raw"] * 3 + ["keep"]
 
 
 def test_plan_round_trips_through_a_dict():
-    advisor = Advisor("zvc", Link(GB, GB, GB), model())
-    plan = advisor.plan([site(0.9, index=0), site(0.0, index=1)], 123, 64 * MiB)
+    plan = planned([site(0.9, index=0), site(0.0, index=1)], 64 * MiB, 123,
+                   link=Link(GB, GB, GB))
     again = Plan.from_dict(plan.as_dict())
     assert again == plan
     assert again.codec(0, (4 * MiB,), "float32") == plan.decisions[0].decision
@@ -295,10 +299,10 @@ def test_a_smaller_step_runs_the_plan_and_a_larger_one_is_planned_for_at_once(mo
     a smaller last batch), with nothing measured again; a larger step, even one that runs
     the checked plan untracked, tracks its larger sites and moves them raw, and the plan is
     made again from their rows, with the link and codec times measured for the plan."""
-    from cswap_lightning.core import engine
+    from cswap_lightning.planning import planner
 
     links = []
-    monkeypatch.setattr(engine, "measure_link", lambda device: links.append(device)
+    monkeypatch.setattr(planner, "measure_link", lambda device: links.append(device)
                         or Link(1e6, 1e6, 1e9))
     net, x, y = model_and_batch("mlp")
     off = Offloader(CSwapConfig(min_bytes=0, profile_steps=1, budget=None),
@@ -348,8 +352,8 @@ def test_learned_plan_survives_a_state_dict_round_trip():
 
 
 def _saved_plan() -> dict:
-    advisor = Advisor("zvc", Link(GB, GB, GB), model())
-    return advisor.plan([site(0.9, index=0), site(0.0, index=1)], 123, 64 * MiB).as_dict()
+    return planned([site(0.9, index=0), site(0.0, index=1)], 64 * MiB, 123,
+                   link=Link(GB, GB, GB)).as_dict()
 
 
 # (where in the saved plan, the bad value there, what the error says after "plan")

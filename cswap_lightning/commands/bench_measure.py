@@ -47,7 +47,7 @@ from ..planning import mix
 from ..planning.capture import capture
 from ..planning.profiled import _ACTIVATION
 from ..planning.profiler import measure_link
-from ..planning.replay import Engine, Link, checkpoint_all, predict
+from ..planning.replay import Engine, checkpoint_all, predict
 from ..planning.workload import Workload, from_profile
 from .bench_step import device_name, result_meta, write_results
 from .bench_suite import Checkpointed, checkpoint_blocks, hf_checkpointing
@@ -239,8 +239,7 @@ def run_model(key: str, dev: torch.device, out_dir: Path, rounds: int, small: bo
         m.context = (lambda off=m.offloader: off)
 
     # predictions from this device's profile
-    measured_link = measure_link(dev)
-    link = Link(measured_link.d2h, measured_link.h2d, measured_link.d2d)
+    link = measure_link(dev)
     w = from_profile(profile)
     replay_engine = Engine()
     rows: dict[str, dict] = {}

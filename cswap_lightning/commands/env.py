@@ -88,7 +88,7 @@ def _link(device: torch.device) -> str:
     if device.type == "cpu":
         return f"a copy in host memory at {link.d2h / 1e9:.1f} GB/s (what an offload costs here)"
     return (f"device to host {link.d2h / 1e9:.1f} GB/s, host to device {link.h2d / 1e9:.1f} "
-            f"GB/s (pinned), on the device {link.d2d / 1e9:.0f} GB/s")
+            f"GB/s (pinned), on the device {link.device / 1e9:.0f} GB/s")
 
 
 def _version(package: str) -> str:

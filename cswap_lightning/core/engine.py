@@ -24,13 +24,12 @@ from typing_extensions import Self
 from ..codecs import get_codec
 from ..codecs.cuda import enable_cuda_codecs_if_requested
 from ..codecs.lossy import LOSSY_DTYPES as _LOSSY_TORCH_DTYPES
-from ..config import AUTO_INFLIGHT_BYTES, INFLIGHT_CHOICES, LOSSY_CODECS, CSwapConfig, as_config
+from ..config import LOSSY_CODECS, CSwapConfig, as_config
 from ..planning import live, mix
-from ..planning import replay as replayed
-from ..planning.advisor import HELD_ELSEWHERE, Advisor, FixedPlan, Plan, resolve_budget
-from ..planning.predictor import CodecTimeModel, calibrate
-from ..planning.prefetch import lookahead_bytes
-from ..planning.profiler import Link, Profiler, measure_link
+from ..planning.advisor import HELD_ELSEWHERE, FixedPlan, Plan
+from ..planning.planner import Measured, Planner, room_to_keep
+from ..planning.predictor import CodecTimeModel
+from ..planning.profiler import Link, Profiler
 from .module_names import ModuleTracker
 from .recompute import BlockCall, BlockTimer, Recompute, left_out_rows, top_hooks
 from .stats import SiteStats, StepStats, fmt_bytes
@@ -43,19 +42,9 @@ _REPLANS_BEFORE_WARNING = 3
 # A run whose steps run without hooks is measured again once the allocator's peak of a step
 # comes this close to the plan's budget.
 _NEAR_BUDGET = 0.95
-# A checked step whose peak passes the budget by more than this makes the next plan tighter,
-# at most this many times.
-_OVER_BUDGET = 0.03
-_TIGHTENINGS = 3
 # On the CPU, where no allocator says so, steps run without hooks only if the checking step
 # held at most this fraction of the budget.
 _CPU_HEADROOM = 0.5
-# Measured steps keep every tensor where the extra bytes take at most this share of what the
-# device can still give (``room_to_keep``).
-_KEEP_ROOM = 0.8
-# The engine's host time per moved tensor, as `cswap bench overhead` measured it (plan=raw):
-# on CUDA the replay's own figure (the H200's), on the CPU 13.2 us (2026-11-25).
-_HOST_S_PER_MOVE = {"cuda": replayed.Engine.host_s_per_move, "cpu": 13.2e-6}
 # Steps without hooks see nothing of what they save: at least one step in this many runs with
 # them, counting, so that a graph that changed (another model entered from the same loop) is
 # seen.
@@ -92,16 +81,11 @@ class Offloader:
         times the advisor uses (e.g. to plan for a link other than the one measured)."""
         enable_cuda_codecs_if_requested()
         self.config = as_config(config, "Offloader")
-        self.link = link
-        self.time_model = time_model
-        inflight = self.config.inflight_bytes
+        self.planner = Planner(self.config, link, time_model,
+                               lambda p: self.lossy_allowed(p.site, p.dtype, p.module))
         self.transfer = Transfer(pin_memory=self.config.pin_memory,
-                                 inflight_bytes=AUTO_INFLIGHT_BYTES if inflight == "auto"
-                                 else inflight)
-        self._plan: Plan | None = None  # the advisor's, for plan="auto"
-        # the link and codec times measured for the latest plan (a plan grown for larger
-        # steps reuses them)
-        self._measured: tuple[Link, CodecTimeModel] | None = None
+                                 inflight_bytes=self.planner.inflight_bytes)
+        self._plan: Plan | None = None  # the planner's, for plan="auto"
         self._unchecked: Plan | None = None  # a plan no step has run yet
         self.profiler = Profiler()
         self._measure_left = self.config.profile_steps
@@ -114,14 +98,9 @@ class Offloader:
         # the latest measured step finished (what it saved, its forward's time)
         self.recomputer: Recompute | None = None
         self.block_calls: list[BlockCall] = []
-        # the planner's choice of blocks to recompute, made once from the plain measured
-        # steps (their replayed workload kept for a tighter budget), and the bytes the
-        # budget was tightened by where a checked step's measured peak passed it
-        self.recomputation: live.Recomputation | None = None
+        # the planner chooses the blocks to recompute once, from the plain measured steps
         self._recompute_planned = False
         self._measure_recomputed = False  # measured steps run the planner's choice
-        self._tightened = 0
-        self._tightenings = 0
         self._numbering: frozenset[str] = frozenset()  # the blocks the last step recomputed
         self.reverted: set[int] = set()  # lossy sites the accuracy guard moved back
         self.held_elsewhere: set[int] = set()  # sites whose moving freed nothing (measured)
@@ -194,6 +173,20 @@ class Offloader:
         if self.modules is not None:
             self.modules.__enter__()
         return self
+
+    @property
+    def link(self) -> Link | None:
+        """The link's bandwidths the planner uses in place of measuring them (None: measured)."""
+        return self.planner.link
+
+    @link.setter
+    def link(self, link: Link | None) -> None:
+        self.planner.link = link
+
+    @property
+    def recomputation(self) -> live.Recomputation | None:
+        """The planner's choice of blocks to recompute, and the replayed step it was made on."""
+        return self.planner.recomputation
 
     def _push_hooks(self, step: Step) -> None:
         if step.dormant:
@@ -665,60 +658,45 @@ class Offloader:
                   else f"; allocator's peak {fmt_bytes(stats.peak_allocated_bytes)}")
         peak = (stats.peak_allocated_bytes if stats.peak_allocated_bytes is not None
                 else stats.peak_resident_bytes + plan.base_bytes)
-        if (self.config.plan == "auto" and plan.budget_bytes is not None and plan.fits
-                and peak > (1 + _OVER_BUDGET) * plan.budget_bytes
-                and self._tightenings < _TIGHTENINGS):
-            self._tighten(peak - plan.budget_bytes)
+        over = self.planner.over_budget(plan, peak)
+        if over:
+            self._tighten(over)
 
     def _tighten(self, over: int) -> None:
         """Plan again for a budget ``over`` bytes tighter: choose the recomputed blocks again
         from the plain step replayed (no plain step is run again), and measure with them."""
-        self._tightened += over
-        self._tightenings += 1
         _log.info("cswap: the measured peak passed the budget by %s: planning for a budget "
                   "that much tighter", fmt_bytes(over))
-        if self.recomputation is not None and self.recomputer is not None:
-            self.recomputation = self.recomputation.tighter(over)
-            self.transfer.inflight_limit = self.recomputation.inflight_bytes
-            self.recompute(self.recomputation.names)
-            self._measure_recomputed = bool(self.recomputation.names)
+        choice = self.planner.tighter(over)
+        if choice is not None and self.recomputer is not None:
+            self.transfer.inflight_limit = self.planner.inflight_bytes
+            self.recompute(choice.names)
+            self._measure_recomputed = bool(choice.names)
         self.new_epoch()
 
     def _plan_recompute(self, step: Step) -> bool:
         """Once, after the plain measured steps: the blocks to recompute, chosen by replaying
         the measured step under candidate mixes of keep, swap and recompute
-        (``planning.live``, ``planning.mix``); True where some are, and the next steps
-        measure again with them (the advisor's plan is made for what those steps save)."""
+        (``planning.planner``); True where some are, and the next steps measure again with
+        them (the plan of the swaps is made for what those steps save)."""
         if (self._recompute_planned or self.config.recompute == "off"
                 or self.recomputer is None or not self.block_calls):
             return False
         self._recompute_planned = True
-        budget = self._budget(step.device)
-        if budget is None:
-            return False
-        link, model = self._measure(step.device)
-        profiles = self._profiles()
-        stats = step.stats
-        beside = max((stats.peak_allocated_bytes or 0) - stats.peak_resident_bytes, 0)
-        auto_bound = self.config.inflight_bytes == "auto"
-        started = time.perf_counter()
-        engine = replayed.Engine(self.config.min_bytes, self._window(profiles, link),
-                                 self.transfer.inflight_limit,
-                                 _HOST_S_PER_MOVE.get(step.device.type, 0.0))
         left_out = self.recomputer.left_out()
-        measured = live.candidates(
-            profiles, [c for c in self.block_calls if c.name not in left_out], beside)
-        self.recomputation = choice = live.choose_recompute(
-            measured, budget, replayed.Link(link.d2h, link.h2d, link.d2d), engine,
-            INFLIGHT_CHOICES if auto_bound else (),
-            live.block_codec(profiles, self.config.compressor, model))
+        started = time.perf_counter()
+        choice = self.planner.choose_recompute(
+            self._measured(step, [c for c in self.block_calls if c.name not in left_out]))
+        if choice is None:
+            return False
         _log.info("cswap: the planner replayed the measured step under its candidate mixes in "
                   "%.1f s: %s", time.perf_counter() - started, choice.mix.how)
-        if choice.inflight_bytes != self.transfer.inflight_limit:
+        if self.planner.inflight_bytes != self.transfer.inflight_limit:
             _log.info("cswap: up to %s in flight off the device (was %s): the replayed step "
                       "waits less and its memory with the copies in flight fits the budget",
-                      fmt_bytes(choice.inflight_bytes), fmt_bytes(self.transfer.inflight_limit))
-            self.transfer.inflight_limit = choice.inflight_bytes
+                      fmt_bytes(self.planner.inflight_bytes),
+                      fmt_bytes(self.transfer.inflight_limit))
+            self.transfer.inflight_limit = self.planner.inflight_bytes
         if not choice.names:
             return False
         skipped = self.recompute(choice.names)
@@ -755,71 +733,17 @@ class Offloader:
         self._use(self._advise(step, measure=False))
 
     def _advise(self, step: Step, measure: bool = True) -> Plan:
-        """The advisor's plan from what the profiler measured (``measure``: with the link
-        and codec times measured now, else those of the latest plan).
+        """The planner's plan from what the profiler measured (``measure``: with the link and
+        codec times measured now, else those of the latest plan)."""
+        return self.planner.plan(self._measured(step), fresh=measure)
 
-        The budget counts what the engine measures, the step's saved tensors: on CUDA what
-        the step held beside them at its peak (the allocator's peak less theirs) comes off
-        it first."""
-        cfg, device, stats = self.config, step.device, step.stats
-        lossy = {"off": None, "auto": "int8"}.get(cfg.lossy, cfg.lossy)
-        link, model = self._measure(device, fresh=measure)
-        profiles = self._profiles()
-        advisor = Advisor(cfg.compressor, link, model, lossy,
-                          lambda p: self.lossy_allowed(p.site, p.dtype, p.module),
-                          self._window(profiles, link))
-        beside = max((stats.peak_allocated_bytes or 0) - stats.peak_resident_bytes, 0)
-        return advisor.plan(profiles, beside, self._budget(device), self.profiler.order or None)
-
-    def _measure(self, device: torch.device, fresh: bool = True
-                 ) -> tuple[Link, CodecTimeModel]:
-        """The link's bandwidth and the codecs' times (``fresh``: measured now; else those
-        of the latest plan, where there is one)."""
-        if fresh or self._measured is None:
-            lossy = {"off": None, "auto": "int8"}.get(self.config.lossy, self.config.lossy)
-            codecs = (self.config.compressor,) if lossy is None else (
-                self.config.compressor, lossy)
-            self._measured = (self.link or measure_link(device),
-                              self.time_model or calibrate(device, codecs).model)
-        return self._measured
-
-    def _profiles(self) -> list:
-        """What the profiler measured of each site, those found held elsewhere kept."""
-        return [replace(p, offloadable=False, reason=HELD_ELSEWHERE)
-                if p.site in self.held_elsewhere else p for p in self.profiler.profile()]
-
-    def _window(self, profiles: list, link: Link) -> int:
-        """The prefetch window to plan with: ``prefetch_bytes``, or for ``"auto"`` what hides
-        the link, were every movable site moved."""
-        window = self.config.prefetch_bytes
-        if window == "auto":
-            window = lookahead_bytes(
-                self.profiler.order or [p.site for p in reversed(profiles)],
-                {p.site: p.nbytes for p in profiles if p.offloadable},
-                {p.site: p.backward_s for p in profiles}, link.h2d)
-        return window
-
-    def _budget(self, device: torch.device) -> int | None:
-        """The configured budget in bytes, less what checked steps showed it lacked."""
-        budget = resolve_budget(self.config.budget, device)
-        return None if budget is None else max(budget - self._tightened, 0)
-
-
-def room_to_keep(stats: StepStats, device: torch.device | None,
-                 memory: tuple[int, int, int] | None = None) -> bool:
-    """Whether a step like ``stats`` (measured swapping its tensors) could keep them all on
-    ``device`` instead: its allocator peak above what is allocated now, plus the bytes it
-    moved, within four fifths of what the device can still give (free, and reserved by the
-    allocator but unused). ``memory``: (free, reserved, allocated) bytes, measured if None.
-    CUDA only: the CPU's measured steps swap, as on a device without room."""
-    if device is None or device.type != "cuda" or stats.peak_allocated_bytes is None:
-        return False
-    if memory is None:
-        memory = (torch.cuda.mem_get_info(device)[0], torch.cuda.memory_reserved(device),
-                  torch.cuda.memory_allocated(device))
-    free, reserved, allocated = memory
-    extra = max(stats.peak_allocated_bytes - allocated, 0) + stats.offloaded_bytes
-    return extra <= _KEEP_ROOM * (free + reserved - allocated)
+    def _measured(self, step: Step, calls: Iterable[BlockCall] = ()) -> Measured:
+        """What the measured steps taught, for the planner: the sites found held elsewhere
+        kept, with the blocks ``calls`` that may be recomputed, planned on ``step``."""
+        profiles = [replace(p, offloadable=False, reason=HELD_ELSEWHERE)
+                    if p.site in self.held_elsewhere else p for p in self.profiler.profile()]
+        return Measured(profiles, list(calls), self.profiler.order or None, step.stats,
+                        step.device)
 
 
 def _site_list(value: object) -> bool:

@@ -1,4 +1,4 @@
-"""The CSwap cost model and the memory budget: which sites to offload, and which to compress.
+"""The CSwap cost model: which codec each swapped site travels through, and the plan's table.
 
 Swapping a site of S bytes raw exposes the part of its transfers its windows cannot hide::
 
@@ -9,53 +9,16 @@ Compressing it first to C bytes costs the codec's time and exposes less transfer
     T_c = t_encode + t_decode + max(C / BW_d2h - W_fwd, 0) + max(C / BW_h2d - W_bwd, 0)
 
 A site is compressed iff ``T_c < T_raw``. ``C`` is the codec's exact payload size for the
-measured sparsity (format.py).
-
-Under a memory budget, sites are offloaded earliest-forward first (backward needs them last,
-so their transfers hide best), the fewest that make the predicted peak fit. The peak is
-predicted the way the engine measures it (``StepStats.peak_resident_bytes``): the bytes of
-the step's saved tensors on the device at once. :func:`resident_peak` replays the step's
-saved tensors, in pack order and then in the order backward first needed them (both
-measured on the profiled steps), for one choice of sites to move:
-
-- a kept site is on the device from its pack until the backward op that used it is done;
-- a moved site is on the device from its pack until the forward op that saved it is done
-  (then forward lets go of the original, whose copy is out), and again from its restore
-  until the backward op that used it is done. Backward restores a moved site when it needs
-  it, or earlier: each unpack of a moved site prefetches the next ones in backward's order
-  while the prefetched bytes not yet unpacked stay within ``prefetch_bytes`` (one always
-  goes), as the engine does;
-- small tensors and views of a larger storage stay like kept sites; tensors the training
-  loop holds (``"held elsewhere"``) stay for the whole step; weights, leaves and second views
-  of a storage already counted are not counted, as the engine does not count them.
-
-The sites one op saved are a run of rising site numbers in backward's order: backward runs
-ops in the reverse of forward's order, and an op asks for its tensors in the order it saved
-them. What the replay cannot see is forward holding a tensor longer than the op that saved
-it (a block's input kept for its residual add) and the whole storage behind a view: there
-it predicts low, by one such tensor.
-
-A restore takes device memory when it is issued (on the CPU a raw restore is the payload
-itself), so a prefetch window as large as the moved bytes brings them all back at once. Where
-no choice of sites fits under ``prefetch_bytes``, the plan halves the window until one does
-(``Plan.prefetch_bytes``, which the engine then uses: some of backward's overlap traded for
-memory); where none fits even without prefetching, the plan says so (``fits`` false, the
-lowest peak chosen) rather than promising what will not be measured. The engine checks each
-new plan on the first step that runs it (``Plan.measured_peak``).
-
-The budget is device memory for the step: what the step holds beside its saved tensors at
-its peak (on CUDA weights, gradients and temporaries, the allocator's peak less the measured
-residency of a profiled step; on the CPU nothing is known of it) comes off it first
-(``Plan.base_bytes``), and the saved tensors get the rest.
+measured sparsity (format.py). Which sites swap at all is the planner's choice
+(``planner.py``: the replayed peak against the budget); :class:`Plan` holds its decisions.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from bisect import bisect_left
 from collections import Counter
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from typing import NoReturn
@@ -70,10 +33,6 @@ from .profiler import Link, SiteProfile
 
 # A site the training loop holds too: moving it frees nothing, it stays for the whole step.
 HELD_ELSEWHERE = "held elsewhere"
-# Sites left in place for these reasons are on the device as kept sites are (the engine
-# counts them); those left for others (weights, leaves, second views of a storage) it does
-# not count.
-_COUNTED_WHEN_LEFT = ("small", "view of larger storage", "offload failed", HELD_ELSEWHERE)
 # budget="auto" leaves this fraction of the device's memory free, for what the engine does
 # not see (temporaries of a plan it has not measured, allocator fragmentation).
 AUTO_MARGIN = 0.1
@@ -400,144 +359,6 @@ class Advisor:
         reason = "transfer hidden" if raw_s == 0.0 else "compression costs more"
         return Decision(p.site, p.shape, p.dtype, p.nbytes, p.sparsity, "raw", reason,
                         p.nbytes, raw_s, raw_s)
-
-    def plan(self, profiles: list[SiteProfile], base_bytes: int = 0,
-             budget_bytes: int | None = None, order: Sequence[int] | None = None) -> Plan:
-        """Decide every site; with a budget, offload the fewest earliest sites that make the
-        peak :func:`resident_peak` predicts fit in ``budget_bytes - base_bytes``.
-
-        ``order``: the sites in the order backward first needed them (default: reverse)."""
-        decisions: dict[int, Decision] = {}
-        for p in profiles:
-            if p.offloadable:
-                decisions[p.site] = self.decide(p)
-            else:
-                decisions[p.site] = Decision(p.site, p.shape, p.dtype, p.nbytes, p.sparsity,
-                                             "keep", p.reason or "not offloadable", 0, 0.0, 0.0)
-        if order is None:
-            order = [p.site for p in reversed(profiles)]
-        movable = [d.site for d in decisions.values() if d.decision != "keep"]
-        window = self.prefetch_bytes
-        moved = len(movable)
-        if budget_bytes is not None:
-            room = budget_bytes - base_bytes
-            moved = self._fewest_moved(profiles, order, movable, room, window)
-            window, moved = self._window(profiles, order, movable, room, window, moved)
-        predicted = resident_peak(profiles, order, set(movable[:moved]), window)
-        fits = budget_bytes is None or base_bytes + predicted <= budget_bytes
-        for site in movable[moved:]:
-            d = decisions[site]
-            d.decision, d.stored_bytes, d.chosen_s = "keep", 0, 0.0
-            d.reason = "fits the budget" if fits else "keeps the peak lowest"
-        signature = tuple((p.shape, p.dtype) for p in profiles)
-        return Plan(decisions, signature, budget_bytes, base_bytes, predicted, fits, window)
-
-    def _window(self, profiles: list[SiteProfile], order: Sequence[int], movable: list[int],
-                room: int, window: int, moved: int) -> tuple[int, int]:
-        """The largest prefetch window, at most ``window``, under which a plan fits ``room``,
-        and that plan's count of moved sites: a window as large as the moved bytes brings
-        them all back at once, and a smaller one trades some of backward's overlap for
-        memory. Where ``window`` fits already, or no window does, it and ``moved`` as given."""
-        movable_set = set(movable)
-        sizes = [p.nbytes for p in profiles if p.site in movable_set]
-        if not sizes or max(_replay(profiles, order, set(movable[:moved]), window)) <= room:
-            return window, moved
-        tried = min(window, sum(sizes))
-        while tried > 0:
-            tried = tried // 2 if tried // 2 >= min(sizes) else 0
-            candidate = self._fewest_moved(profiles, order, movable, room, tried)
-            if max(_replay(profiles, order, set(movable[:candidate]), tried)) <= room:
-                return tried, candidate
-        return window, moved
-
-    def _fewest_moved(self, profiles: list[SiteProfile], order: Sequence[int],
-                      movable: list[int], room: int, window: int) -> int:
-        """How many of the earliest ``movable`` sites to offload: the fewest whose predicted
-        peak fits in ``room``; if none fit, those with the lowest peak.
-
-        Moving one more site never raises forward's peak, so the fewest that fit forward
-        are found by bisection. Backward's peak once restores begin grows with the sites
-        moved (one more restore, the window filled sooner), so if those do not fit, none
-        do, and the lowest peak is where forward's falling peak meets backward's rising
-        one."""
-        peaks: dict[int, tuple[int, int]] = {}
-
-        def peak(k: int) -> tuple[int, int]:
-            if k not in peaks:
-                peaks[k] = _replay(profiles, order, set(movable[:k]), window)
-            return peaks[k]
-
-        # the least k for which each holds (false, then true, as k grows), or len(movable)
-        fewest = bisect_left(range(len(movable)), True, key=lambda k: peak(k)[0] <= room)
-        if max(peak(fewest)) <= room:
-            return fewest
-        meet = bisect_left(range(len(movable)), True, key=lambda k: peak(k)[0] <= peak(k)[1])
-        return min({max(meet - 1, 0), meet}, key=lambda k: (max(peak(k)), k))
-
-
-def resident_peak(profiles: Sequence[SiteProfile], order: Sequence[int],
-                  moved: Collection[int], prefetch_bytes: int) -> int:
-    """The most bytes of the step's saved tensors on the device at once if the sites in
-    ``moved`` are offloaded, as the engine's ledger would measure it (module docstring):
-    the step replayed, packs in site order, then unpacks in ``order``."""
-    return max(_replay(profiles, order, moved, prefetch_bytes))
-
-
-def _replay(profiles: Sequence[SiteProfile], order: Sequence[int],
-            moved: Collection[int], prefetch_bytes: int) -> tuple[int, int]:
-    """:func:`resident_peak` in forward, and in backward once restores begin (before, it
-    only falls from where forward ended)."""
-    counted = {p.site: p.nbytes if p.offloadable or p.reason in _COUNTED_WHEN_LEFT else 0
-               for p in profiles}
-    stays = {p.site for p in profiles if p.reason == HELD_ELSEWHERE}
-    ops = _backward_ops(order)
-    last_of_op = {site: max(op) for op in ops for site in op}
-    now = forward = 0
-    let_go: dict[int, int] = {}  # site -> moved originals forward lets go of after its pack
-    for p in profiles:
-        now += counted[p.site]
-        forward = max(forward, now)
-        if p.site in moved:
-            end = last_of_op.get(p.site, p.site)
-            let_go[end] = let_go.get(end, 0) + counted[p.site]
-        now -= let_go.pop(p.site, 0)
-    restores = [site for site in order if site in moved]  # prefetch order
-    position = {site: i for i, site in enumerate(restores)}
-    prefetched: set[int] = set()
-    ahead = cursor = backward = 0  # bytes prefetched not yet unpacked; next to prefetch
-    restoring = False
-    for op in ops:
-        for site in op:
-            if site in moved:
-                restoring = True
-                if site in prefetched:
-                    ahead -= counted[site]
-                else:
-                    now += counted[site]  # restored on demand
-                cursor = max(cursor, position[site] + 1)
-                while prefetch_bytes and cursor < len(restores):
-                    nxt = counted[restores[cursor]]
-                    if ahead and ahead + nxt > prefetch_bytes:
-                        break
-                    prefetched.add(restores[cursor])
-                    ahead, now, cursor = ahead + nxt, now + nxt, cursor + 1
-            if restoring:
-                backward = max(backward, now)
-        now -= sum(counted.get(site, 0) for site in op if site not in stays)
-    return forward, backward
-
-
-def _backward_ops(order: Sequence[int]) -> list[list[int]]:
-    """``order`` cut into the sites of one op each: runs of rising site numbers (module
-    docstring). Autograd frees them together, after the op; forward held them together too,
-    while the op ran."""
-    ops: list[list[int]] = []
-    for site in order:
-        if ops and site > ops[-1][-1]:
-            ops[-1].append(site)
-        else:
-            ops.append([site])
-    return ops
 
 
 def resolve_budget(budget: float | str | None, device: torch.device) -> int | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from . import mix, replay
@@ -51,7 +51,7 @@ def workload(profiles: Sequence[SiteProfile], calls: Sequence[BlockCall],
         storage = index.get(int(shared.group(1)), i) if shared else i
         weight = p.reason in _WEIGHTS
         # Kept for a reason the engine measured (held elsewhere) or could not move at all
-        # (sparse, subclasses): left in place, and counted by nobody here.
+        # (sparse, subclasses): left in place, counted from the start.
         held = not (weight or shared or p.offloadable or p.reason in _MOVABLE)
         saved.append(Saved(p.module, p.dtype, p.nbytes, p.nbytes, storage, weight, held))
     block_of = [-1] * len(profiles)  # the recomputable block a site is in, or -1
@@ -80,7 +80,18 @@ def workload(profiles: Sequence[SiteProfile], calls: Sequence[BlockCall],
     ops = tuple(Op(profiles[k].module, b, range(k, k + 1), profiles[k].forward_s,
                    profiles[k].backward_s, 0, 0, 0)
                 for b, block in enumerate(blocks) for k in block.ops)
-    return Workload(name, 1, tuple(saved), ops, tuple(blocks), beside_bytes, 0, 0)
+    # what stays in place is on the device all along: the saved tensors' peak counted it,
+    # so what the step holds beside them did not
+    held = sum(s.storage_nbytes for i, s in enumerate(saved) if s.held and s.storage == i)
+    return Workload(name, 1, tuple(saved), ops, tuple(blocks), beside_bytes + held, 0, 0)
+
+
+def by_site(w: Workload) -> Workload:
+    """The same step with each op a block of its own, none recomputable: the units the
+    planner swaps (the earliest sites first)."""
+    ops = tuple(replace(op, block=k) for k, op in enumerate(w.ops))
+    blocks = tuple(Block(f"site {k}", range(k, k + 1), False) for k in range(len(ops)))
+    return replace(w, ops=ops, blocks=blocks)
 
 
 @dataclass(frozen=True)

@@ -20,16 +20,7 @@ from functools import partial
 import torch
 
 from ..core.stats import StepStats
-
-
-@dataclass(frozen=True)
-class Link:
-    """Bytes per second between device and host memory, and within the device."""
-
-    d2h: float
-    h2d: float
-    d2d: float
-
+from .replay import Link
 
 _LINKS: dict[torch.device, Link] = {}
 

@@ -194,6 +194,7 @@ class Prediction:
     recompute_s: float
     peak_bytes: int  # the allocator's peak, as torch.cuda.max_memory_allocated counts it
     peak_at: str  # where it happens
+    forward_peak_bytes: int  # the peak until forward ends (it falls as more is moved)
     # the peak with the originals whose copies out are still running: their memory is not
     # reusable before the copy ends, so the allocator's reserved memory must cover them too
     held_peak_bytes: int
@@ -262,7 +263,7 @@ class _Replay:
 
     def run(self) -> Prediction:
         self._forward()
-        forward_end = self.compute
+        forward_end, forward_peak = self.compute, self.peak
         self._backward()
         backward_end = self.compute
         optimizer_s = 3 * self.w.weight_bytes / (2 * self.link.device)
@@ -272,6 +273,7 @@ class _Replay:
             backward_s=backward_end - forward_end, optimizer_s=optimizer_s,
             forward_stall_s=self.stall, backward_wait_s=self.wait,
             recompute_s=self.recompute_s, peak_bytes=self.peak, peak_at=self.peak_at,
+            forward_peak_bytes=forward_peak,
             held_peak_bytes=self.held_peak,
             d2h_bytes=self.d2h_bytes, h2d_bytes=self.h2d_bytes, timeline=tuple(self.timeline))
 
