@@ -1,3 +1,4 @@
+import itertools
 import os
 import sys
 
@@ -153,3 +154,15 @@ def with_checkpointing_of_5_17(model_class: type) -> type:
                                                   offload)
 
     return Checkpointing517
+
+
+@pytest.fixture
+def ticking_clock(monkeypatch):
+    """Every time stamp the engine takes one millisecond after the one before: its windows and
+    blocks' times count the stamps between them, whatever this machine's speed or load (the
+    planner's choice then follows the step's structure, the same on every machine)."""
+    from cswap_lightning.planning import profiler
+
+    ticks = itertools.count()
+    monkeypatch.setattr(profiler.Clock, "now", lambda self: next(ticks) * 1e-3)
+    monkeypatch.setattr(profiler.Clock, "seconds", lambda self, start, end: end - start)

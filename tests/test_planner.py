@@ -56,6 +56,7 @@ def keep_peak(model, ids) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("ticking_clock")
 def test_a_gpt2_at_40_percent_recomputes_blocks_and_meets_the_budget_bitwise():
     model, ids = gpt2()
     budget = int(0.4 * keep_peak(model, ids))
@@ -74,10 +75,11 @@ def test_a_gpt2_at_40_percent_recomputes_blocks_and_meets_the_budget_bitwise():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("level", [0.8, 0.6])
+@pytest.mark.usefixtures("ticking_clock")
 def test_a_gpt2_recomputes_layers_or_their_activation_modules_within_the_budget(level):
-    """Layers and their gelu_new modules are both units: whichever the planner picks from
-    this machine's timings (a layer and its own activation never both), the budget is met
-    and training is bitwise."""
+    """Layers and their gelu_new modules are both units: whichever the planner picks (a layer
+    and its own activation never both), the budget is met and training is bitwise. Timed by
+    the ticking clock: the choice is the same on every machine, under any load."""
     model, ids = gpt2()
     budget = int(level * keep_peak(model, ids))
     off = Offloader(CSwapConfig(budget=budget, profile_steps=1), link=SLOW_LINK)
@@ -112,6 +114,7 @@ def test_the_planner_picks_an_activation_module_that_frees_more_per_second():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("ticking_clock")
 def test_without_recomputation_the_advisor_swaps_to_meet_the_budget():
     model, ids = gpt2()
     budget = int(0.4 * keep_peak(model, ids))
@@ -160,6 +163,7 @@ def test_a_bound_in_flight_given_by_hand_is_the_planners_too():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("ticking_clock")
 def test_a_checked_step_over_its_budget_makes_the_next_plan_tighter():
     """The prediction can be wrong: a checked step whose measured peak passes the budget by
     more than 3% has the plan made again for a budget that much tighter (recomputation chosen
