@@ -72,7 +72,7 @@ class GuardReport:
     @property
     def worst_rel_error(self) -> float:
         """The largest error; a NaN counts as inf (``max`` would drop it or not, by order)."""
-        return max((_unless_nan(e, math.inf) for e in self.rel_error.values()), default=0.0)
+        return _worst_error(self.rel_error)
 
     def label(self, site: int) -> str:
         """``module/site``, the name a lossy site's figures are logged under."""
@@ -189,8 +189,7 @@ class _Check:
         rows = [s for s in step.sites if s.error is not None]
         sites = [s.site for s in rows]
         rel_error, cosine, grad_error = exact.measure(lossy)
-        report = GuardReport(step.step, cosine, rel_error,
-                             {s.site: _unless_nan(s.error, math.inf) for s in rows}, 0.0,
+        report = GuardReport(step.step, cosine, rel_error, {s.site: s.error for s in rows}, 0.0,
                              grad_error=grad_error, modules={s.site: s.module for s in rows},
                              reconstruction_error=self.pooled.compute().item() if rows else 0.0)
         error = report.worst_rel_error
@@ -229,14 +228,14 @@ class _Check:
         measured = [(half, self._error(half, exact)) for half in halves]
         tripping = [(half, e) for half, e in measured if e > self.guard.tolerance]
         if not tripping:  # only together: the worse half holds the worst site
-            tripping = [max(measured, key=lambda pair: _unless_nan(pair[1], math.inf))]
+            tripping = [max(measured, key=lambda pair: pair[1])]
         return [found for half, e in tripping for found in self._culprits(half, e, exact)]
 
     def _error(self, sites: list[int], exact: _Exact) -> float:
         """The worst parameter's gradient error with only ``sites`` lossy."""
         rel_error, _, _ = exact.measure(self._gradients(
             self.off.probe_next_step("measure errors", sites)))
-        return max((_unless_nan(e, math.inf) for e in rel_error.values()), default=0.0)
+        return _worst_error(rel_error)
 
     def _gradients(self, off: Offloader) -> tuple[torch.Tensor | None, ...]:
         """One pass: the parameters' gradients, everything else put back as it was."""
@@ -318,8 +317,13 @@ def _norm(t: torch.Tensor) -> float:
     return norm if math.isfinite(norm) else 0.0  # a non-finite gradient trips by itself
 
 
-def _worst(values: dict[str, float]) -> str:
-    return max(values, key=lambda k: _unless_nan(values[k], math.inf), default="")
+def _worst(errors: dict[str, float]) -> str:
+    """The parameter of the largest error (a NaN counts as inf)."""
+    return max(errors, key=lambda k: _unless_nan(errors[k], math.inf), default="")
+
+
+def _worst_error(errors: dict[str, float]) -> float:
+    return max((_unless_nan(e, math.inf) for e in errors.values()), default=0.0)
 
 
 def _unless_nan(value: float, worst: float) -> float:
