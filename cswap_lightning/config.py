@@ -35,6 +35,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "lossy_exclude": (tuple,),
     "guard_every": (int,),
     "guard_tolerance": (float, int),
+    "guard_shadow": (bool,),
     "min_bytes": (int,),
     "prefetch_bytes": (int, str),
     "inflight_bytes": (int, str),
@@ -70,11 +71,20 @@ class CSwapConfig:
         lossy: ``"off"``; a lossy codec name (``"int8"``, ``"fp8"``, ``"int4"``) the advisor may
             pick for dense floating tensors where it pays; ``"auto"`` lets it weigh ``"int8"``.
         lossy_exclude: module name patterns (``fnmatch``, e.g. ``"classifier*"``) whose saved
-            tensors are never compressed lossily (needs ``Offloader.watch(model)``).
+            tensors are never compressed lossily; they need ``Offloader.watch(model)`` (the
+            integrations call it), and a step without it raises.
         guard_every: with lossy sites, every this many steps the accuracy guard compares one
             micro-batch's gradients with and without them (0: never).
-        guard_tolerance: largest relative gradient error (``|g_lossy - g| / |g|``, per parameter)
-            the guard accepts before moving the worst lossy sites back to lossless.
+        guard_tolerance: largest gradient error per parameter the guard accepts before it
+            reverts the lossy sites that cause it: ``|g_lossy - g|`` relative to ``|g|``, or
+            where that is smaller to a tenth of the norm the parameter's gradient would have
+            at the model's mean gradient per element (so a parameter whose exact gradient is
+            about zero cannot trip it on rounding noise).
+        guard_shadow: with lossy sites, the integrations also train a lossless copy of the
+            weights on the same batches (twice the compute, the weights and optimizer state
+            again) and at each guard check log every validation metric of it
+            (``cswap/shadow/NAME``) and the model's delta against it
+            (``cswap/shadow_delta/NAME``).
         min_bytes: saved tensors smaller than this stay where they are.
         prefetch_bytes: how many bytes backward may bring back ahead of use; ``"auto"``: as few
             as hide the measured link (the largest tensors backward uses during the link's time
@@ -102,11 +112,18 @@ class CSwapConfig:
     lossy_exclude: tuple[str, ...] = ()
     guard_every: int = 100
     guard_tolerance: float = 0.1
+    guard_shadow: bool = False
     min_bytes: int = 256 * 1024
     prefetch_bytes: int | Literal["auto"] = "auto"
     inflight_bytes: int | Literal["auto"] = "auto"
     pin_memory: bool = True
     recompute: RecomputeMode = "auto"
+
+    @property
+    def lossy_possible(self) -> bool:
+        """Whether any site can be compressed lossily: a lossy plan, or the advisor's
+        ``"auto"`` plan allowed a lossy codec."""
+        return self.plan in LOSSY_CODECS or (self.plan == "auto" and self.lossy != "off")
 
     def __post_init__(self) -> None:
         if isinstance(self.lossy_exclude, list):  # YAML and CLIs give lists; a config is hashed

@@ -2,15 +2,23 @@
 keeps it."""
 
 import gc
+import logging
 import math
 
 import pytest
 import torch
-from conftest import Destructive, Faithful, model_and_batch
+from conftest import Destructive, Faithful, grads, model_and_batch
+from torch import nn
 from torch.nn import functional as F
 
 from cswap_lightning import CSwapConfig, Offloader
-from cswap_lightning.core.guard import AccuracyGuard, GuardReport, compare_gradients
+from cswap_lightning.core.guard import (
+    FLOOR,
+    AccuracyGuard,
+    GuardReport,
+    _Exact,
+    compare_gradients,
+)
 
 
 def guarded(name="mlp", **config):
@@ -170,3 +178,136 @@ def test_module_hooks_last_until_close_or_a_new_watch_and_only_for_lossy_exclude
     assert len(hooks) == before
     off = Offloader(CSwapConfig(plan="raw")).watch(net)  # no patterns: nothing to name
     assert len(hooks) == before and off.modules is None
+
+
+def tiny_bert():
+    """A 2-layer BERT at sequence length 64: its attention probabilities and feed-forward
+    activations reach the default ``min_bytes``."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2,
+                        num_attention_heads=2, intermediate_size=256,
+                        max_position_embeddings=64, num_labels=2)
+    ids, labels = torch.randint(0, 100, (8, 64)), torch.randint(0, 2, (8,))
+    model = BertForSequenceClassification(config).train()
+    return model, lambda: model(input_ids=ids, labels=labels).loss
+
+
+def test_a_tiny_bert_at_int8_and_default_settings_keeps_every_site_lossy():
+    """An attention key's bias has an exact gradient of about zero (softmax ignores it), so
+    any rounding is a huge error relative to it: against the gradient's scale it is none."""
+    model, loss = tiny_bert()
+    off = Offloader(CSwapConfig(plan="int8"))
+    guard = AccuracyGuard(off)
+    key_bias = model.bert.encoder.layer[0].attention.self.key.bias
+    exact, lossy = (torch.autograd.grad(grads_loss(off.probe_next_step(kind), loss), [key_bias])[0]
+                    for kind in ("lossless", "measure errors"))
+    assert exact.norm() < 1e-9 and compare_gradients(exact, lossy)[0] > 1e3  # unfloored
+    for _ in range(3):
+        report = guard.probe(model, loss)
+        assert not report.reverted and report.passes == 2 and len(report.site_errors) >= 10
+        assert report.worst_rel_error < 0.05 and report.grad_error < 0.05
+        assert report.rel_error["bert.encoder.layer.0.attention.self.key.bias"] < 1e-3
+        with off:
+            training_loss = loss()
+        training_loss.backward()
+    assert not off.reverted and len(off.lossy_sites()) >= 10
+    off.close()
+
+
+def grads_loss(off, loss):
+    with off:
+        return loss()
+
+
+class Gate(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        return a * self.weight  # saves a, for the weight's gradient
+
+
+class OutlierGate(nn.Module):
+    """One activation carries a 1e5 channel into a learnable gate: int8 rounds the gate's
+    other inputs to multiples of ~800, which wrecks the gate's gradient, while that tensor's
+    round trip looks good (the outlier dominates its norm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 63), nn.Tanh(), nn.Linear(63, 63), nn.Tanh(),
+                                  nn.Linear(63, 63), nn.Tanh())
+        self.gate = Gate(64)
+        self.head = nn.Linear(63, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.cat([self.body(x), 1e5 * x[:, :1]], dim=1)
+        return self.head(self.gate(a)[:, :63])
+
+
+def test_the_culprit_is_found_by_its_effect_on_the_gradients_and_reverted_first(caplog):
+    torch.manual_seed(0)
+    net, x, y = OutlierGate(), torch.randn(64, 16), torch.randint(0, 10, (64,))
+    off = Offloader(CSwapConfig(plan="int8", min_bytes=0))  # no watch(): the check names sites
+    guard = AccuracyGuard(off)
+    with caplog.at_level(logging.INFO, logger="cswap_lightning.core.guard"):
+        report = guard.probe(net, lambda: F.cross_entropy(net(x), y))
+    (culprit,) = [s for s, module in report.modules.items() if module == "gate"]
+    # Ranked by round-trip error, it would not be in the worse half reverted first.
+    ranked = sorted(report.site_errors, key=report.site_errors.get, reverse=True)
+    assert ranked.index(culprit) >= len(ranked) // 2
+    assert report.rel_error["gate.weight"] > 0.5
+    assert report.reverted == [culprit] and off.reverted == {culprit}
+    assert report.culprit_errors[culprit] > 0.5 and report.error_after < 0.05
+    assert report.passes > 2 and off.modules is None
+    assert f"reverting site {culprit} (gate) to lossless" in caplog.text
+    assert f"round-trip error {report.site_errors[culprit]:.3g}" in caplog.text
+    assert f"cswap/reconstruction_error/gate/{culprit}" in report.log_values()
+    with off:  # the next training step: only the culprit went back to lossless
+        loss = F.cross_entropy(net(x), y)
+    loss.backward()
+    decisions = {s.site: s.decision for s in off.last_step().sites}
+    assert decisions[culprit] == "raw"
+    assert off.lossy_sites() == set(report.site_errors) - {culprit}
+    off.close()
+
+
+def test_the_guard_rests_once_nothing_is_lossy(as_int8):
+    as_int8(Destructive())
+    net, x, y, off, guard = guarded()
+    assert guard.due()
+    report = guard.probe(net, lambda: F.cross_entropy(net(x), y))
+    assert set(report.reverted) == set(report.site_errors) and report.error_after == 0.0
+    due = []
+    for _ in range(10):
+        due.append(guard.due())
+        grads(net, x, y, off)
+    assert not any(due) and off.lossy_sites() == frozenset()
+    off.close()
+
+
+def test_a_check_that_passes_costs_two_passes_and_logs_its_figures(as_int8, caplog):
+    as_int8(Faithful())
+    net, x, y, off, guard = guarded()
+    with caplog.at_level(logging.INFO, logger="cswap_lightning.core.guard"):
+        report = guard.probe(net, lambda: F.cross_entropy(net(x), y))
+    assert report.passes == 2 and not report.reverted and report.error_after is None
+    assert "worst parameter gradient error 0 (whole model 0) within tolerance 0.1" in caplog.text
+    values = report.log_values()
+    assert values["cswap/reconstruction_error"] == 0.0 and values["cswap/guard_passes"] == 2
+    assert guard.reconstruction.compute().item() == 0.0
+    off.close()
+
+
+def test_the_floor_is_a_tenth_of_the_mean_gradient_per_element():
+    exact = [torch.tensor([3.0, 4.0]), torch.zeros(2), torch.tensor([1e-12, 0.0])]
+    lossy = [torch.tensor([3.0, 4.0]), torch.tensor([0.0, 0.05]), torch.tensor([0.0, 1e-3])]
+    errors, _, whole = _Exact(["a", "b", "c"], exact).measure(lossy)
+    scale = math.sqrt(25 / 6)  # |G| / sqrt(N): every gradient's elements
+    floor = FLOOR * scale * math.sqrt(2)
+    assert errors == {"a": 0.0, "b": pytest.approx(0.05 / floor),
+                      "c": pytest.approx(math.hypot(1e-12, 1e-3) / floor)}
+    assert whole == pytest.approx(math.hypot(0.05, math.hypot(1e-12, 1e-3)) / 5)
+    assert compare_gradients(exact[2], lossy[2])[0] > 1e8  # unfloored: "huge"

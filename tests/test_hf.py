@@ -265,14 +265,17 @@ def test_the_accuracy_guard_probes_lossy_plans_and_leaves_no_trace(tmp_path):
 
 
 def test_the_guard_moves_sites_that_bend_gradients_back_to_lossless(tmp_path):
-    cswap = CSwapCallback(CSwapConfig(plan="int4", min_bytes=0, guard_every=1,
-                                      guard_tolerance=1e-6))
+    # int4 at the default tolerance: some sites bend a gradient past it, not all.
+    cswap = CSwapCallback(CSwapConfig(plan="int4", min_bytes=0, guard_every=1))
     bert_trainer(tmp_path, [cswap], max_steps=1).train()
+    first = cswap.guard.reports[0]
+    assert first.reverted and first.error_after <= first.culprit_errors[first.reverted[0]]
+    assert first.error_after <= 0.1 and set(first.reverted) < set(first.site_errors)
     reverted = set().union(*(r.reverted for r in cswap.guard.reports))
-    assert cswap.guard.reports[0].reverted and cswap.offloader.reverted == reverted
-    last = cswap.offloader.last_step()  # the real step after the last probe
-    assert {s.decision for s in last.sites if s.site in reverted} == {"raw"}
-    assert "int4" in {s.decision for s in last.sites}  # the others stay lossy
+    assert cswap.offloader.reverted == reverted
+    tracked = cswap.offloader.tracked_step()  # a real step after a check
+    assert {s.decision for s in tracked.sites if s.site in reverted} == {"raw"}
+    assert "int4" in {s.decision for s in tracked.sites}  # the others stay lossy
 
 
 class RandomText(RandomTokens):

@@ -11,8 +11,6 @@ import torch
 from cswap_lightning import CSwapConfig, Offloader
 from cswap_lightning.core.stats import SiteStats, StepStats
 from cswap_lightning.integrations.metrics import (
-    CompressionRatio,
-    ReconstructionError,
     memory_timeline,
     offload_metrics,
     run_summary,
@@ -20,6 +18,7 @@ from cswap_lightning.integrations.metrics import (
     undefined,
     write_summary,
 )
+from cswap_lightning.metrics import CompressionRatio, ReconstructionError
 
 MiB = 1 << 20
 

@@ -229,8 +229,7 @@ class CudaRLECodec(_CudaCodec, RLECodec):
 class _CudaLossyCodec(_Launches):
     """Launches the lossy kernels for CUDA tensors; everything else goes to the reference class.
 
-    ``block_size`` and ``seed`` as in ``LossyCodec``; the launch parameters as in
-    ``_Launches``."""
+    ``block_size`` as in ``LossyCodec``; the launch parameters as in ``_Launches``."""
 
     name: str
     block_size: int
@@ -238,13 +237,12 @@ class _CudaLossyCodec(_Launches):
     def __init__(
         self,
         block_size: int = DEFAULT_BLOCK_SIZE,
-        seed: int = 0,
         grid: int | None = None,
         block: int = DEFAULT_BLOCK,
         tuned: Mapping[tuple[str, int], tuple[int, int]] | None = None,
     ) -> None:
         _Launches.__init__(self, grid, block, tuned)
-        LossyCodec.__init__(self, block_size, seed)  # type: ignore[arg-type]
+        LossyCodec.__init__(self, block_size)  # type: ignore[arg-type]
 
     def _encode_values(self, flat: torch.Tensor, seed: int) -> torch.Tensor:
         lib = load_extension() if flat.is_cuda else None

@@ -14,7 +14,7 @@ import time
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from fnmatch import fnmatch
 
@@ -24,6 +24,7 @@ from typing_extensions import Self
 from ..codecs import get_codec
 from ..codecs.cuda import enable_cuda_codecs_if_requested
 from ..codecs.lossy import LOSSY_DTYPES as _LOSSY_TORCH_DTYPES
+from ..codecs.lossy import seed_of
 from ..config import LOSSY_CODECS, CSwapConfig, as_config
 from ..planning import live, mix
 from ..planning.advisor import HELD_ELSEWHERE, FixedPlan, Plan
@@ -33,7 +34,7 @@ from ..planning.profiler import Link, Profiler
 from .module_names import ModuleTracker
 from .recompute import BlockCall, BlockTimer, Recompute, left_out_rows, top_hooks
 from .stats import SiteStats, StepStats, fmt_bytes
-from .step import Checked, Move, Step, hide_from_dynamo
+from .step import Checked, Move, Probe, Step, hide_from_dynamo
 from .transfer import Transfer
 
 LOSSY_DTYPES = tuple(str(d).removeprefix("torch.") for d in _LOSSY_TORCH_DTYPES)
@@ -104,7 +105,13 @@ class Offloader:
         self._numbering: frozenset[str] = frozenset()  # the blocks the last step recomputed
         self.reverted: set[int] = set()  # lossy sites the accuracy guard moved back
         self.held_elsewhere: set[int] = set()  # sites whose moving freed nothing (measured)
-        self._next_probe: str | None = None  # "lossless" or "measure errors", for one step
+        self._next_probe: Probe | None = None  # the next step's, from probe_next_step()
+        # The lossy codecs' rounding: seeded by torch's seed when the Offloader is built, the
+        # count of training steps (a guard's probe rounds as the training step after it) and
+        # the site, so a run rounds the same way whatever ran before it in the process.
+        self.seed = seed_of(torch.initial_seed(), torch.initial_seed() >> 32)
+        self._trained = 0  # training steps (not probes) entered
+        self._latest_trained: Step | None = None
         # Later steps keep the sites a checked plan kept untracked, and measure again (or, for
         # a fixed plan, track again) if what they save changes.
         self._checked: Checked | None = None
@@ -135,6 +142,12 @@ class Offloader:
         if self._closed:
             raise RuntimeError("this Offloader was closed; create a new one (or call "
                                "cswap_lightning.offload(config) again for the shared one)")
+        if self.config.lossy_exclude and self.modules is None and self.config.lossy_possible:
+            raise ValueError(
+                f"cswap: lossy_exclude={self.config.lossy_exclude!r} names modules, but this "
+                "Offloader was given no model to name them in, so every site could be "
+                "compressed lossily: call offloader.watch(model) before the first step (the "
+                "Lightning strategies and the Hugging Face callback do), or drop lossy_exclude")
         if self._hooks and self._owner != threading.get_ident():
             raise RuntimeError(
                 "this Offloader is in use by another thread; give each thread its own "
@@ -166,6 +179,10 @@ class Offloader:
         self._dormant = self._dormant + 1 if step.dormant else 0
         self._push_hooks(step)  # raises where saved-tensor hooks are disabled: nothing changed
         step.probe, self._next_probe = self._next_probe, None
+        step.seed = seed_of(self.seed, self._trained)
+        if step.probe is None:
+            self._trained += 1
+            self._latest_trained = step
         self._step, self._owner = step, threading.get_ident()
         self._steps_alive.add(step)
         self._steps += 1
@@ -326,11 +343,21 @@ class Offloader:
 
     def _lossy_ok(self, codec: str, site: int, stats: SiteStats) -> bool:
         """The config always wins: a lossy codec only where it names that codec (a loaded
-        plan cannot bring one in), never on a guard's lossless probe."""
-        cfg = self.config
+        plan cannot bring one in); on a guard's probe, only where the probe says."""
+        cfg, probe = self.config, self._step.probe
         named = codec in (cfg.plan, cfg.lossy) or (cfg.lossy == "auto" and codec == "int8")
-        return (named and self._step.probe != "lossless"
+        return (named and (probe is None or probe.lossy and (probe.sites is None
+                                                             or site in probe.sites))
                 and self.lossy_allowed(site, stats.dtype, stats.module))
+
+    def lossy_sites(self) -> frozenset[int] | None:
+        """The sites the latest training step (not a guard's probe) compressed lossily, as
+        the step that checked its plan tracked them; None before any training step."""
+        step = self._latest_trained
+        if step is None:
+            return None
+        stats = step.checked.stats if step.checked is not None else step.stats
+        return frozenset(s.site for s in stats.sites if s.decision in LOSSY_CODECS)
 
     def prefetch_window(self) -> int | None:
         """Bytes backward may bring back ahead of use: ``prefetch_bytes`` (for ``"auto"``, what
@@ -344,12 +371,18 @@ class Offloader:
             window = min(window, self._plan.prefetch_bytes)
         return window
 
-    def probe_next_step(self, kind: str) -> Self:
-        """Make the next step a guard probe: ``"lossless"`` swaps lossy sites raw instead;
-        ``"measure errors"`` keeps lossy sites' originals to measure their round-trip error."""
+    def probe_next_step(self, kind: str, sites: Iterable[int] | None = None,
+                        restored: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+                        ) -> Self:
+        """Make the next step an accuracy guard's probe: ``"lossless"`` swaps lossy sites raw
+        instead; ``"measure errors"`` keeps the lossy ``sites`` (None: all) lossy, swaps the
+        others raw, measures each one's round-trip error (its row's ``error``) and hands its
+        original and restored tensors to ``restored(site, original, restored)``. A probe
+        rounds as the next training step will, and runs no checked plan."""
         if kind not in ("lossless", "measure errors"):
             raise ValueError(f"probe kind must be 'lossless' or 'measure errors', got {kind!r}")
-        self._next_probe = kind
+        self._next_probe = Probe(kind == "measure errors",
+                                 None if sites is None else frozenset(sites), restored)
         return self
 
     def lossy_allowed(self, site: int, dtype: str, module: str) -> bool:
@@ -516,7 +549,8 @@ class Offloader:
                     self._checked = None
             elif step.idle:
                 return
-        elif self._unchecked is not None and self._unchecked.covers(step.counted()):
+        elif (self._unchecked is not None and step.probe is None
+              and self._unchecked.covers(step.counted())):
             self._check(self._unchecked, step.stats)
             self._checked_by(step)
         elif (not step.measure and step.probe is None and step.stats.sites and (

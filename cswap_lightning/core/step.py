@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from ..codecs import Codec, get_codec
-from ..codecs.lossy import relative_error
+from ..codecs.lossy import relative_error, seed_of
 from ..config import LOSSY_CODECS
 from ..planning.prefetch import resident_window
 from ..planning.profiler import StepTimer
@@ -104,6 +104,17 @@ class _View(NamedTuple):
     offset: int
     version: int
     rebuild: Callable | None
+
+
+class Probe(NamedTuple):
+    """An accuracy-guard probe step (``Offloader.probe_next_step``). ``lossy`` False: every
+    lossy site swaps raw (the exact gradients). True: the lossy ``sites`` (None: all of them)
+    stay lossy, the others swap raw, and each one's original and restored tensors go to
+    ``restored(site, original, restored)`` at its first unpack (besides its row's ``error``)."""
+
+    lossy: bool
+    sites: frozenset[int] | None = None
+    restored: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
 
 
 class Move(NamedTuple):
@@ -190,11 +201,12 @@ class Step:
         # step closes (the optimizer, a trainer resetting the peak) does not count.
         self.backward_peak: int | None = None
         self._backward_begun = False
-        self.probe: str | None = None  # an accuracy-guard probe step (Offloader.probe_next_step)
+        self.probe: Probe | None = None  # an accuracy-guard probe step
+        self.seed = 0  # the lossy codecs' rounding seed of the step (each site mixes in its own)
         # Autograd runs backward on one thread per device: a model split over several GPUs in
         # one process unpacks from several threads at once.
         self._lock = threading.Lock()
-        self._originals: dict[int, torch.Tensor] = {}  # lossy sites' originals, on probes
+        self._originals: dict[int, torch.Tensor] = {}  # lossy sites' originals, on lossy probes
         self._by_storage: dict[int, _Entry] = {}  # storage address -> entry, during forward
         # the bytes of a kept tensor (``_same_bytes``) -> its site, during forward
         self._kept: dict[tuple, int] = {}
@@ -306,8 +318,9 @@ class Step:
                 self._counts.append((stats, t.numel(), self.transfer.nonzero(t)))
             return saved, saved._version, site
         entry = _Entry(site, t, held, rebuild, stats)
-        stats.decision, stats.nbytes = codec, storage.nbytes()
-        self._offload(entry, t, storage, stats.nbytes, get_codec(codec))
+        stats.decision = codec
+        self._offload(entry, t, storage, storage.nbytes(), get_codec(codec))
+        stats.nbytes = entry.nbytes
         return entry
 
     def _same_bytes(self, t: torch.Tensor, stats: SiteStats) -> bool:
@@ -346,21 +359,33 @@ class Step:
         """Start moving ``t``'s whole storage (``nbytes``): every view of it comes back
         exactly. A tensor that is all of its storage, in order (most activations), moves as
         it is, and a raw copy of it outside the arena comes back in its shape and strides; any
-        other view moves its storage as a 1-D tensor, viewed again at unpack."""
-        entry.nbytes = nbytes
+        other view moves its storage as a 1-D tensor, viewed again at unpack.
+
+        A lossy codec compresses a view of a larger storage on its own elements instead
+        (q, k and v split from one projection): each block's scale is then its own values',
+        not those of the storage's other parts, and the view comes back contiguous. Later
+        views of that storage move on their own too."""
+        lossy = codec.name in LOSSY_CODECS
+        own = lossy and t.nbytes < nbytes
+        entry.nbytes = t.nbytes if own else nbytes
         data = t.detach()  # shares t's version counter: made the entry's probe once copied
         whole = codec.exact_size and t.nbytes == nbytes and t.is_contiguous()  # so offset 0
-        flat = data if whole else data.as_strided((nbytes // t.element_size(),), (1,), 0)
-        if self.probe == "measure errors" and codec.name in LOSSY_CODECS:
+        if own:  # its elements in order: what the encoder reads anyway
+            flat = data.contiguous()
+        else:
+            flat = data if whole else data.as_strided((nbytes // t.element_size(),), (1,), 0)
+        if lossy and self.probe is not None and self.probe.lossy:
             self._originals[entry.id] = flat.detach()  # kept alive for the guard's probe step
+        seed = seed_of(self.seed, entry.id) if lossy else 0
         self.transfer.offload(entry, flat, codec, entry.id, self.measure,
-                              self._record if entry.stats is not None else None)
-        if not whole or entry.header is not None or entry.lease is not None:
+                              self._record if entry.stats is not None else None, seed)
+        # A view moved on its own elements comes back as decoded: contiguous, in its shape.
+        if not own and (not whole or entry.header is not None or entry.lease is not None):
             entry.shape, entry.stride, entry.offset = t.shape, t.stride(), t.storage_offset()
         # A failed offload keeps ``flat``, which may be ``data``: then it is the probe as it is.
         entry.probe = data if entry.kept is data else version_probe(data)
         self._entries[entry.id] = weakref.ref(entry)
-        if entry.held is not None:
+        if entry.held is not None and not own:
             self._by_storage[storage._cdata] = entry
 
     def _first_pack(self, device: torch.device) -> None:
@@ -484,6 +509,8 @@ class Step:
         original = self._originals.pop(entry.id, None) if self._originals else None
         if original is not None:
             entry.stats.error = relative_error(original, base).item()
+            if self.probe.restored is not None:
+                self.probe.restored(entry.id, original, base)
         elif entry.held() is not None and self.probe is None:
             # Still alive although copied out: something else holds it (the training loop,
             # the user's code), so moving it freed nothing. Later steps keep it.

@@ -39,7 +39,7 @@ from functools import partial
 
 import torch
 
-from ..codecs import Codec, Header, Packed, get_codec, nonzero_count
+from ..codecs import Codec, Header, LossyCodec, Packed, get_codec, nonzero_count
 from .arena import ArenaReport, HostMemory, Lease, stop_unpinner
 from .stats import StepStats
 
@@ -123,25 +123,27 @@ class Transfer:
     # forward ---------------------------------------------------------------------------
     def offload(self, stored: Stored, flat: torch.Tensor, codec: Codec, site: int | None = None,
                 count_nonzero: bool = False,
-                on_done: Callable[[Stored], None] | None = None) -> Stored:
-        """Start moving ``flat`` (contiguous: the tensor's whole storage) off its device into
-        ``stored``; never raises. It comes back in the same shape, or 1-D; a raw payload
-        outside the arena in the same strides too.
+                on_done: Callable[[Stored], None] | None = None, seed: int = 0) -> Stored:
+        """Start moving ``flat`` (contiguous: the tensor's whole storage, or a view's own
+        elements for a lossy codec) off its device into ``stored``; never raises. It comes
+        back in the same shape, or 1-D; a raw payload outside the arena in the same strides
+        too.
 
         ``site`` lets the payload use its arena region, and sizes a compressed payload's first
         copy; ``count_nonzero`` measures its sparsity (compressed payloads always do);
         ``on_done`` is called once the payload is settled (its length known), or the offload
-        failed: at once, or at a later pack, unpack or drain."""
+        failed: at once, or at a later pack, unpack or drain; ``seed`` is a lossy codec's
+        rounding seed."""
         if self._inflight:
             self._bound(flat.nbytes)
         stored.site = site
         try:
             if flat.is_cuda:
                 start = time.perf_counter()
-                self._offload_cuda(stored, flat, codec, count_nonzero)
+                self._offload_cuda(stored, flat, codec, count_nonzero, seed)
                 stored.seconds = time.perf_counter() - start
             else:
-                self._offload_cpu(stored, flat, codec, count_nonzero)
+                self._offload_cpu(stored, flat, codec, count_nonzero, seed)
         except Exception as err:  # noqa: BLE001 - any failure must keep the tensor intact
             self._failed(stored, flat, err)
         if stored.pending is not None:
@@ -151,10 +153,10 @@ class Transfer:
         return stored
 
     def _offload_cpu(self, stored: Stored, flat: torch.Tensor, codec: Codec,
-                     count_nonzero: bool) -> None:
+                     count_nonzero: bool, seed: int) -> None:
         if count_nonzero and codec.exact_size:
             stored.nonzero = nonzero_count(flat)
-        payload = flat if codec.name == "raw" else self._encode(codec, stored, flat, trim=True)
+        payload = flat if codec.name == "raw" else self._encode(codec, stored, flat, True, seed)
         if self.arena_everywhere:
             self._place(stored, flat, payload, codec)
             if stored.pending is not None:
@@ -166,7 +168,7 @@ class Transfer:
                 payload[:_PREAMBLE], stored.header.numel, stored.header.dtype.itemsize)
 
     def _offload_cuda(self, stored: Stored, flat: torch.Tensor, codec: Codec,
-                      count_nonzero: bool) -> None:
+                      count_nonzero: bool, seed: int) -> None:
         device = flat.device
         compute = torch.cuda.current_stream(device)
         offload = self._stream(device, OFFLOAD)
@@ -175,7 +177,7 @@ class Transfer:
             encoder = self._stream(device, COMPRESS)
             encoder.wait_stream(compute)
             with _on(encoder):
-                payload = self._encode(codec, stored, flat, trim=False)
+                payload = self._encode(codec, stored, flat, False, seed)
             flat.record_stream(encoder)
             offload.wait_stream(encoder)
         else:
@@ -285,13 +287,16 @@ class Transfer:
             "it stays on its device. Further failures of this kind are not reported.",
         )
 
-    def _encode(self, codec: Codec, stored: Stored, flat: torch.Tensor,
-                trim: bool) -> torch.Tensor:
+    def _encode(self, codec: Codec, stored: Stored, flat: torch.Tensor, trim: bool,
+                seed: int) -> torch.Tensor:
         """``codec``'s payload (its header into ``stored``), or ``flat`` itself, to go raw,
         where the codec's scratch does not fit on the device: near the memory limit is
-        where offloading matters most."""
+        where offloading matters most. ``seed``: a lossy codec's rounding seed."""
         try:
-            packed = codec.encode(flat) if codec.exact_size else codec.encode(flat, trim=trim)
+            if isinstance(codec, LossyCodec):
+                packed = codec.encode(flat, seed=seed)
+            else:
+                packed = codec.encode(flat) if codec.exact_size else codec.encode(flat, trim=trim)
         except torch.OutOfMemoryError as err:
             self._warn_once(
                 "encode oom",

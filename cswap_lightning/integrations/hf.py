@@ -11,8 +11,9 @@ act only in training mode with gradients on, so evaluation and prediction are un
 only while the Trainer's training loop runs: the Trainer calls ``on_train_end`` only when
 training succeeds, so after an exception the next forward finds the loop gone from the stack
 and removes the hooks instead of entering the engine. The pre-hook also holds the
-micro-batch's inputs, so with a lossy plan it runs the accuracy guard's probe there, through
-the model alone (no Trainer code runs twice).
+micro-batch's inputs, so with a lossy plan it runs the accuracy guard's check there, through
+the model alone (no Trainer code runs twice), and with ``guard_shadow`` the lossless shadow's
+pass over the micro-batch.
 
 With ``torch_compile=True`` the Trainer would compile the whole model, and a compiled region's
 backward asks for every tensor it saved at once (pytorch/pytorch#148222): every offloaded
@@ -38,6 +39,7 @@ from ..config import CSwapConfig, as_config
 from ..core.compile import blocks, compile_blocks
 from ..core.engine import Offloader
 from ..core.guard import AccuracyGuard
+from ..core.shadow import Shadow
 from ..core.stats import StepStats
 from .hf_checkpointing import checkpointing_switch, trainer_checkpointing
 from .metrics import offload_metrics, plan_values, run_summary, step_values, write_summary
@@ -99,6 +101,16 @@ def _take_over_compile(trainer: Trainer, model: nn.Module) -> dict[str, Any] | N
     return kwargs
 
 
+def _loss_scale(trainer: Trainer, kwargs: dict[str, Any]) -> int:
+    """What the Trainer divides a micro-batch's loss by before backward (its
+    ``training_step``): the accumulation steps, unless the loss was normalised already."""
+    scaled = trainer.loss_is_scaled_for_ga
+    if scaled is None:
+        scaled = ((trainer.model_accepts_loss_kwargs and "num_items_in_batch" in kwargs)
+                  or trainer.compute_loss_func is not None)
+    return 1 if scaled else trainer.current_gradient_accumulation_steps
+
+
 class CSwapCallback(TrainerCallback):
     """Offload saved activations during ``Trainer.train``; log what it did with the losses.
 
@@ -116,13 +128,20 @@ class CSwapCallback(TrainerCallback):
     to the Trainer's constructor: ``add_callback`` comes too late). With lossy sites in the
     plan, every ``config.guard_every`` micro-batches :attr:`guard` first compares that
     micro-batch's gradients with and without them (the model must return its loss, i.e. get
-    ``labels``).
+    ``labels``). With ``config.guard_shadow`` too, :attr:`shadow` trains a lossless copy of
+    the weights on every micro-batch (the model's own loss, scaled and clipped as the Trainer
+    does; a ``compute_loss_func`` or label smoothing is not applied to it) and, after each
+    optimizer step with a check, the Trainer's evaluation loop runs on the model and on the
+    shadow.
 
     Each log line gets, over the micro-batches since the previous one, ``cswap/offloaded_bytes``
     and ``cswap/wait_s`` (means per micro-batch), ``cswap/peak_resident_bytes``,
     ``cswap/keep_all_bytes`` and ``cswap/peak_percent`` (the highest), ``cswap/ratio`` (where
-    something moved), and the latest guard probe's figures (``cswap/guard_worst_cosine``,
-    ``..._worst_rel_error``, ``..._reverted_sites``, ``..._seconds``) when one ran since; they
+    something moved), and the latest guard check's figures (``cswap/guard_worst_cosine``,
+    ``..._worst_rel_error``, ``..._grad_error``, ``..._reverted_sites``, ``..._passes``,
+    ``..._seconds``, ``cswap/reconstruction_error`` pooled and ``.../MODULE/SITE`` per lossy
+    site) when one ran since, with the shadow's ``cswap/shadow/eval_*`` and
+    ``cswap/shadow_delta/eval_*`` when it was evaluated; they
     are in ``trainer.state.log_history``, and reporting integrations (``report_to``) see them
     only if they run after this callback in ``trainer.callback_handler.callbacks``. At the end
     of training the per-site table and memory timeline of the latest step that tracked every
@@ -139,6 +158,10 @@ class CSwapCallback(TrainerCallback):
         self._micro_batch = 0  # micro-batches of the optimizer step under way, so far
         self._offloader: Offloader | None = None
         self._guard: AccuracyGuard | None = None
+        self.shadow: Shadow | None = None  # with guard_shadow, from train()'s start
+        self._trainer: Trainer | None = None  # the Trainer whose training loop runs
+        self._checked = False  # a check ran during the optimizer step under way
+        self._shadow_values: dict[str, float] = {}  # to log with the next line
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._loop: CodeType | None = None  # the code of the Trainer's running training loop
         self._compile: dict[str, Any] | None = None  # torch.compile kwargs, per block
@@ -172,6 +195,10 @@ class CSwapCallback(TrainerCallback):
             return
         if self.guard.due():
             self.guard.probe(module, lambda: self._probe_loss(module, args, kwargs))
+            self._checked = True
+        if self.shadow is not None:
+            scale = _loss_scale(self._trainer, kwargs)
+            self.shadow.accumulate(lambda: self._probe_loss(module, args, kwargs) / scale)
         self.offloader.__enter__()
         self.inside = True
 
@@ -232,7 +259,11 @@ class CSwapCallback(TrainerCallback):
         _take_over_checkpoint_offload(args, model)
         if self._compile is not None:  # here, not at init: `model_init` replaces the model
             compile_blocks(model, **self._compile)
-        self._loop = _trainer_frame().f_code
+        frame = _trainer_frame()
+        self._loop, self._trainer = frame.f_code, frame.f_locals["self"]
+        config = self.config
+        if config.guard_shadow and config.lossy_possible:
+            self.shadow = Shadow(model, kwargs["optimizer"])
         self._hooks = [
             model.register_forward_pre_hook(self._enter, with_kwargs=True),
             model.register_forward_hook(self._exit),
@@ -250,11 +281,37 @@ class CSwapCallback(TrainerCallback):
         # a micro-batch that does not end an optimizer step: of the one after global_step
         self._record(state.global_step + 1, args.gradient_accumulation_steps)
 
+    def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState,
+                              control: TrainerControl, model: nn.Module | None = None,
+                              optimizer: torch.optim.Optimizer | None = None,
+                              **kwargs: Any) -> None:
+        if self.shadow is None:
+            return
+        clip = None
+        if args.max_grad_norm > 0:  # as the Trainer clips: over model.parameters(), in order
+
+            def clip(copies: dict) -> None:
+                torch.nn.utils.clip_grad_norm_(
+                    [copies[p] for p in model.parameters() if p in copies], args.max_grad_norm)
+        self.shadow.step(optimizer, clip)
+
     def on_step_end(self, args: TrainingArguments, state: TrainerState,
                     control: TrainerControl, **kwargs: Any) -> None:
         # the micro-batch that ends an optimizer step, which global_step counts already
         self._record(state.global_step, args.gradient_accumulation_steps)
         self._micro_batch = 0
+        if self._checked and self.shadow is not None and self._trainer.eval_dataset is not None:
+            self._shadow_values = self.shadow.compare(self._evaluate)
+        self._checked = False
+
+    def _evaluate(self) -> dict[str, float]:
+        """The Trainer's evaluation loop on its evaluation data, without logging: its
+        metrics (``eval_loss``, ``compute_metrics``'s)."""
+        trainer = self._trainer
+        metrics = trainer.evaluation_loop(trainer.get_eval_dataloader(), "cswap shadow",
+                                          metric_key_prefix="eval").metrics
+        return {name: float(value) for name, value in metrics.items()
+                if isinstance(value, (int, float)) and not name.endswith("preparation_time")}
 
     def _record(self, global_step: int, accumulation: int) -> None:
         if self._offloader is None:
@@ -276,9 +333,11 @@ class CSwapCallback(TrainerCallback):
                   if not value.isnan()}  # the ratio where nothing moved, ...
         values |= plan_values(self.offloader)
         self.metrics.reset()
-        report = self.guard.new_report()  # the latest probe since the last log line
+        report = self.guard.new_report()  # the latest check since the last log line
         if report is not None:
             values |= report.log_values()
+        values |= self._shadow_values
+        self._shadow_values = {}
         logs.update(values)
         if state.log_history:  # the Trainer recorded its copy of `logs` before calling us
             state.log_history[-1].update(values)

@@ -5,8 +5,10 @@ Each strategy is its Lightning base (one device, DDP, FSDP, model parallel) plus
 are offloaded, and the backward Lightning runs afterwards brings them back. Everything else (precision
 plugins, ``no_sync`` under gradient accumulation, distributed samplers, manual optimisation,
 checkpointing) is the base's own code. With lossy sites, every ``guard_every`` steps the
-accuracy guard first probes the step's batch through the module's own ``training_step``
-(logging muted, metric states restored). Importing this module registers the names ``"cswap"``,
+accuracy guard first checks the step's batch through the module's own ``training_step``
+(logging muted, metric states restored); with ``guard_shadow`` a lossless shadow of the
+weights trains on every batch the same way, and is evaluated beside the module on the
+validation data at each check. Importing this module registers the names ``"cswap"``,
 ``"cswap_ddp"``, ``"cswap_fsdp"`` and ``"cswap_model_parallel"``, so ``Trainer(strategy="cswap")``
 and YAML configs work::
 
@@ -24,7 +26,7 @@ processes, the link's bandwidth measured with all of them copying at once.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -39,13 +41,14 @@ from lightning.pytorch.strategies import (
     SingleDeviceStrategy,
     StrategyRegistry,
 )
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
 from torchmetrics import Metric
 
-from ..config import LOSSY_CODECS, CSwapConfig, as_config
+from ..config import CSwapConfig, as_config
 from ..core.compile import compiled_whole
 from ..core.engine import Offloader
 from ..core.guard import AccuracyGuard
+from ..core.shadow import Shadow
 from ..core.stats import StepStats
 from ..planning.profiler import measure_link
 from .metrics import (
@@ -69,6 +72,7 @@ class _CSwapMixin:
         self.cswap_config = as_config(config, type(self).__name__)
         self._offloader: Offloader | None = None
         self._guard: AccuracyGuard | None = None
+        self.shadow: Shadow | None = None  # with guard_shadow, from the first training step
 
     @property
     def offloader(self) -> Offloader:
@@ -101,13 +105,30 @@ class _CSwapMixin:
                 and self.lightning_module.automatic_optimization)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.can_probe() and self.guard.due():
+        if self.can_probe():
             module = self.lightning_module
-            # The module's own training_step, past any DDP wrapper: a probe must not sync.
-            with self.precision_plugin.train_step_context(), _traceless(module):
-                self.guard.probe(module, lambda: _loss(module.training_step(*args, **kwargs)))
+            check = self.guard.due()
+            config = self.cswap_config
+            if self.shadow is None and config.guard_shadow and config.lossy_possible:
+                self.shadow = Shadow(module, module.trainer.optimizers[0])
+            if check or self.shadow is not None:
+                self._beside(module, check, args, kwargs)
         with self.offloader:
             return super().training_step(*args, **kwargs)
+
+    def _beside(self, module: pl.LightningModule, check: bool, args: tuple,
+                kwargs: dict[str, Any]) -> None:
+        """The guard's check and the shadow's pass over this batch, through the module's own
+        ``training_step`` (past any DDP wrapper: neither must sync), its logging muted."""
+        def loss() -> torch.Tensor:
+            return _loss(module.training_step(*args, **kwargs))
+
+        with self.precision_plugin.train_step_context(), _traceless(module):
+            if check:
+                self.guard.probe(module, loss)
+            if self.shadow is not None:
+                scale = module.trainer.accumulate_grad_batches
+                self.shadow.accumulate(lambda: loss() / scale)
 
 
 def _loss(output: Any) -> torch.Tensor:
@@ -122,14 +143,16 @@ def _loss(output: Any) -> torch.Tensor:
 
 
 @contextmanager
-def _traceless(module: pl.LightningModule) -> Iterator[None]:
-    """Run the module's code for a probe: ``self.log`` does nothing, and the states of its
-    torchmetrics are put back afterwards."""
+def _traceless(module: pl.LightningModule, log: Callable[..., None] = lambda *a, **k: None
+               ) -> Iterator[None]:
+    """Run the module's code beside training: ``self.log`` goes to ``log`` (by default
+    nowhere), and the states of its torchmetrics are put back afterwards."""
     metrics = [m for m in module.modules() if isinstance(m, Metric)]
     saved = [(m, copy.deepcopy({k: getattr(m, k) for k in (*m._defaults, "_update_count",
                                                             "_computed")}))
              for m in metrics]
-    module.log = module.log_dict = lambda *args, **kwargs: None
+    module.log = log
+    module.log_dict = lambda values, *args, **kwargs: [log(k, v) for k, v in values.items()]
     try:
         yield
     finally:
@@ -137,6 +160,35 @@ def _traceless(module: pl.LightningModule) -> Iterator[None]:
         for metric, state in saved:
             for name, value in state.items():
                 setattr(metric, name, value)
+
+
+def _validation_metrics(trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, float]:
+    """What the module's ``validation_step`` logs over the first validation dataloader, in
+    eval mode without gradients: a torchmetrics metric as computed over all of it, any other
+    value as the mean of its batches' (unweighted); nothing logged or changed otherwise."""
+    loaders = trainer.val_dataloaders
+    if loaders is None and trainer.limit_val_batches:  # no validation ran yet: load its data
+        trainer.fit_loop.epoch_loop.val_loop.setup_data()
+        loaders = trainer.val_dataloaders
+    if loaders is None or not trainer.limit_val_batches:
+        return {}
+    if isinstance(loaders, Mapping):
+        loaders = list(loaders.values())
+    loader = loaders[0] if isinstance(loaders, (list, tuple)) else loaders
+    logged: dict[str, list[Any]] = {}
+    training = module.training
+    module.eval()
+    try:
+        with torch.no_grad(), _traceless(
+                module, lambda name, value, *a, **k: logged.setdefault(name, []).append(value)):
+            for index, batch in enumerate(loader):
+                module.validation_step(trainer.strategy.batch_to_device(batch), index)
+            return {name: float(values[-1].compute()) if isinstance(values[-1], Metric)
+                    else float(torch.stack([torch.as_tensor(v, dtype=torch.float64).cpu()
+                                            for v in values]).mean())
+                    for name, values in logged.items()}
+    finally:
+        module.train(training)
 
 
 class CSwapStrategy(_CSwapMixin, SingleDeviceStrategy):
@@ -291,11 +343,11 @@ class CSwapHooks(Callback):
             self.strategy.offloader.link = measure_link(pl_module.device,
                                                         barrier=self.strategy.barrier)
         _warn_if_compiled_whole(pl_module)
-        lossy = config.plan in LOSSY_CODECS or config.lossy != "off"
-        if lossy and config.guard_every and not self.strategy.can_probe():
+        if config.lossy_possible and (config.guard_every or config.guard_shadow) and (
+                not self.strategy.can_probe()):
             rank_zero_warn(
-                f"cswap: the accuracy guard (guard_every={config.guard_every}) cannot run under "
-                f"{type(self.strategy).__name__} with "
+                f"cswap: the accuracy guard (guard_every={config.guard_every}, guard_shadow="
+                f"{config.guard_shadow}) cannot run under {type(self.strategy).__name__} with "
                 f"{'automatic' if pl_module.automatic_optimization else 'manual'} optimisation: "
                 "lossy sites stay lossy. Check accuracy with `cswap compare`, or use lossless "
                 "plans."
@@ -324,9 +376,29 @@ class CSwapHooks(Callback):
                 pl_module.log(name, metric, on_step=True, on_epoch=True, metric_attribute=name)
         for name, value in plan_values(offloader).items():
             pl_module.log(name, value, on_step=True, on_epoch=False)
-        report = self.strategy.guard.new_report()  # a probe ran before this step
+        report = self.strategy.guard.new_report()  # a check ran before this step
         if report is not None:
-            pl_module.log_dict(report.log_values(), on_step=True, on_epoch=False)
+            values = report.log_values()
+            shadow = self.strategy.shadow
+            if shadow is not None:
+                values |= shadow.compare(lambda: _validation_metrics(trainer, pl_module))
+            pl_module.log_dict(values, on_step=True, on_epoch=False)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
+        shadow = self.strategy.shadow
+        if shadow is None:
+            return
+        clip = None
+        if trainer.gradient_clip_val:  # as the precision plugin clips: in the groups' order
+            by = (torch.nn.utils.clip_grad_value_
+                  if trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE
+                  else torch.nn.utils.clip_grad_norm_)
+
+            def clip(copies: dict) -> None:
+                by([copies[p] for group in optimizer.param_groups for p in group["params"]],
+                   trainer.gradient_clip_val)
+        shadow.step(optimizer, clip)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         modules = self.strategy.offloader.modules

@@ -1,174 +1,28 @@
-"""What the engine did, as numbers a trainer logs and files a person reads after a run.
-
-The metrics are torchmetrics ``Metric``s, so Lightning's ``self.log`` gives per-step values
-and epoch aggregates, over every rank. Byte counts and waits aggregate as means per step (of
-one rank), as the step values read; peaks as the highest seen; ratios as ratios of sums.
-Their states are float64 tensors updated with plain Python numbers or device tensors, and
-``compute`` is tensor arithmetic only: neither reads a value back to the host. Under a process
-group, torchmetrics' ``compute`` first gathers every rank's states, which synchronises: in
-Lightning at epoch ends (its per-step values are computed without it), in the Hugging Face
-callback at each log line.
-"""
+"""What the engine did, as numbers a trainer logs and files a person reads after a run: the
+metrics of ``cswap_lightning.metrics`` fed from step statistics, the memory timeline, the
+summary files and the line printed when training ends."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
 from matplotlib.figure import Figure
-from torch import Tensor
-from torchmetrics import Metric, MetricCollection
+from torchmetrics import MetricCollection
 
 from ..config import MiB
 from ..core.stats import StepStats, fmt_bytes
+from ..metrics import (
+    CompressionRatio,
+    KeepAllBytes,
+    OffloadedBytes,
+    PeakPercent,
+    PeakResidentBytes,
+    SwapWait,
+)
 
 if TYPE_CHECKING:
     from ..core.engine import Offloader
-
-
-class _MeanPerStep(Metric):
-    """A mean per step of a per-step figure (float64 sums: byte counts stay exact), over the
-    steps seen and, reduced across processes, over every rank's steps; 0 before any step."""
-
-    full_state_update = False
-    is_differentiable = False
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.add_state("total", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("steps", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
-
-    def _add(self, value: float | Tensor) -> None:
-        self.total = self.total + value
-        self.steps = self.steps + 1
-
-    def compute(self) -> Tensor:
-        return torch.where(self.steps > 0, self.total / self.steps.clamp(min=1), 0.0)
-
-
-class OffloadedBytes(_MeanPerStep):
-    """Bytes of saved tensors moved off the device, per step."""
-
-    higher_is_better = True
-
-    def update(self, offloaded_bytes: float | Tensor) -> None:
-        self._add(offloaded_bytes)
-
-
-class SwapWait(_MeanPerStep):
-    """Seconds backward waited for offloaded tensors to come back, per step: the swap time
-    training saw."""
-
-    higher_is_better = False
-
-    def update(self, wait_s: float | Tensor) -> None:
-        self._add(wait_s)
-
-
-class _Highest(Metric):
-    """The highest of a per-step figure over the steps seen, and across ranks."""
-
-    full_state_update = False
-    is_differentiable = False
-    higher_is_better = False
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.add_state("highest", torch.zeros((), dtype=torch.float64), dist_reduce_fx="max")
-
-    def _raise(self, value: float | Tensor) -> None:
-        self.highest = torch.clamp(self.highest, min=value)
-
-    def compute(self) -> Tensor:
-        return self.highest
-
-
-class PeakResidentBytes(_Highest):
-    """The most bytes of a step's saved tensors that were on the device at once, measured
-    (``StepStats.peak_resident_bytes``)."""
-
-    def update(self, peak_resident_bytes: float | Tensor) -> None:
-        self._raise(peak_resident_bytes)
-
-
-class KeepAllBytes(_Highest):
-    """What keeping every saved tensor holds at the end of forward
-    (``StepStats.keep_all_bytes``, of a step that tracked every tensor)."""
-
-    def update(self, keep_all_bytes: float | Tensor) -> None:
-        self._raise(keep_all_bytes)
-
-
-class PeakPercent(Metric):
-    """The measured peak as a percentage of what keeping everything holds: of the highest of
-    each over the steps seen (and across ranks); NaN while nothing was measured."""
-
-    full_state_update = False
-    is_differentiable = False
-    higher_is_better = False
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.add_state("peak", torch.zeros((), dtype=torch.float64), dist_reduce_fx="max")
-        self.add_state("keep_all", torch.zeros((), dtype=torch.float64), dist_reduce_fx="max")
-
-    def update(self, peak_resident_bytes: float | Tensor, keep_all_bytes: float | Tensor) -> None:
-        self.peak = torch.clamp(self.peak, min=peak_resident_bytes)
-        self.keep_all = torch.clamp(self.keep_all, min=keep_all_bytes)
-
-    def compute(self) -> Tensor:
-        return 100 * self.peak / self.keep_all  # 0 / 0: NaN
-
-
-class CompressionRatio(Metric):
-    """Bytes offloaded per byte held off the device, over every step seen (a ratio of sums,
-    not a mean of per-step ratios); NaN while nothing has been offloaded (the integrations
-    then log none)."""
-
-    full_state_update = False
-    is_differentiable = False
-    higher_is_better = True
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.add_state("offloaded", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("stored", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
-
-    def update(self, offloaded_bytes: float | Tensor, stored_bytes: float | Tensor) -> None:
-        self.offloaded = self.offloaded + offloaded_bytes
-        self.stored = self.stored + stored_bytes
-
-    def compute(self) -> Tensor:
-        return self.offloaded / self.stored  # 0 / 0: NaN
-
-
-class ReconstructionError(Metric):
-    """Relative L2 error ``||decoded - original|| / ||original||`` of a lossy codec, pooled
-    over every tensor seen (0 for lossless codecs, and while the originals are all zero)."""
-
-    full_state_update = False
-    is_differentiable = False
-    higher_is_better = False
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.add_state("error_sq", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("norm_sq", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
-
-    def update(self, original: Tensor, decoded: Tensor) -> None:
-        if original.shape != decoded.shape:
-            raise ValueError(
-                f"ReconstructionError needs tensors of one shape, got original "
-                f"{list(original.shape)} and decoded {list(decoded.shape)}"
-            )
-        original = original.detach().to(torch.float64)
-        decoded = decoded.detach().to(torch.float64)
-        self.error_sq = self.error_sq + (decoded - original).square().sum()
-        self.norm_sq = self.norm_sq + original.square().sum()
-
-    def compute(self) -> Tensor:
-        return torch.where(self.norm_sq > 0, (self.error_sq / self.norm_sq).sqrt(), 0.0)
 
 
 def offload_metrics(prefix: str = "cswap/") -> MetricCollection:
