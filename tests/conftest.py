@@ -1,3 +1,4 @@
+import json
 import os
 import sys
 
@@ -153,3 +154,17 @@ def with_checkpointing_of_5_17(model_class: type) -> type:
                                                   offload)
 
     return Checkpointing517
+
+
+@pytest.fixture
+def config_file(tmp_path):
+    """Writes a transformers config as ``<tmp>/<name>/config.json`` (as a hub snapshot holds
+    it) and returns its path."""
+
+    def write(name: str, config: dict) -> str:
+        path = tmp_path / name / "config.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps(config))
+        return str(path)
+
+    return write
