@@ -1,4 +1,5 @@
 import itertools
+import json
 import os
 import sys
 
@@ -166,3 +167,17 @@ def ticking_clock(monkeypatch):
     ticks = itertools.count()
     monkeypatch.setattr(profiler.Clock, "now", lambda self: next(ticks) * 1e-3)
     monkeypatch.setattr(profiler.Clock, "seconds", lambda self, start, end: end - start)
+
+
+@pytest.fixture
+def config_file(tmp_path):
+    """Writes a transformers config as ``<tmp>/<name>/config.json`` (as a hub snapshot holds
+    it) and returns its path."""
+
+    def write(name: str, config: dict) -> str:
+        path = tmp_path / name / "config.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps(config))
+        return str(path)
+
+    return write

@@ -45,10 +45,10 @@ from ..config import INFLIGHT_CHOICES, CSwapConfig
 from ..core.engine import Offloader
 from ..planning import mix
 from ..planning.capture import capture
-from ..planning.profiled import _ACTIVATION
+from ..planning.profiled import unit_candidates
 from ..planning.profiler import measure_link
 from ..planning.replay import Engine, checkpoint_all, predict
-from ..planning.workload import Workload, from_profile
+from ..planning.workload import from_profile
 from .bench_step import device_name, result_meta, write_results
 from .bench_suite import Checkpointed, checkpoint_blocks, hf_checkpointing
 from .bench_suite import Workload as Model
@@ -164,11 +164,6 @@ def _settle(m: Method, spec: Model, batch, dev: torch.device, own_start: int,
         m.held_bytes = torch.cuda.memory_allocated(dev) - before
 
 
-def _candidates(w: Workload) -> tuple[Workload, ...]:
-    finer = w.with_units(lambda op: bool(_ACTIVATION.search(op.module)))
-    return (w,) if finer.blocks == w.blocks else (w, finer)
-
-
 def _engine_summary(m: Method) -> dict:
     """What the engine decided and predicted for itself (its own replay of its measured
     step; its figures count the other copies' weights, taken off here)."""
@@ -255,7 +250,7 @@ def run_model(key: str, dev: torch.device, out_dir: Path, rounds: int, small: bo
                            "predicted_peak": keep.peak_bytes, "budget_bytes": None}
             continue
         planned = time.monotonic()
-        _, chosen = mix.choose_among(_candidates(w), b, link, replay_engine,
+        _, chosen = mix.choose_among(unit_candidates(w), b, link, replay_engine,
                                      inflight_choices=INFLIGHT_CHOICES)
         p = chosen.prediction
         rows[label] = {"predicted_step_s": p.step_s - p.optimizer_s,

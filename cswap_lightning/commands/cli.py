@@ -1,4 +1,5 @@
-"""The `cswap` console script: demo, fit, compare, recipes, env, bench, build-ext and tune."""
+"""The `cswap` console script: demo, fit, compare, recipes, env, plan, bench, build-ext and
+tune."""
 
 from __future__ import annotations
 
@@ -141,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     from .bench_suite import add_parser as add_suite_parser
 
     add_suite_parser(bench_kinds)
+    from .plan import add_parser as add_plan_parser
+
+    add_plan_parser(commands)
 
     build_ext = commands.add_parser(
         "build-ext", help="compile the CUDA codec library with nvcc and print its path"
@@ -169,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, path in shipped().items():
             print(f"{name:10} {describe(path)}\n{'':10} {path}")
         return 0
+    if args.command == "plan":
+        from .plan import run_plan
+
+        return run_plan(args)
     if args.command == "env":
         from .env import report
 

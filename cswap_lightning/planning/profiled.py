@@ -105,7 +105,12 @@ def workload(model: str, batch: int | None = None) -> Workload:
 def candidates(model: str, batch: int | None = None) -> tuple[Workload, ...]:
     """A model's profiled workload with its blocks as units of recomputation, and, where its
     layers hold activation modules, with those as the units instead (``live.candidates``)."""
-    w = workload(model, batch)
+    return unit_candidates(workload(model, batch))
+
+
+def unit_candidates(w: Workload) -> tuple[Workload, ...]:
+    """``w`` with its blocks as units of recomputation, and, where its layers hold
+    activation modules, with those as the units instead."""
     finer = w.with_units(lambda op: bool(_ACTIVATION.search(op.module)))
     return (w,) if finer.blocks == w.blocks else (w, finer)
 

@@ -220,8 +220,11 @@ def from_profile(data: dict) -> Workload:
     forward_s, backward_s = _times(modules, saved, runs, data["plain_forward_ms"] / 1e3,
                                    data["plain_backward_ms"] / 1e3)
     forward_other = _forward_other(data["saved"], saved, runs, start)
+    # a frozen weight (LoRA's base) makes no gradient; profiles without the key train all
+    trained = [row.get("requires_grad", True) for row in data["saved"]]
     weight_grads = [sum(saved[i].storage_nbytes for i in run
-                        if saved[i].parameter and saved[i].storage == i) for run in runs]
+                        if saved[i].parameter and saved[i].storage == i and trained[i])
+                    for run in runs]
     output_grads = _measured_output_grads(modules, saved, runs, start, weight_grads)
     ops = []
     for k, run in enumerate(runs):

@@ -1,0 +1,167 @@
+"""`cswap plan`: will a model's training step fit a GPU, and how, estimated without the GPU.
+
+For a model (a name of ``planning/models.py``'s table or a ``config.json``), a sequence, a
+batch, a dtype, LoRA or full fine-tuning and a device of ``planning/devices.py``: the step is
+traced on the meta device and timed on the device's calibrated roofline
+(``planning/estimate.py``), then replayed without help, under activation checkpointing and
+under the planner's mix at the device's memory and at a few budgets, and the largest
+sequence that fits each way is searched (``planning/sizing.py``). Every figure printed is an
+estimate, and the calibration's error on the measured profiles it did not fit is printed
+with them (``planning/calibration.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+import time
+
+from ..planning import calibration, models, sizing
+from ..planning.devices import DEVICES, device
+from ..planning.estimate import DTYPES, OPTIMIZERS, Estimate, Setup, estimate
+from .args import number, whole
+
+GiB = 1 << 30
+DEFAULT_SEQUENCE = 4096
+CEILING = 262144  # the longest sequence searched
+WIDTH = 100
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "plan", help="will it fit: a model's training step on a GPU of a table, estimated "
+        "without one (peak, checkpointing, the planner's mix, the longest sequence)")
+    p.add_argument("model", help=f"one of {', '.join([*models.KNOWN, *models.CNNS])}, or a "
+                   "transformers config.json (or its folder)")
+    p.add_argument("--seq", type=whole(1), default=None,
+                   help=f"tokens per sequence (default {DEFAULT_SEQUENCE}, or the model's "
+                   "learned positions where fewer)")
+    p.add_argument("--batch", type=whole(1), default=1, help="sequences (images) per step")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16",
+                   help="the weights' and activations' dtype")
+    tuning = p.add_mutually_exclusive_group()
+    tuning.add_argument("--lora", dest="lora", action="store_true",
+                        help="LoRA (peft) on every linear layer but the head; the rest frozen")
+    tuning.add_argument("--full", dest="lora", action="store_false",
+                        help="full fine-tuning (the default)")
+    p.add_argument("--lora-rank", type=whole(1), default=16)
+    p.add_argument("--lora-dropout", type=number(lambda v: 0 <= v < 1, "a number in [0, 1)"),
+                   default=0.0, help="peft's dropout before each adapter (a mask saved per "
+                   "adapter where above 0)")
+    p.add_argument("--device", choices=tuple(DEVICES), default="h100-pcie")
+    p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adamw",
+                   help="; ".join(f"{o.name}: {o.describe}" for o in OPTIMIZERS.values()))
+    p.add_argument("--layers", type=whole(1), default=None,
+                   help="that many of the model's layers instead of its config's")
+    p.add_argument("--budgets", type=number(lambda v: v > 0, "a positive number of GiB"),
+                   nargs="*", default=(), metavar="GIB",
+                   help="more budgets for the planner's mix, in GiB")
+    p.add_argument("--finer", action="store_true",
+                   help="also weigh a layer's activation modules as units of recomputation "
+                   "(slower to plan)")
+    p.add_argument("--no-search", dest="search", action="store_false",
+                   help="skip the search for the longest sequence that fits")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Estimate, replay and print (module docstring); 1 with the reason where the model or
+    its setup cannot be estimated."""
+    try:
+        return _run(args)
+    except ValueError as err:
+        print(f"cswap plan: {err}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    dev = device(args.device)
+    lora = models.LoRA(rank=args.lora_rank, dropout=args.lora_dropout) if args.lora else None
+    spec = models.model(args.model, lora=lora, layers=args.layers)
+    sequence = args.seq or min(DEFAULT_SEQUENCE, spec.max_sequence or DEFAULT_SEQUENCE)
+    setup = Setup(args.model, sequence, args.batch, DTYPES[args.dtype], lora,
+                  layers=args.layers)
+    began = time.monotonic()
+    est = estimate(setup, dev, OPTIMIZERS[args.optimizer])
+    base = sizing.baselines(est)
+    limit = sizing.usable(dev)
+    budgets = [(f"the device ({limit / GiB:.1f} GiB)", limit)]
+    budgets += [(f"{b:g} GiB", int(b * GiB)) for b in args.budgets]
+    budgets += [("half the peak without help", base[0].prediction.peak_bytes // 2),
+                ("checkpointing's peak", base[1].prediction.peak_bytes)]
+    ways = base + sizing.mixes(est, budgets, finer=args.finer)
+    print(header(est, spec))
+    print(memory(est, ways[0]))
+    print(plans(ways))
+    if args.search:
+        ceiling = min(spec.max_sequence or CEILING, CEILING) if spec.sequence else 4096
+        print(longest(est, ceiling, "sequence" if spec.sequence else "batch"))
+    print(f"({time.monotonic() - began:.0f} s)")
+    return 0
+
+
+def header(est: Estimate, spec: models.Model) -> str:
+    s, dev = est.setup, est.device
+    tuning = (f"LoRA rank {s.lora.rank} (dropout {s.lora.dropout:g}) on every linear layer "
+              "but the head" if s.lora else "full fine-tuning")
+    shape = (f"sequence {s.sequence}" if spec.sequence
+             else f"{models.IMAGE_SIDE}x{models.IMAGE_SIDE} images")
+    low, high = calibration.HELD_OUT_STEP_ERROR
+    title = (f"cswap plan: {spec.name}, {shape}, batch {s.batch}, "
+             f"{str(s.dtype).removeprefix('torch.')}, {tuning}; {est.optimizer.describe}")
+    where = (f"on {dev.name} ({dev.memory_bytes / GiB:.1f} GiB, "
+             f"{sizing.CONTEXT_BYTES / GiB:.0f} GiB of it left to the CUDA context; link "
+             f"{dev.link.d2h / 1e9:.0f} GB/s each way; measured by this project: "
+             f"{dev.measured})")
+    caveat = ("ESTIMATES, not measurements: the step traced on the meta device (saved tensors "
+              "and allocator bytes), times from a roofline calibrated on 8 profiles measured "
+              f"on an H100 and an H200; on the 4 it was not fitted to, the plain step came "
+              f"within {low:+.0%} to {high:+.0%} and the saved bytes exact (one H100 profile "
+              "saved copies the trace does not make). The allocator's fragmentation is not "
+              "modelled.")
+    lines = [title, where, caveat]
+    return "\n".join(textwrap.fill(line, WIDTH) for line in lines) + "\n"
+
+
+def memory(est: Estimate, keep: sizing.Way) -> str:
+    t, limit = est.training, sizing.usable(est.device)
+    tokens = est.setup.sequence * est.setup.batch
+    rows = [("weights", t.weights), ("gradients", t.gradients),
+            ("optimizer state", t.optimizer_state),
+            ("saved activations", est.saved_bytes),
+            ("peak without help (step)", keep.prediction.peak_bytes),
+            ("peak of the optimizer's update", est.optimizer_peak)]
+    lines = ["memory (GiB, estimated)"]
+    lines += [f"  {label:<34} {n / GiB:>9.2f}" for label, n in rows]
+    lines.append(f"  ({est.saved_bytes / tokens / 1024:.0f} KiB saved per token; "
+                 f"{t.trained_elements / 1e6:,.1f} M trained weights)")
+    verdict = "FITS" if keep.fits else "DOES NOT FIT"
+    lines.append(f"  without help: {verdict} in {limit / GiB:.1f} GiB" + (
+        "" if est.optimizer_peak <= limit else
+        " (the optimizer's update alone does not: no plan of activations helps)") + "\n")
+    return "\n".join(lines)
+
+
+def plans(ways: list[sizing.Way]) -> str:
+    checkpointing = ways[1]
+    title = ("plans (the replay of the estimated step; a step is forward and backward, the "
+             "optimizer apart)")
+    lines = [title,
+             f"  {'budget':<28} {'plan':<42} {'peak GiB':>8} {'step ms':>8} {'vs ckpt':>8}"]
+    for way in ways:
+        label = {"no help": "none (no help)", "checkpointing": "none (checkpointing)"}.get(
+            way.label, way.label)
+        lines.append(f"  {label:<28} {way.how:<42} {way.prediction.peak_bytes / GiB:>8.2f} "
+                     f"{1e3 * way.step_s:>8.1f} {checkpointing.step_s / way.step_s:>7.2f}x"
+                     + ("" if way.fits else " OVER"))
+    return "\n".join(lines) + "\n"
+
+
+def longest(est: Estimate, ceiling: int, what: str) -> str:
+    parts = []
+    for how, label in (("none", "without help"), ("checkpointing", "checkpointing"),
+                       ("planner", "the planner")):
+        n = sizing.largest(est, how, ceiling)
+        parts.append(f"{label} {'none' if n is None else n}"
+                     + (" (the search's ceiling)" if n == ceiling else ""))
+    return f"the longest {what} that fits (estimated): " + ", ".join(parts)

@@ -1,0 +1,195 @@
+"""Models to estimate, built on the meta device: a transformers config (by name from a small
+table, or a ``config.json``), or the package's own CNNs under torchvision's module names.
+
+A model here is what one training step needs: the network (random init, shapes only), its
+batch for a sequence length and batch size, and its loss. LoRA (peft's) freezes the base
+weights and trains low-rank adapters on every linear layer but the head.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+# Published configs (shapes only: what the estimate needs), by name.
+KNOWN: dict[str, dict] = {
+    "llama-3-8b": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+                   "num_hidden_layers": 32, "num_attention_heads": 32,
+                   "num_key_value_heads": 8, "vocab_size": 128256,
+                   "max_position_embeddings": 8192, "tie_word_embeddings": False},
+    "qwen2-7b": {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+                 "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                 "vocab_size": 152064, "max_position_embeddings": 32768,
+                 "tie_word_embeddings": False},
+    "mistral-7b": {"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
+                   "num_hidden_layers": 32, "num_attention_heads": 32,
+                   "num_key_value_heads": 8, "vocab_size": 32768,
+                   "max_position_embeddings": 32768, "sliding_window": None,
+                   "tie_word_embeddings": False},  # v0.3
+    "gpt2-medium": {"model_type": "gpt2", "n_embd": 1024, "n_layer": 24, "n_head": 16,
+                    "n_positions": 1024, "vocab_size": 50257},
+    "bert-large": {"model_type": "bert", "hidden_size": 1024, "num_hidden_layers": 24,
+                   "num_attention_heads": 16, "intermediate_size": 4096,
+                   "max_position_embeddings": 512, "vocab_size": 30522, "num_labels": 2,
+                   "architectures": ["BertForSequenceClassification"]},
+}
+CNNS = ("resnet50", "vgg16")
+_CAUSAL_LM = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+              "mistral": "MistralForCausalLM", "gpt2": "GPT2LMHeadModel"}
+_DROPOUT_KEYS = ("dropout", "pdrop", "dropout_prob")
+IMAGE_SIDE = 224
+
+
+@dataclass(frozen=True)
+class Model:
+    """How to build a network on the meta device and train it one step."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    # (batch, sequence, dtype) -> the batch's tensors on the meta device, as the loss takes
+    # them (images in the weights' dtype, as a loop casts them before the step)
+    batch: Callable[[int, int, torch.dtype], dict[str, torch.Tensor]]
+    loss: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
+    sequence: bool  # whether the sequence length means anything (not for a CNN)
+    max_sequence: int | None = None  # the config's positions, where it has a limit
+
+
+@dataclass(frozen=True)
+class LoRA:
+    """peft's LoRA on every linear layer but the head (``target_modules="all-linear"``)."""
+
+    rank: int = 16
+    alpha: int = 32
+    dropout: float = 0.0  # peft's default; above 0 each adapter saves a mask and a copy
+
+
+def config_dict(name_or_path: str) -> dict:
+    """A known model's config, or a ``config.json`` file's (or a folder holding one)."""
+    if name_or_path in KNOWN:
+        return dict(KNOWN[name_or_path])
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"unknown model {name_or_path!r}: name one of "
+                         f"{', '.join([*KNOWN, *CNNS])}, or give a config.json path")
+    data = json.loads(path.read_text())
+    if "model_type" not in data:
+        raise ValueError(f"{path}: no model_type in it; is it a transformers config.json?")
+    return data
+
+
+def model(name_or_path: str, dropout: bool = True, lora: LoRA | None = None,
+          layers: int | None = None) -> Model:
+    """The model of a name (``KNOWN``, ``CNNS``) or config file; ``dropout=False`` sets every
+    dropout of the config to 0 (as the H100 transformer profiles ran: no masks saved);
+    ``layers``: that many of its layers (a transformer's) instead of the config's."""
+    if name_or_path in CNNS:
+        if lora is not None or layers is not None:
+            raise ValueError(f"LoRA and a number of layers are for the transformers models, "
+                             f"not {name_or_path}")
+        return _cnn(name_or_path)
+    name = name_or_path
+    if name not in KNOWN:  # a file: named by its folder (hub snapshots) or its stem
+        path = Path(name)
+        name = path.name if path.is_dir() else (
+            path.parent.name if path.name == "config.json" and path.parent.name else path.stem)
+    data = config_dict(name_or_path)
+    if layers is not None:
+        key = "n_layer" if "n_layer" in data else "num_hidden_layers"
+        data[key] = layers
+        name += f"-{layers}l"
+    return _transformer(name, data, dropout, lora)
+
+
+def _transformer(name: str, data: dict, dropout: bool, lora: LoRA | None) -> Model:
+    import transformers
+
+    data = {k: v for k, v in data.items() if k not in ("torch_dtype", "dtype",
+                                                         "transformers_version")}
+    kind = data.pop("model_type")
+    config = transformers.AutoConfig.for_model(kind, **data)
+    if not dropout:
+        for k, v in config.to_dict().items():
+            if k.endswith(_DROPOUT_KEYS) and isinstance(v, float):
+                setattr(config, k, 0.0)
+    config.use_cache = False
+    config._attn_implementation = "sdpa"
+    architecture = (data.get("architectures") or [_CAUSAL_LM.get(kind, "")])[0]
+    cls = getattr(transformers, architecture, None)
+    if cls is None:
+        raise ValueError(f"{name}: transformers {transformers.__version__} has no "
+                         f"{architecture or 'causal LM for model_type ' + repr(kind)}")
+    classify = architecture.endswith("ForSequenceClassification")
+
+    def build() -> nn.Module:
+        net = cls(config)
+        if lora is not None:
+            from peft import LoraConfig, get_peft_model
+
+            net = get_peft_model(net, LoraConfig(r=lora.rank, lora_alpha=lora.alpha,
+                                                 lora_dropout=lora.dropout,
+                                                 target_modules="all-linear"))
+        return net
+
+    def batch(size: int, sequence: int, _dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        ids = torch.zeros(size, sequence, dtype=torch.long, device="meta")
+        labels = torch.zeros(size, dtype=torch.long, device="meta") if classify else ids
+        return {"input_ids": ids, "labels": labels}
+
+    def loss(net: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return net(**inputs).loss
+
+    limit = getattr(config, "max_position_embeddings", None) or getattr(
+        config, "n_positions", None)
+    # rotary positions extend past the table's length; learned ones (GPT-2, BERT) cannot
+    learned = kind in ("gpt2", "bert")
+    return Model(name, build, batch, loss, True, limit if learned else None)
+
+
+def _cnn(name: str) -> Model:
+    from ..recipes.nets import resnet50, vgg16
+
+    def build() -> nn.Module:
+        return _torchvision_names(name, resnet50() if name == "resnet50" else vgg16())
+
+    def batch(size: int, _sequence: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        return {"images": torch.zeros(size, 3, IMAGE_SIDE, IMAGE_SIDE, dtype=dtype,
+                                      device="meta"),
+                "labels": torch.zeros(size, dtype=torch.long, device="meta")}
+
+    def loss(net: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return nn.functional.cross_entropy(net(inputs["images"]), inputs["labels"])
+
+    return Model(name, build, batch, loss, False)
+
+
+def _torchvision_names(name: str, net: nn.Sequential) -> nn.Sequential:
+    """The package's network with torchvision's module names (``layer2.1.conv1``,
+    ``features.3``), which the profiles carry and ``workload`` finds blocks by."""
+    layers = list(net)
+    if name == "vgg16":
+        pool = next(i for i, m in enumerate(layers) if isinstance(m, nn.AdaptiveAvgPool2d))
+        return nn.Sequential(OrderedDict(
+            features=nn.Sequential(*layers[:pool]), avgpool=layers[pool],
+            flatten=layers[pool + 1], classifier=nn.Sequential(*layers[pool + 2:])))
+    stages, start = [], 4
+    for blocks in (3, 4, 6, 3):
+        stages.append(nn.Sequential(*layers[start:start + blocks]))
+        start += blocks
+    rest = OrderedDict(zip(("conv1", "bn1", "relu", "maxpool"), layers[:4], strict=True))
+    rest |= {f"layer{k + 1}": stage for k, stage in enumerate(stages)}
+    rest |= dict(zip(("avgpool", "flatten", "fc"), layers[start:], strict=True))
+    return nn.Sequential(rest)
+
+
+def build(m: Model, dtype: torch.dtype) -> nn.Module:
+    """``m``'s network on the meta device in ``dtype``, in training mode."""
+    with torch.device("meta"):
+        return m.build().to(dtype).train()

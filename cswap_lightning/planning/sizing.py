@@ -1,0 +1,138 @@
+"""Will it fit: a training step estimated on a device (``estimate.py``), replayed without
+help, under activation checkpointing and under the planner's mix; and the largest sequence
+(or, for a CNN, batch) that fits each way.
+
+A step fits where the replay's allocator peak and the optimizer's update both stay within
+the device's memory less ``CONTEXT_BYTES`` (the CUDA context and the libraries' workspaces,
+which ``memory_allocated`` does not count). The caching allocator's fragmentation is not
+modelled: a peak close to the limit may not fit. Every figure is an estimate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from ..config import INFLIGHT_CHOICES
+from . import mix, models, profiled
+from .devices import Device
+from .estimate import Estimate, cached
+from .replay import KEEP, RAW, Decision, Plan, Prediction, checkpoint_all, predict
+from .workload import Workload
+
+CONTEXT_BYTES = 1 << 30
+GRANULE = 256  # sequence lengths searched in steps of this many tokens
+
+
+def usable(device: Device) -> int:
+    """The bytes a step's allocator may hold on ``device``."""
+    return device.memory_bytes - CONTEXT_BYTES
+
+
+@dataclass(frozen=True)
+class Way:
+    """One way to train the step: its plan's prediction and whether it fits."""
+
+    label: str
+    how: str
+    prediction: Prediction
+    fits: bool
+
+    @property
+    def step_s(self) -> float:
+        """Forward and backward (the optimizer apart)."""
+        return self.prediction.step_s - self.prediction.optimizer_s
+
+
+def frugal(w: Workload) -> Plan:
+    """The plan that frees the most: every block recomputed from a swapped input, or swapped
+    where it cannot be recomputed (the planner's last resort, ``mix``)."""
+    return Plan(KEEP, {b.name: Decision("recompute", RAW, swap_input=True) if b.recomputable
+                       else Decision("swap") for b in w.blocks})
+
+
+def baselines(est: Estimate) -> list[Way]:
+    """No help, and checkpointing every block, replayed on ``est``'s device."""
+    w, link, limit = est.workload(), est.device.link, usable(est.device)
+    optimizer_fits = est.optimizer_peak <= limit
+    keep = predict(w, link=link)
+    checkpointed = predict(w, checkpoint_all(), link=link)
+    return [Way("no help", "keep everything", keep, optimizer_fits and keep.peak_bytes <= limit),
+            Way("checkpointing", "recompute every block", checkpointed,
+                optimizer_fits and checkpointed.peak_bytes <= limit)]
+
+
+def mixes(est: Estimate, budgets: Sequence[tuple[str, int]], finer: bool = False
+          ) -> list[Way]:
+    """The planner's mix at each budget (a label and the allocator's bytes it may use, at
+    most the device's), over layers as units of recomputation, ``finer``: and over their
+    activation modules too (slower to plan)."""
+    w, link, limit = est.workload(), est.device.link, usable(est.device)
+    units = profiled.unit_candidates(w) if finer else (w,)
+    out = []
+    for label, budget in budgets:
+        _, chosen = mix.choose_among(units, min(budget, limit), link,
+                                     inflight_choices=INFLIGHT_CHOICES)
+        out.append(Way(label, chosen.how, chosen.prediction,
+                       est.optimizer_peak <= limit and chosen.fits))
+    return out
+
+
+def fits(est: Estimate, how: str, workload: Workload | None = None) -> bool:
+    """Whether ``est`` (or ``workload``, the same step at another size) fits its device
+    without help (``how="none"``), under checkpointing (``"checkpointing"``) or with the
+    planner's most frugal plan (``"planner"``)."""
+    limit = usable(est.device)
+    if est.optimizer_peak > limit:
+        return False
+    w = workload or est.workload()
+    plan = {"none": Plan(), "checkpointing": checkpoint_all(), "planner": frugal(w)}[how]
+    return predict(w, plan, link=est.device.link).peak_bytes <= limit
+
+
+def largest(est: Estimate, how: str, ceiling: int) -> int | None:
+    """The largest sequence (a CNN: batch) at most ``ceiling`` that fits ``how``
+    (``fits``), in steps of ``GRANULE`` tokens (a batch: of 1); None where the smallest does
+    not fit.
+
+    A step's saved and allocated bytes grow in proportion to its tokens (the fused attention
+    keeps nothing of the sequence squared), so the search scales ``est``'s workload
+    (``Workload.scaled``, the sequence taken for the batch) instead of tracing each length;
+    the answer is then traced, and searched among traced sizes below where that does not
+    fit."""
+    setup = est.setup
+    sequence = models.model(setup.model, setup.dropout, setup.lora, setup.layers).sequence
+    step, size = (GRANULE, setup.sequence) if sequence else (1, setup.batch)
+    base = replace(est.workload(), batch=size)
+
+    def traced_fits(n: int) -> bool:
+        sized = replace(setup, sequence=n) if sequence else replace(setup, batch=n)
+        return fits(cached(sized, est.device, est.optimizer), how)
+
+    found = _largest(lambda n: fits(est, how, base.scaled(n)), step, ceiling)
+    if found is None or traced_fits(found):
+        return found
+    return _largest(traced_fits, step, found - step)  # the scaling was off: search traces
+
+
+def _largest(ok: Callable[[int], bool], step: int, ceiling: int) -> int | None:
+    """The largest multiple of ``step`` up to ``ceiling`` with ``ok`` (``ok`` true up to some
+    size, false beyond): doubling, then bisection."""
+    if ceiling < step or not ok(step):
+        return None
+    good, bad = step, None
+    while bad is None:
+        n = min(2 * good, ceiling // step * step)
+        if n == good:
+            return good
+        if ok(n):
+            good = n
+        else:
+            bad = n
+    while bad - good > step:
+        middle = (good + bad) // 2 // step * step
+        if ok(middle):
+            good = middle
+        else:
+            bad = middle
+    return good

@@ -1,0 +1,298 @@
+"""A training step traced on the meta device: what a GPU would save and allocate, without one.
+
+Autograd decides what to save from the ops and their arguments' shapes and dtypes, never from
+their values, so forward and backward run on meta tensors (shapes, no data) save the tensors
+they would save on a GPU: shapes, dtypes, which storage each is a view of, which are
+parameters. Two ops take another path on a CPU build than on CUDA and are routed as CUDA
+routes them (``_CudaRoutes``): dropout (CUDA's fused kernel saves a bool mask) and
+scaled-dot-product attention (a fused kernel: cuDNN's on Hopper, flash elsewhere).
+
+Beside the saved tensors (the rows of ``planning/capture.py``'s schema), the trace keeps:
+
+- **a ledger of the allocator's bytes**: every storage an op creates, from its creation until
+  Python drops it (each rounded up to 512 bytes, as CUDA's caching allocator counts
+  ``memory_allocated``), from the step's start (weights, the batch) to its peak;
+- **each kernel's work**: its floating-point operations (``torch.utils.flop_counter``'s
+  formulas; a causal attention does half) and the bytes it reads and writes, with the leaf
+  module it ran in. In backward, an op belongs to the module whose saved tensor autograd
+  unpacked last (a node unpacks its saved tensors before it runs), which needs no backward
+  hooks (those break modules that change their input in place).
+
+Nothing here is measured: ``devices.py`` turns the work into times.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+ALLOCATOR_ROUND = 512  # CUDA's caching allocator hands out multiples of 512 bytes
+ATTENTION_KERNELS = ("cudnn", "flash")
+
+aten = torch.ops.aten
+_KIND = {op: "attention" for op in (
+    aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_cudnn_attention_backward,
+    aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_backward,
+    aten._scaled_dot_product_efficient_attention,
+    aten._scaled_dot_product_efficient_attention_backward)}
+_KIND |= {op: "matmul" for op in (aten.mm, aten.addmm, aten.bmm, aten.baddbmm)}
+_KIND |= {op: "conv" for op in (aten.convolution, aten.convolution_backward)}
+_KIND |= {op: "norm" for op in (
+    aten.native_batch_norm, aten.native_batch_norm_backward, aten._native_batch_norm_legit,
+    aten._native_batch_norm_legit_functional, aten._batch_norm_with_update,
+    aten.batch_norm_backward)}
+# ops that allocate or relabel memory without a kernel that reads or writes it
+_NO_KERNEL = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty,
+              aten.new_empty_strided, aten.detach, aten.alias, aten.lift_fresh,
+              aten._unsafe_view, aten.resolve_conj, aten.resolve_neg}
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One op's work: ``kind`` is ``matmul``, ``attention``, ``conv`` (tensor cores where the
+    dtype has them) or ``memory`` (everything else)."""
+
+    module: str  # the leaf module it ran in ("" outside any)
+    backward: bool
+    kind: str
+    flops: float
+    bytes: int  # read and written
+    dtype: torch.dtype
+
+
+@dataclass
+class Trace:
+    """A traced step: the saved tensors (capture's rows), each kernel's work, every leaf
+    module and its forward calls, the ledger when each module's backward began, at the
+    step's start and its peak."""
+
+    saved: list[dict] = field(default_factory=list)
+    kernels: list[Kernel] = field(default_factory=list)
+    modules: list[str] = field(default_factory=list)
+    calls: dict[str, int] = field(default_factory=dict)  # forward calls per leaf module
+    backward_allocated: dict[str, list[int]] = field(default_factory=dict)
+    start_bytes: int = 0
+    peak_bytes: int = 0
+
+
+def rounded(nbytes: int) -> int:
+    """The bytes CUDA's caching allocator counts for a tensor of ``nbytes``."""
+    return -(-nbytes // ALLOCATOR_ROUND) * ALLOCATOR_ROUND
+
+
+def _tensors(value) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+
+
+class _CudaRoutes(TorchFunctionMode):
+    """Dropout and attention as CUDA runs them (module docstring)."""
+
+    def __init__(self, attention: str) -> None:
+        super().__init__()
+        if attention not in ATTENTION_KERNELS:
+            raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
+        self.attention = attention
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.dropout:
+            return self._dropout(*args, **kwargs)
+        if func is F.scaled_dot_product_attention:
+            return self._attention(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _dropout(input: torch.Tensor, p: float = 0.5, training: bool = True,
+                 inplace: bool = False) -> torch.Tensor:
+        if inplace or not (training and 0 < p < 1):
+            return F.dropout(input, p, training, inplace)
+        return torch.native_dropout(input, p, True)[0]  # CUDA's fused kernel: a bool mask
+
+    def _attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                   is_causal: bool = False, scale: float | None = None,
+                   enable_gqa: bool = False) -> torch.Tensor:
+        del enable_gqa  # the fused kernels take fewer key/value heads as they are
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill(
+                attn_mask.logical_not(), float("-inf"))
+        logsumexp = torch.is_grad_enabled() and any(
+            t.requires_grad for t in (query, key, value))
+        if self.attention == "cudnn":
+            return aten._scaled_dot_product_cudnn_attention(
+                query, key, value, attn_mask, logsumexp, dropout_p, is_causal, False,
+                scale=scale)[0]
+        if attn_mask is None:
+            return aten._scaled_dot_product_flash_attention(
+                query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+        return aten._scaled_dot_product_efficient_attention(  # flash takes no mask
+            query, key, value, attn_mask, logsumexp, dropout_p, is_causal, scale=scale)[0]
+
+
+class _Ledger(TorchDispatchMode):
+    """Below autograd: the storages ops create (freed when Python drops them: the storage
+    object of a meta tensor lives as long as its memory would), and each kernel's work."""
+
+    def __init__(self, trace: Trace, where: Callable[[], tuple[str, bool]],
+                 present: Sequence[torch.Tensor]) -> None:
+        super().__init__()
+        self.trace = trace
+        self.where = where  # the leaf module running now, and whether in backward
+        storages = {t.untyped_storage()._cdata: t.untyped_storage() for t in present}
+        self.alive = set(storages)
+        self.now = trace.start_bytes = trace.peak_bytes = sum(
+            rounded(s.nbytes()) for s in storages.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        for t in _tensors(out):
+            self._allocated(t.untyped_storage())
+        if not (func.is_view or func.overloadpacket in _NO_KERNEL):
+            self._work(func, args, kwargs, out)
+        return out
+
+    def _allocated(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        if key in self.alive:
+            return
+        size = rounded(storage.nbytes())
+        self.alive.add(key)
+        self.now += size
+        self.trace.peak_bytes = max(self.trace.peak_bytes, self.now)
+        weakref.finalize(storage, self._freed, key, size)
+
+    def _freed(self, key: int, size: int) -> None:
+        self.alive.discard(key)
+        self.now -= size
+
+    def _work(self, func, args: tuple, kwargs: dict, out) -> None:
+        packet = func.overloadpacket
+        kind = _KIND.get(packet, "memory")
+        flops = 0.0
+        if packet in flop_registry:
+            flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
+        if kind == "attention":
+            named = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+            if named.get("is_causal"):
+                flops /= 2  # the fused kernels skip the masked half
+        inputs = list(_tensors(list(args) + list(kwargs.values())))
+        touched = sum(t.numel() * t.element_size() for t in (*inputs, *_tensors(out)))
+        dtype = inputs[0].dtype if inputs else torch.float32
+        module, backward = self.where()
+        self.trace.kernels.append(Kernel(module, backward, kind, flops, touched, dtype))
+
+
+@dataclass
+class _Backward:
+    """Where backward is: the module whose saved tensor it unpacked last (None before
+    backward begins), and the modules whose backward has begun."""
+
+    module: str | None = None
+    begun: set[str] = field(default_factory=set)
+
+
+@contextmanager
+def _no_packed_sequences() -> Iterator[None]:
+    """transformers looks for packed sequences in the position ids (a data-dependent branch a
+    trace cannot take): the traced batch holds one sequence per row."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    find = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if find is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = find
+
+
+def trace(model: nn.Module, step: Callable[[], torch.Tensor], batch: Sequence[torch.Tensor],
+          attention: str = "cudnn") -> Trace:
+    """Trace one training step of ``model`` (on the meta device): ``step`` runs forward and
+    returns the loss; ``batch`` are the tensors it reads, held before the step as a training
+    loop holds them. ``attention``: the fused attention kernel the GPU runs."""
+    if any(p.device.type != "meta" for p in model.parameters()):
+        raise ValueError("trace needs the model on the meta device (build it under "
+                         "`with torch.device('meta'):`)")
+    out = Trace()
+    leaves = [(name, m) for name, m in model.named_modules() if name and not any(m.children())]
+    out.modules = [name for name, _ in leaves]
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    seen: set[int] = set()
+    running: list[str] = []  # leaf modules inside one another's forward (rarely nested)
+    backward = _Backward()
+
+    def where() -> tuple[str, bool]:
+        if backward.module is not None:
+            return backward.module, True
+        return (running[-1] if running else ""), False
+
+    present = [*model.parameters(), *model.buffers(), *batch]
+    ledger = _Ledger(out, where, present)
+
+    def pack(t: torch.Tensor) -> tuple[int, torch.Tensor]:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        out.saved.append({
+            "i": len(out.saved), "module": running[-1] if running else "",
+            "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+            "nbytes": t.numel() * t.element_size(), "storage_nbytes": storage.nbytes(),
+            "parameter": key in params, "requires_grad": t.requires_grad,
+            "allocated": ledger.now, "first_of_storage": key not in seen})
+        seen.add(key)
+        return len(out.saved) - 1, t
+
+    def unpack(packed: tuple[int, torch.Tensor]) -> torch.Tensor:
+        i, t = packed
+        backward.module = out.saved[i]["module"]
+        if backward.module not in backward.begun:
+            backward.begun.add(backward.module)
+            out.backward_allocated.setdefault(backward.module, []).append(ledger.now)
+        return t
+
+    with ExitStack() as stack:
+        for name, module in leaves:
+            def pre(_m, _args, name=name):
+                running.append(name)
+                out.calls[name] = out.calls.get(name, 0) + 1
+
+            def post(_m, _args, _out):
+                running.pop()
+
+            stack.callback(module.register_forward_pre_hook(pre).remove)
+            stack.callback(module.register_forward_hook(post).remove)
+        stack.enter_context(_no_packed_sequences())
+        stack.enter_context(_CudaRoutes(attention))
+        stack.enter_context(ledger)
+        model.zero_grad(set_to_none=True)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                loss = step()
+            loss.backward()
+        except RuntimeError as err:
+            if "meta" not in str(err):
+                raise
+            raise RuntimeError(f"the model's step reads a tensor's values ({err}); a trace "
+                               "without data cannot: estimate a model whose forward branches "
+                               "on shapes only") from err
+        del loss
+    return out

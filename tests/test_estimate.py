@@ -1,0 +1,223 @@
+"""Workloads from a config without a GPU (``planning/trace.py``, ``estimate.py``,
+``devices.py``, ``sizing.py``): the meta-device trace saves what a real run saves, its ledger
+counts what the allocator holds, LoRA trains only its adapters, and the sizing search finds
+the longest sequence that fits. The estimate against the measured H100 and H200 profiles is
+in ``test_calibration.py``."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+from cswap_lightning.planning import capture, models, sizing, trace
+from cswap_lightning.planning.devices import DEVICES, Rates, device
+from cswap_lightning.planning.estimate import OPTIMIZERS, Setup, estimate, saved_bytes
+from cswap_lightning.planning.trace import Kernel
+from cswap_lightning.planning.workload import from_profile
+
+transformers = pytest.importorskip("transformers")
+
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 256, "max_position_embeddings": 4096,
+              "tie_word_embeddings": False}
+TINY_GPT2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4,
+             "n_positions": 512, "vocab_size": 256, "bos_token_id": 255, "eos_token_id": 255}
+
+
+@pytest.fixture
+def tiny_llama(config_file) -> str:
+    return config_file("tiny-llama", TINY_LLAMA)
+
+
+def _rows(rows: list[dict]) -> list[tuple]:
+    """What a saved row says about the tensor (not the allocator's bytes, which the CPU
+    does not count)."""
+    return [(r["module"], tuple(r["shape"]), r["dtype"], r["nbytes"], r["storage_nbytes"],
+             r["parameter"], r["first_of_storage"]) for r in rows]
+
+
+def test_the_meta_trace_saves_what_a_cpu_step_saves():
+    config = transformers.LlamaConfig(**{k: v for k, v in TINY_LLAMA.items()
+                                         if k != "model_type"}, use_cache=False)
+    config._attn_implementation = "eager"  # the one attention both devices run alike
+    torch.manual_seed(0)
+    real = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 256, (2, 32))
+    measured = capture.capture(real, lambda: real(input_ids=ids, labels=ids).loss, "tiny",
+                               warmup=1, steps=1, log=lambda _: None)
+    with torch.device("meta"):
+        meta = transformers.LlamaForCausalLM(config).train()
+    meta_ids = ids.to("meta")
+    traced = trace.trace(meta, lambda: meta(input_ids=meta_ids, labels=meta_ids).loss,
+                         [meta_ids])
+    assert len(traced.saved) > 20
+    assert _rows(traced.saved) == _rows(measured["saved"])
+
+
+@pytest.mark.parametrize("attention, logsumexp, seeds", [
+    ("cudnn", [2, 4, 32, 1], [([], "int64"), ([], "int64")]),
+    ("flash", [2, 4, 32], [([2], "uint64"), ([], "uint64")])])
+def test_dropout_and_attention_are_traced_as_cuda_runs_them(attention, logsumexp, seeds,
+                                                            config_file):
+    spec = models.model(config_file("tiny-gpt2", TINY_GPT2))
+    net = models.build(spec, torch.bfloat16)
+    inputs = spec.batch(2, 32, torch.bfloat16)
+    traced = trace.trace(net, lambda: spec.loss(net, inputs), list(inputs.values()), attention)
+    masks = [r for r in traced.saved if r["dtype"] == "bool"]
+    # CUDA's fused dropout saves a bool mask: after the embeddings, and per layer after the
+    # attention and the MLP (the attention probabilities' dropout is the fused kernel's)
+    assert len(masks) == 1 + 2 * 2
+    assert all(r["shape"] == [2, 32, 64] for r in masks)
+    # the fused attention kernel's log-sum-exp and random seeds, one set per layer
+    assert [r["shape"] for r in traced.saved
+            if r["module"] == "" and r["dtype"] == "float32" and len(r["shape"]) >= 3
+            ] == [logsumexp] * 2
+    assert [(r["shape"], r["dtype"]) for r in traced.saved
+            if r["dtype"].endswith("int64") and r["nbytes"] <= 16] == seeds * 2
+
+
+def test_without_dropout_no_mask_is_saved(config_file):
+    spec = models.model(config_file("tiny-gpt2", TINY_GPT2), dropout=False)
+    net = models.build(spec, torch.bfloat16)
+    inputs = spec.batch(2, 32, torch.bfloat16)
+    traced = trace.trace(net, lambda: spec.loss(net, inputs), list(inputs.values()))
+    assert not [r for r in traced.saved if r["dtype"] == "bool"]
+
+
+def test_the_ledger_counts_each_storage_from_its_creation_to_its_release():
+    with torch.device("meta"):
+        net = nn.Sequential(nn.Linear(64, 64, bias=False), nn.ReLU())
+    x = torch.empty(32, 64, device="meta")
+    traced = trace.trace(net, lambda: net(x).sum(), [x])
+    weight, batch, activation = 64 * 64 * 4, 32 * 64 * 4, 32 * 64 * 4
+    assert traced.start_bytes == weight + batch
+    saved = {r["module"]: r for r in traced.saved if not r["parameter"]}
+    assert saved["0"]["allocated"] == weight + batch  # the linear saves its input
+    # ReLU saves its output while the linear's output, its input, still lives
+    assert saved["1"]["allocated"] == weight + batch + 2 * activation
+    # the peak: the weight's gradient made, beside the loss and its gradient (512 bytes
+    # each, the allocator's least) and the ReLU's input gradient; its output released
+    assert traced.peak_bytes == weight + batch + activation + weight + 2 * 512
+    assert traced.modules == ["0", "1"] and traced.calls == {"0": 1, "1": 1}
+    assert [k.kind for k in traced.kernels if k.module == "0" and not k.backward] == ["matmul"]
+
+
+def test_a_kernel_takes_the_longer_of_its_work_and_its_bytes_plus_its_fixed_time():
+    rates = Rates(matmul=0.5, conv=0.25, memory=0.5, norm=0.5, forward_kernel_s=1e-6,
+                  backward_kernel_s=2e-6)
+    dev = replace(DEVICES["h100-sxm"], tensor_flops=1e12, fp32_flops=1e11, bandwidth=1e9,
+                  rates=rates)
+    compute = Kernel("m", False, "matmul", 1e9, 1000, torch.bfloat16)
+    assert dev.kernel_s(compute) == pytest.approx(1e9 / 0.5e12 + 1e-6)
+    assert dev.kernel_s(replace(compute, dtype=torch.float32)) == pytest.approx(
+        1e9 / 0.5e11 + 1e-6)
+    memory = Kernel("m", True, "memory", 0.0, 10**6, torch.bfloat16)
+    assert dev.kernel_s(memory) == pytest.approx(1e6 / 0.5e9 + 2e-6)
+    assert dev.kernel_s(replace(memory, kind="norm")) == pytest.approx(1e6 / 0.25e9 + 2e-6)
+
+
+def test_an_unknown_device_or_model_names_the_choices():
+    with pytest.raises(ValueError, match="h100-pcie"):
+        device("tpu-v5")
+    with pytest.raises(ValueError, match="llama-3-8b"):
+        models.model("no-such-model")
+
+
+def test_lora_trains_only_its_adapters(tiny_llama):
+    dev = DEVICES["h100-sxm"]
+    lora = estimate(Setup(tiny_llama, 64, 2, lora=models.LoRA(rank=4)), dev)
+    full = estimate(Setup(tiny_llama, 64, 2), dev)
+    # seven linear layers a layer, each with adapters A (rank x in) and B (out x rank)
+    h, i, kv, r = 64, 128, 2 * 16, 4
+    shapes = [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]  # (in, out)
+    adapters = 2 * [n for a, b in shapes for n in (r * a, b * r)]
+    assert lora.training.trained_elements == sum(adapters)
+    assert lora.training.gradients == sum(trace.rounded(2 * n) for n in adapters)
+    assert lora.training.optimizer_state == 8 * sum(adapters)  # AdamW, fp32 states
+    frozen = [r for r in lora.profile["saved"] if r["parameter"] and not r["requires_grad"]]
+    assert frozen, "the frozen base weights are saved (for the input's gradient)"
+    # the workload makes gradients for the adapters only
+    w = from_profile(lora.profile)
+    assert 0 < w.weight_bytes == lora.training.gradients - lora.training.unsaved_gradients
+    # full fine-tuning: every weight trains; the embedding's gradient is one the workload
+    # cannot place (autograd saves its indices, not its weight)
+    embedding = 256 * 64 * 2
+    assert full.training.trained_elements > 10 * sum(adapters)
+    params = len(list(models.build(models.model(tiny_llama), torch.bfloat16).parameters()))
+    slack = full.training.unsaved_gradients - embedding  # the allocator's rounding
+    assert 0 <= slack < 512 * params
+    assert from_profile(full.profile).weight_bytes == full.training.gradients - embedding - slack
+
+
+def test_the_estimated_profile_is_labelled_and_read_as_a_measured_one(tiny_llama):
+    est = estimate(Setup(tiny_llama, 64, 2), DEVICES["h200"], OPTIMIZERS["sgd"])
+    assert est.profile["estimate"] is True and est.profile["device"].endswith("(estimate)")
+    w = est.workload()
+    assert w.batch == 2 and [b.name for b in w.blocks if b.recomputable] == [
+        "model.layers.0", "model.layers.1"]
+    assert est.saved_bytes == saved_bytes(est.profile)
+    assert est.saved_bytes - w.activation_bytes == 2 * 64 * 8  # the ids, which the loop holds
+    assert w.forward_s == pytest.approx(est.profile["plain_forward_ms"] / 1e3)
+    assert est.training.optimizer_state == 0
+    assert est.optimizer_peak == est.profile["allocated_before_step"] + est.training.gradients
+
+
+def test_a_learned_position_table_bounds_the_sequence():
+    with pytest.raises(ValueError, match="1024 learned positions"):
+        estimate(Setup("gpt2-medium", 2048, 1), DEVICES["h100-sxm"])
+
+
+@pytest.mark.parametrize("name, billions", [
+    ("llama-3-8b", 8.03), ("qwen2-7b", 7.62), ("mistral-7b", 7.25),
+    ("gpt2-medium", 0.355), ("bert-large", 0.335)])
+def test_the_known_configs_have_their_published_sizes(name, billions):
+    net = models.build(models.model(name), torch.bfloat16)
+    count = sum(p.numel() for p in {p.untyped_storage()._cdata: p
+                                    for p in net.parameters()}.values())
+    assert count / 1e9 == pytest.approx(billions, rel=0.01)
+
+
+@pytest.mark.parametrize("limit, expected", [(0, None), (300, 256), (1000, 768),
+                                             (10000, 4096)])
+def test_the_search_finds_the_largest_multiple_that_is_ok(limit, expected):
+    asked = []
+
+    def ok(n: int) -> bool:
+        asked.append(n)
+        return n <= limit
+
+    assert sizing._largest(ok, 256, 4096) == expected
+    assert len(asked) <= 8
+    assert all(n % 256 == 0 and n <= 4096 for n in asked)
+
+
+def test_the_longest_sequence_fits_and_one_step_more_does_not(tiny_llama):
+    dev = DEVICES["h100-sxm"]
+    setup = Setup(tiny_llama, 256, 1, layers=8)  # layers that outweigh the head's logits
+    est = estimate(setup, dev)
+    small = replace(dev, memory_bytes=sizing.CONTEXT_BYTES + est.optimizer_peak + (24 << 20))
+    est = estimate(setup, small)
+    found = {how: sizing.largest(est, how, 1 << 16) for how in ("none", "checkpointing",
+                                                               "planner")}
+    assert found["none"] is not None
+    # the planner's most frugal plan frees at least what checkpointing does (here the same:
+    # the peak is the head's logits, which backward needs first)
+    assert found["none"] < found["checkpointing"] <= found["planner"] < 1 << 16
+    for how, n in found.items():
+        assert sizing.fits(estimate(replace(setup, sequence=n), small), how)
+        assert not sizing.fits(estimate(replace(setup, sequence=n + sizing.GRANULE), small), how)
+
+
+def test_ways_compare_the_mix_with_checkpointing(tiny_llama):
+    est = estimate(Setup(tiny_llama, 1024, 1), DEVICES["rtx-4090"])
+    base = sizing.baselines(est)
+    assert [w.label for w in base] == ["no help", "checkpointing"]
+    assert base[1].prediction.peak_bytes < base[0].prediction.peak_bytes
+    budget = base[1].prediction.peak_bytes
+    (chosen,) = sizing.mixes(est, [("at checkpointing's peak", budget)])
+    assert chosen.fits and chosen.prediction.peak_bytes <= budget
+    assert chosen.step_s <= base[1].step_s * 1.001  # never slower than checkpointing

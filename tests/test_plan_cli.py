@@ -1,0 +1,100 @@
+"""`cswap plan` on the CPU: a small config's step on devices of the table, printed as
+labelled estimates with the calibration's error; bad models and setups are errors that say
+why."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cswap_lightning.commands import cli
+from cswap_lightning.planning import models
+from cswap_lightning.planning.devices import DEVICES
+
+pytest.importorskip("transformers")
+
+TINY = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 256, "max_position_embeddings": 32768, "tie_word_embeddings": True}
+
+
+@pytest.fixture
+def config(config_file) -> str:
+    return config_file("tiny-qwen2", TINY)
+
+
+def test_plan_prints_labelled_estimates_of_every_way(config, capsys):
+    assert cli.main(["plan", config, "--seq", "512", "--batch", "2", "--device", "rtx-4090",
+                     "--budgets", "0.5"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the header is wrapped
+    assert "cswap plan: tiny-qwen2, sequence 512, batch 2, bfloat16, full fine-tuning" in out
+    assert "GeForce RTX 4090" in out and "measured by this project: nothing" in out
+    assert "ESTIMATES, not measurements" in out and "-6% to +11%" in out
+    for row in ("weights", "gradients", "optimizer state", "saved activations",
+                "peak without help (step)", "peak of the optimizer's update",
+                "without help: FITS", "none (no help)", "none (checkpointing)",
+                "the device (23.0 GiB)", "0.5 GiB", "half the peak without help",
+                "checkpointing's peak", "the longest sequence that fits (estimated): "):
+        assert row in out, row
+    # a tiny model fits any of these devices up to the search's ceiling
+    assert "without help 262144 (the search's ceiling)" in out
+
+
+def test_plan_with_lora_trains_the_adapters_only(config, capsys):
+    assert cli.main(["plan", config, "--seq", "256", "--lora", "--lora-rank", "8",
+                     "--device", "gh200", "--optimizer", "sgd", "--no-search"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "LoRA rank 8 (dropout 0) on every linear layer but the head" in out
+    assert "SGD without momentum" in out and "the longest" not in out
+    # 4 layers x 7 adapters x rank 8 x (in + out)
+    trained = 4 * 8 * ((64 + 64) + 2 * (64 + 32) + (64 + 64) + 2 * (64 + 128) + (128 + 64))
+    assert f"{trained / 1e6:,.1f} M trained weights" in out
+
+
+def test_plan_of_a_cnn_searches_the_batch(capsys):
+    assert cli.main(["plan", "resnet50", "--batch", "4", "--device", "l40s",
+                     "--dtype", "float16"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "cswap plan: resnet50, 224x224 images, batch 4, float16" in out
+    assert "the longest batch that fits (estimated): without help" in out
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["plan", "gpt-5"], "unknown model 'gpt-5'"),
+    (["plan", "resnet50", "--lora"], "LoRA and a number of layers are for the transformers"),
+    (["plan", "gpt2-medium", "--seq", "2048"], "1024 learned positions"),
+])
+def test_a_setup_that_cannot_be_estimated_says_why(argv, says, capsys):
+    assert cli.main(argv) == 1
+    assert says in capsys.readouterr().err
+
+
+def test_an_unknown_device_is_a_usage_error_naming_the_choices(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["plan", "llama-3-8b", "--device", "tpu"])
+    assert exit_.value.code == 2
+    assert "h100-pcie" in capsys.readouterr().err
+
+
+def _readme_section() -> str:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    return readme.split("## Will it fit? `cswap plan`")[1].split("\n## ")[0]
+
+
+def test_the_readme_names_the_models_and_devices_there_are():
+    section = " ".join(_readme_section().split())
+    for name in [*models.KNOWN, *models.CNNS, *DEVICES]:
+        assert f"`{name}`" in section, name
+
+
+@pytest.mark.slow
+def test_the_readme_example_is_what_the_command_prints(capsys):
+    section = _readme_section()
+    command, printed = section.split("```bash\n")[1].split("\n")[0], section.split("```\n")[2]
+    argv = command.split("#")[0].split()[1:]
+    assert argv[:2] == ["plan", "llama-3-8b"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    for line in printed.strip().splitlines():
+        assert line in out, line
