@@ -16,7 +16,7 @@ Two settings were measured, and a prediction is compared with each as it was mea
   transformers than their bf16 profiles), the CNNs at twice the profiles' batch (their
   workloads scaled, :meth:`Workload.scaled`); peaks are ``max_memory_allocated``.
 
-``python -m cswap_lightning.planning.replay`` prints every comparison.
+``python -m cswap_lightning.planning.profiled`` prints every comparison.
 """
 
 from __future__ import annotations
@@ -320,3 +320,7 @@ def _fmt(quantity: str, low: float, high: float | None = None) -> str:
 
 def main() -> None:
     print(table())
+
+
+if __name__ == "__main__":
+    main()

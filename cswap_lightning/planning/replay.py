@@ -491,9 +491,3 @@ class _Replay:
             if entry.back and not entry.prefetched:
                 entry.back = False
                 self.copies -= entry.nbytes
-
-
-if __name__ == "__main__":  # python -m cswap_lightning.planning.replay: the evidence table
-    from .profiled import main
-
-    main()
