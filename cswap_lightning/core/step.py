@@ -609,8 +609,9 @@ class Step:
             stats.reason = f"{stats.decision} out of device memory"
             stats.decision = entry.codec
         if entry.nonzero is not None:
+            # the bytes moved (the whole storage of a view), which the zeros were counted in
             numel = (entry.header.numel if entry.header is not None
-                     else stats.nbytes // entry.payload.element_size())
+                     else entry.nbytes // entry.payload.element_size())
             self._counts.append((stats, numel, entry.nonzero))
 
     def close(self) -> None:
