@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from cswap_lightning import CSwapConfig, Offloader, offload
 from cswap_lightning.codecs import ZVCCodec, register
+from cswap_lightning.config import MIN_BUDGET
 from cswap_lightning.core import step
 
 LOSSLESS = ("raw", "zvc", "rle", "auto")
@@ -733,7 +734,8 @@ def test_with_room_every_measured_step_after_a_swapping_one_keeps_all_and_plans_
 
     def decisions(room: bool) -> list[set[str]]:
         monkeypatch.setattr(engine, "room_to_keep", lambda stats, device: room)
-        off = Offloader(CSwapConfig(budget=1, min_bytes=0, profile_steps=2, recompute="off"))
+        off = Offloader(CSwapConfig(budget=MIN_BUDGET, min_bytes=0, profile_steps=2,
+                                    recompute="off"))
         rows = []
         for epoch in range(2):
             if epoch:
