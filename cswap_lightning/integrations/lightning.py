@@ -28,6 +28,8 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import fields, replace
+from difflib import get_close_matches
 from typing import Any
 
 import lightning.pytorch as pl
@@ -62,14 +64,33 @@ from .metrics import (
 
 # The default as a value, not None, so LightningCLI's --print_config lists every field.
 DEFAULT_CONFIG = CSwapConfig()
+CONFIG_FIELDS = tuple(f.name for f in fields(CSwapConfig))
 
 
 class _CSwapMixin:
-    """What the CSwap strategies add to their Lightning base (listed first, so it wraps it)."""
+    """What the CSwap strategies add to their Lightning base (listed first, so it wraps it).
+
+    ``CSwapConfig``'s fields may be given as keywords (``CSwapStrategy(budget=0.5)``): they
+    replace those of ``config``; every other keyword goes to the Lightning base."""
 
     def __init__(self, config: CSwapConfig | None = DEFAULT_CONFIG, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.cswap_config = as_config(config, type(self).__name__)
+        name = type(self).__name__
+        given = {key: kwargs.pop(key) for key in list(kwargs) if key in CONFIG_FIELDS}
+        config = as_config(config, name)
+        self.cswap_config = replace(config, **given) if given else config
+        try:
+            super().__init__(**kwargs)
+        except TypeError as err:  # a keyword neither the config nor the base takes
+            if "unexpected keyword argument" not in str(err):
+                raise
+            wrong = next((k for k in kwargs if f"'{k}'" in str(err)), "")
+            close = get_close_matches(wrong, CONFIG_FIELDS, n=1)
+            hint = f"; did you mean CSwapConfig's {close[0]!r}?" if close else ""
+            mro = type(self).__mro__
+            base = mro[mro.index(_CSwapMixin) + 1].__name__
+            raise TypeError(f"{name} got an unexpected keyword argument {wrong!r}{hint}. It "
+                            f"takes config=CSwapConfig(...), CSwapConfig's fields "
+                            f"({', '.join(CONFIG_FIELDS)}) and {base}'s arguments") from None
         self._offloader: Offloader | None = None
         self._guard: AccuracyGuard | None = None
         self.shadow: Shadow | None = None  # with guard_shadow, from the first training step
