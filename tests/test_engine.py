@@ -751,3 +751,73 @@ def test_with_room_every_measured_step_after_a_swapping_one_keeps_all_and_plans_
     rows = decisions(room=True)  # whether each step moved
     assert rows[:3] == [True, False, True]  # measured: swapping, keeping; then the plan
     assert rows[4:6] == [True, False], rows  # after new_epoch: the plan, then keeping
+
+
+def _said(run) -> list[str]:
+    """The messages of the warnings ``run()`` gives."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run()
+    return [str(w.message) for w in caught]
+
+
+def test_a_budget_without_a_watched_model_says_blocks_cannot_be_recomputed():
+    model, x, y = model_and_batch("mlp")
+    unwatched = Offloader(CSwapConfig(budget=64 << 20))
+    said = _said(lambda: grads(model, x, y, unwatched))
+    assert said == [("cswap: budget=67108864 with recompute='auto', but no model is watched, so "
+                    "no block can be recomputed to meet it (only moved): call "
+                    "offloader.watch(model) once before training (the Lightning strategies and "
+                    "CSwapCallback do), or set recompute='off'")]
+    assert _said(lambda: grads(model, x, y, unwatched)) == []  # once
+    for config in (CSwapConfig(budget=64 << 20), CSwapConfig(budget=64 << 20, recompute="off"),
+                   CSwapConfig(), CSwapConfig(budget=None)):
+        off = Offloader(config)
+        if config.recompute == "auto" and config.budget == 64 << 20:
+            off.watch(model)
+        assert _said(lambda off=off: grads(model, x, y, off)) == [], config
+        off.close()
+    unwatched.close()
+
+
+MISPLACED = ("{what}: enter it around forward alone, and call backward after it: `with "
+             "offloader: loss = loss_fn(model(x), y)` then `loss.backward()`")
+
+
+def test_an_offloader_around_backward_is_said_once():
+    model, x, y = model_and_batch("mlp")
+    off = Offloader(CSwapConfig(plan="raw", min_bytes=0))
+
+    def around_both():
+        with off:
+            F.cross_entropy(model(x), y).backward()
+
+    what = "cswap: backward ran inside the Offloader's block"
+    assert _said(around_both) == [MISPLACED.format(what=what)]
+    assert _said(around_both) == []
+    off.close()
+    alone = Offloader(CSwapConfig(plan="raw", min_bytes=0))
+
+    def around_backward():
+        loss = F.cross_entropy(model(x), y)
+        with alone:
+            loss.backward()
+
+    what = "cswap: no tensor autograd saved passed through the Offloader's block"
+    assert _said(around_backward) == [MISPLACED.format(what=what)]
+    alone.close()
+    forward = Offloader(CSwapConfig(plan="raw", min_bytes=0))
+    assert _said(lambda: grads(model, x, y, forward)) == []  # around forward: nothing said
+    forward.close()
+
+
+def test_a_model_on_the_meta_device_fails_at_its_first_step_in_one_line():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).to("meta")
+    off = Offloader(CSwapConfig())
+    with pytest.raises(RuntimeError) as failure, off:
+        model(torch.randn(4, 8, device="meta")).sum()
+    assert str(failure.value) == (
+        "cswap: autograd saved a tensor on meta; the engine runs on the CPU and on CUDA GPUs "
+        "only: a model on the meta device has no data to train: materialise it first (e.g. "
+        "model.to_empty(device='cuda') and load or initialise its weights)")
+    off.close()

@@ -400,10 +400,11 @@ def test_metrics_are_logged_and_the_summary_written(tmp_path, caplog):
     label = "global step 2 (batch 1 of epoch 0)"  # the engine's step 1 was its second
     assert f"{label}: autograd saved" in table and "zvc" in table
     assert (tmp_path / "cswap_memory.png").read_bytes()[:4] == b"\x89PNG"
-    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cswap: saved")]
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cswap: ")]
     assert said == [run_summary(last, label, tmp_path / "cswap_summary.txt",
                                 tmp_path / "cswap_memory.png")]
     assert f"{100 * last.peak_share:.0f}% of the {fmt_bytes(last.keep_all_bytes)}" in said[0]
+    assert "\n".join(last.summary(label)[1:]) in table  # the same lines as the table's end
 
 
 def test_a_ratio_is_not_logged_where_nothing_moved(tmp_path):

@@ -134,6 +134,8 @@ class _CSwapMixin:
                 self.shadow = Shadow(module, module.trainer.optimizers[0])
             if check or self.shadow is not None:
                 self._beside(module, check, args, kwargs)
+        # Manual optimisation runs backward inside training_step: inside the block, by design.
+        self.offloader.backward_inside = not self.lightning_module.automatic_optimization
         with self.offloader:
             return super().training_step(*args, **kwargs)
 
