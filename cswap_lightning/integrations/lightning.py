@@ -44,6 +44,7 @@ from lightning.pytorch.strategies import (
     StrategyRegistry,
 )
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torchmetrics import Metric
 
 from ..config import CSwapConfig, as_config
@@ -423,12 +424,24 @@ class CSwapHooks(Callback):
                    trainer.gradient_clip_val)
         shadow.step(optimizer, clip)
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                     exception: BaseException) -> None:
+        """Training stopped by an exception: the model's own forwards back; after a SIGTERM,
+        which Lightning raises between steps, the summary too, as at the end of training."""
+        if isinstance(exception, SIGTERMException):
+            self.on_train_end(trainer, pl_module)
+        else:
+            self._release()
+
+    def _release(self) -> None:
         modules = self.strategy.offloader.modules
         if modules is not None:  # its global module hooks go now, not when garbage-collected
             modules.close()  # (mid-way through a later torch.compile, which guards on them)
         if self.strategy.offloader.recomputer is not None:
             self.strategy.offloader.recomputer.unwrap()  # the model's own forwards, until it trains
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._release()
         log_dir = trainer.log_dir or trainer.default_root_dir  # every rank: it broadcasts
         if self.last is None or not trainer.is_global_zero:
             return
