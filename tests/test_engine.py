@@ -761,23 +761,31 @@ def _said(run) -> list[str]:
     return [str(w.message) for w in caught]
 
 
-def test_a_budget_without_a_watched_model_says_blocks_cannot_be_recomputed():
+def test_a_budget_met_by_moving_without_a_watched_model_says_blocks_cannot_be_recomputed():
+    """Said once the plan is made, where it has to move tensors (or cannot meet the budget):
+    not where nothing needs to move, nor with a watched model or recompute='off'."""
     model, x, y = model_and_batch("mlp")
-    unwatched = Offloader(CSwapConfig(budget=64 << 20))
-    said = _said(lambda: grads(model, x, y, unwatched))
-    assert said == [("cswap: budget=67108864 with recompute='auto', but no model is watched, so "
-                    "no block can be recomputed to meet it (only moved): call "
-                    "offloader.watch(model) once before training (the Lightning strategies and "
-                    "CSwapCallback do), or set recompute='off'")]
-    assert _said(lambda: grads(model, x, y, unwatched)) == []  # once
-    for config in (CSwapConfig(budget=64 << 20), CSwapConfig(budget=64 << 20, recompute="off"),
-                   CSwapConfig(), CSwapConfig(budget=None)):
-        off = Offloader(config)
-        if config.recompute == "auto" and config.budget == 64 << 20:
-            off.watch(model)
-        assert _said(lambda off=off: grads(model, x, y, off)) == [], config
-        off.close()
+    keep = Offloader(CSwapConfig(plan="keep"))
+    grads(model, x, y, keep)
+    budget = keep.last_step().peak_resident_bytes // 2
+    keep.close()
+    unwatched = Offloader(CSwapConfig(budget=budget, profile_steps=1))
+    said = _said(lambda: grads(model, x, y, unwatched, steps=3))
+    assert [m for m in said if "no model is watched" in m] == [(
+        f"cswap: budget={budget} with recompute='auto', but no model is watched, so no block "
+        "can be recomputed to meet it (only moved): call offloader.watch(model) once before "
+        "training (the Lightning strategies and CSwapCallback do), or set recompute='off'")]
+    assert _said(lambda: grads(model, x, y, unwatched, steps=2)) == []  # once
     unwatched.close()
+    for config in (CSwapConfig(budget=budget, profile_steps=1),
+                   CSwapConfig(budget=budget, profile_steps=1, recompute="off"),
+                   CSwapConfig(budget=1 << 40, profile_steps=1)):
+        off = Offloader(config)
+        if config.recompute == "auto" and config.budget == budget:
+            off.watch(model)
+        said = _said(lambda off=off: grads(model, x, y, off, steps=3))
+        assert not [m for m in said if "no model is watched" in m], config
+        off.close()
 
 
 MISPLACED = ("{what}: enter it around forward alone, and call backward after it: `with "

@@ -185,8 +185,6 @@ class Offloader:
             step.dormant = step.stats.hooks_off = True
             step.device = checked.device
         self._dormant = self._dormant + 1 if step.dormant else 0
-        if not self._steps:
-            self._say_unwatched()
         self._push_hooks(step)  # raises where saved-tensor hooks are disabled: nothing changed
         step.probe, self._next_probe = self._next_probe, None
         step.seed = seed_of(self.seed, self._trained)
@@ -669,6 +667,8 @@ class Offloader:
         if plan.budget_bytes is not None:  # made for the configured one, less the tightenings
             self.budget_bytes = plan.budget_bytes + self.planner.tightened
         moved = [d for d in plan.decisions.values() if d.decision != "keep"]
+        if plan.budget_bytes is not None and (moved or not plan.fits):
+            self._say_unwatched()
         budget = "none" if plan.budget_bytes is None else fmt_bytes(plan.budget_bytes)
         _log.info("cswap: planned to move %d of %d sites (%s); saved tensors on the device at "
                   "once: predicted %s, budget %s%s", len(moved), len(plan.decisions),
@@ -801,11 +801,10 @@ class Offloader:
             "(logging.getLogger('cswap_lightning').setLevel('INFO')) the planner's decisions"))
 
     def _say_unwatched(self) -> None:
-        """On the first step: a budget the planner may meet by recomputing blocks, and no
-        model watched, whose blocks it could recompute."""
+        """A plan that must move tensors to meet the budget, or cannot meet it, where no
+        model is watched whose blocks could be recomputed instead."""
         cfg = self.config
-        if (self.recomputer is None and cfg.plan == "auto" and cfg.recompute == "auto"
-                and isinstance(cfg.budget, (int, float))):
+        if self.recomputer is None and cfg.recompute == "auto":
             self._say_once("unwatched", (
                 f"cswap: budget={cfg.budget!r} with recompute='auto', but no model is "
                 "watched, so no block can be recomputed to meet it (only moved): call "
