@@ -4,10 +4,12 @@ from .config import CSwapConfig
 from .core.compile import compile_blocks
 from .core.engine import Offloader, offload
 from .core.stats import SiteStats, StepStats
+from .integrations.strategy_names import register_strategy_names
 
 # Imported on first use, so that `import cswap_lightning` loads neither Lightning nor
-# transformers; importing the Lightning strategies registers "cswap", "cswap_ddp", "cswap_fsdp"
-# and "cswap_model_parallel".
+# transformers. The Lightning strategies' names ("cswap", "cswap_ddp", "cswap_fsdp",
+# "cswap_model_parallel") are registered now if Lightning is loaded, else when it is.
+register_strategy_names()
 _LAZY = {
     "CSwapStrategy": "integrations.lightning",
     "CSwapDDPStrategy": "integrations.lightning",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
@@ -24,6 +25,15 @@ INFLIGHT_CHOICES: tuple[int, ...] = (2048 * MiB, 4096 * MiB, 8192 * MiB)
 # More memory than any device has (the largest GPUs hold 288 GB; 16 TiB is more RAM than
 # nearly any host): a byte count above it is a slip (a unit written twice), not a setting.
 MAX_BYTES = 1 << 44
+# A budget of fewer bytes than this is a slip (``budget=1`` meant the whole device, 1.0):
+# every step saves more.
+MIN_BUDGET = 1024
+# Sizes as people write them: "2GiB", "512 MiB", "1.5GB", "64kB" (decimal units are powers
+# of 1000, binary ones of 1024).
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)\s*", re.IGNORECASE)
+_UNIT = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_PERCENT = re.compile(r"\s*(\d+(?:\.\d+)?)\s*%\s*")
 
 # The types each field accepts (bool is rejected where a number is expected).
 _TYPES: dict[str, tuple[type, ...]] = {
@@ -56,8 +66,11 @@ class CSwapConfig:
             force that lossy codec for floating tensors (others are swapped raw);
             ``"keep"`` offloads nothing (the engine only measures).
         compressor: the codec ``"auto"`` weighs against swapping raw.
-        budget: device memory for the step (``plan="auto"`` only): bytes (int), a fraction
-            of the device's memory (float in (0, 1]) or ``"auto"``, what the process can
+        budget: device memory for the step (``plan="auto"`` only): bytes (an int, or a
+            string with a unit: ``"2GiB"``, ``"1.5GB"``, ``"512MiB"``), a share of the
+            device's total memory (a float in (0, 1], or a percentage string: ``0.5`` and
+            ``"50%"`` both mean half the GPU's memory, or on the CPU half the machine's RAM;
+            not a share of the step's peak) or ``"auto"``, what the process can
             still have when the plan is made less a tenth of the device's memory. What the
             step holds beside its saved tensors (on CUDA the allocator's peak less theirs;
             on the CPU nothing is known of it) comes off it; the saved tensors get the rest,
@@ -128,6 +141,8 @@ class CSwapConfig:
     def __post_init__(self) -> None:
         if isinstance(self.lossy_exclude, list):  # YAML and CLIs give lists; a config is hashed
             object.__setattr__(self, "lossy_exclude", tuple(self.lossy_exclude))
+        if isinstance(self.budget, str):  # "2GiB", "50%": kept as the bytes or share they mean
+            object.__setattr__(self, "budget", parse_budget(self.budget))
         for f in fields(self):
             value, allowed = getattr(self, f.name), _TYPES[f.name]
             if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
@@ -193,6 +208,18 @@ def _check_size(name: str, nbytes: int) -> None:
         )
 
 
+def parse_budget(text: str) -> int | float | str:
+    """A budget written as a string: ``"auto"``; a size (``"2GiB"``, ``"1.5GB"``: bytes, an
+    int); a percentage of the device's memory (``"50%"``: the float ``0.5``). Anything else
+    is given back as it is, for the check to refuse by name."""
+    size, percent = _SIZE.fullmatch(text), _PERCENT.fullmatch(text)
+    if size:
+        return int(float(size[1]) * _UNIT[size[2].lower()])
+    if percent:
+        return float(percent[1]) / 100
+    return text
+
+
 def _check_budget(budget: float | str | None) -> None:
     ok = (
         budget is None
@@ -203,8 +230,15 @@ def _check_budget(budget: float | str | None) -> None:
     if not ok:
         raise ValueError(
             "CSwapConfig.budget must be None (offload everything), 'auto' (fit what is free), "
-            f"a number of bytes > 0 (an int), or a fraction of device memory in (0, 1]; got "
-            f"{budget!r}"
+            "a number of bytes > 0 (an int, or a size such as '2GiB' or '1.5GB'), or a share "
+            "of the device's memory in (0, 1] (a float such as 0.5, or a percentage such as "
+            f"'50%'); got {budget!r}"
         )
     if isinstance(budget, int):
         _check_size("budget", budget)
+        if budget < MIN_BUDGET:
+            raise ValueError(
+                f"CSwapConfig.budget={budget!r} is {budget} byte{'s' * (budget != 1)}, less "
+                "than any step saves (an int budget counts bytes): for the whole device's "
+                "memory write 1.0 or '100%'; for a size write it with its unit, e.g. '2GiB'"
+            )

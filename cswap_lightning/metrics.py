@@ -60,6 +60,25 @@ class SwapWait(_MeanPerStep):
         self._add(wait_s)
 
 
+class RecomputedBlocks(_MeanPerStep):
+    """Blocks run recomputed, per step (``StepStats.recomputed``)."""
+
+    higher_is_better = False
+
+    def update(self, recomputed_blocks: float | Tensor) -> None:
+        self._add(recomputed_blocks)
+
+
+class RecomputeFreedBytes(_MeanPerStep):
+    """Bytes of saved tensors that recomputing blocks spared, per step (measured against the
+    step that ran them plainly: ``StepStats.recompute_freed_bytes``)."""
+
+    higher_is_better = True
+
+    def update(self, recompute_freed_bytes: float | Tensor) -> None:
+        self._add(recompute_freed_bytes)
+
+
 class _Highest(Metric):
     """The highest of a per-step figure over the steps seen, and across ranks."""
 
@@ -79,16 +98,17 @@ class _Highest(Metric):
 
 
 class PeakResidentBytes(_Highest):
-    """The most bytes of a step's saved tensors that were on the device at once, measured
-    (``StepStats.peak_resident_bytes``)."""
+    """The most bytes of a step's saved tensors that were on the device at once, with what
+    recomputed blocks held again while backward ran them, measured (``StepStats.peak_bytes``)."""
 
     def update(self, peak_resident_bytes: float | Tensor) -> None:
         self._raise(peak_resident_bytes)
 
 
 class KeepAllBytes(_Highest):
-    """What keeping every saved tensor holds at the end of forward
-    (``StepStats.keep_all_bytes``, of a step that tracked every tensor)."""
+    """What keeping every saved tensor holds at the end of forward without the engine
+    (``StepStats.baseline_bytes``: where blocks are recomputed, as the step that ran them
+    plainly measured it)."""
 
     def update(self, keep_all_bytes: float | Tensor) -> None:
         self._raise(keep_all_bytes)

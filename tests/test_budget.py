@@ -16,7 +16,7 @@ from conftest import wide_mlp
 from torch import nn
 
 from cswap_lightning import CSwapConfig, Offloader
-from cswap_lightning.core.stats import StepStats
+from cswap_lightning.core.stats import StepStats, fmt_bytes
 from cswap_lightning.planning.advisor import AUTO_MARGIN, resolve_budget
 
 MiB = 1 << 20
@@ -35,8 +35,10 @@ def train(config: CSwapConfig, steps: int, epochs: int = 1) -> tuple[Offloader, 
             loss.backward()
             del loss
             stats.append(off.last_step())
-    with off:  # closes the last step, which checks the plan against it
-        pass
+    with warnings.catch_warnings():  # an empty block, said to save nothing: it is meant to
+        warnings.filterwarnings("ignore", "cswap: no tensor autograd saved")
+        with off:  # close the last step, which checks the plan against it
+            pass
     off.close()
     return off, stats
 
@@ -95,10 +97,37 @@ def test_the_plan_narrows_the_prefetch_window_to_meet_the_budget(fraction, narro
 
 
 def test_a_budget_no_window_can_meet_is_said_not_to_fit():
+    """In the plan's table, and as a warning (once), with what would fit; each step's
+    summary says the budget was not met, and by how much."""
     budget = int(0.1 * keep_peak(SMALL_WINDOW))  # less than one layer's own activations
-    off, stats = train(CSwapConfig(budget=budget, profile_steps=1), steps=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        off, stats = train(CSwapConfig(budget=budget, profile_steps=1), steps=3)
     assert not off.plan.fits and "DOES NOT FIT" in off.plan.table()
     assert stats[-1].peak_resident_bytes > budget
+    said = [str(w.message) for w in caught if "is not met" in str(w.message)]
+    lowest = off.plan.predicted_peak
+    assert said == [(f"cswap: the budget of {fmt_bytes(budget)} is not met: whatever it moves, "
+                    f"the planner predicts a peak of {fmt_bytes(lowest)}, "
+                    f"{fmt_bytes(lowest - budget)} over it; a budget of about "
+                    f"{fmt_bytes(lowest)} or more would be met "
+                    "(predicted). Raise the budget or lower the batch size. "
+                    "offloader.plan.table() shows the plan, and logging at INFO "
+                    "(logging.getLogger('cswap_lightning').setLevel('INFO')) the planner's "
+                    "decisions")]
+    last = stats[-1]
+    assert last.budget_bytes == budget and last.budget_met is False
+    assert (f"budget {fmt_bytes(budget)}: NOT MET: the ledger's peak (saved tensors, "
+            "recomputed blocks' included; the rest of the step's memory is not measured on "
+            f"the CPU) was {fmt_bytes(last.peak_bytes)}, "
+            f"{fmt_bytes(last.peak_bytes - budget)} over it") in last.table()
+
+
+def test_a_budget_met_is_said_so_in_the_summary():
+    budget = int(0.6 * keep_peak(SMALL_WINDOW))
+    _, stats = train(CSwapConfig(budget=budget, profile_steps=1), steps=3)
+    assert stats[-1].budget_met
+    assert f"budget {fmt_bytes(budget)}: held, by the ledger's peak" in stats[-1].table()
 
 
 @pytest.mark.slow

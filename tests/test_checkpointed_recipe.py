@@ -18,3 +18,18 @@ def test_checkpointed_gpt2_leaves_the_engine_only_what_blocks_do_not_recompute(t
     inside = (batch, length, 4 * hidden)  # the MLP's activations, recomputed in backward
     assert inside in moved["gpt2"] and inside not in moved["gpt2_checkpointed"]
     assert (batch, length, hidden) in moved["gpt2_checkpointed"]  # the blocks' inputs
+
+
+def test_the_recipe_checkpoints_with_the_installed_transformers_spelling():
+    """transformers 5.23 renamed gradient_checkpointing_enable (deprecated since, a
+    FutureWarning); the recipe uses the name the installed release has, silently."""
+    import warnings
+
+    from cswap_lightning.recipes.models import GPT2LM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        module = GPT2LM(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2,
+                        max_positions=16, activation_checkpointing=True)
+    checkpointed = getattr(module.model, "is_activation_checkpointing", None)
+    assert checkpointed if checkpointed is not None else module.model.is_gradient_checkpointing

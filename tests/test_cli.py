@@ -15,7 +15,7 @@ from cswap_lightning.commands.demo import TRAIN_IMAGES, load_digits
 FAST_CODEC = ["--quick", "--no-relu", "--no-nvcomp", "--codecs", "zvc", "--dtypes", "float32",
               "--sparsities", "0"]
 WHOLE = "expected a whole number"
-BUDGET = "expected none, auto, a fraction of device memory in (0, 1]"
+BUDGET = "expected none, auto, a share of device memory like 0.5 or 50%, or a size like 2GiB"
 MISSING_GPU = f"cuda:{torch.cuda.device_count()}"  # one past this machine's last GPU
 
 BAD_FLAGS = [  # the command line, the flag the error names, what it says the flag accepts
@@ -66,10 +66,18 @@ def test_out_of_range_flag_is_a_usage_error_naming_it(argv, flag, accepted, caps
 
 @pytest.mark.parametrize("text, value", [("none", None), ("auto", "auto"), ("0.5", 0.5),
                                          ("1.0", 1.0), ("1", 1), ("2000000000", 2_000_000_000),
-                                         ("2e9", 2_000_000_000), ("2.5e9", 2_500_000_000)])
+                                         ("2e9", 2_000_000_000), ("2.5e9", 2_500_000_000),
+                                         ("2GiB", 2 << 30), ("50%", 0.5)])
 def test_budget_flag_reads_what_the_config_accepts(text, value):
     parsed = args.budget(text)
     assert parsed == value and type(parsed) is type(value)
+
+
+def test_a_one_byte_budget_is_a_usage_error_saying_the_fix(capsys):
+    with pytest.raises(SystemExit) as failure:
+        cli.main(["demo", "--budget", "1"])
+    assert failure.value.code == 2
+    assert "CSwapConfig.budget=1 is 1 byte" in capsys.readouterr().err
 
 
 def test_demo_batch_size_bound_is_its_training_split():

@@ -11,7 +11,7 @@ from cswap_lightning.config import MAX_BYTES
         ({"prefetch_bytes": -5}, ValueError, r"prefetch_bytes must be >= 0"),
         ({"plan": "zcv"}, ValueError, r"plan must be one of 'auto', 'keep', 'raw', 'zvc', 'rle', 'int8', 'fp8', 'int4'; got 'zcv'"),
         ({"compressor": "raw"}, ValueError, r"compressor must be one of 'zvc', 'rle'; got 'raw'"),
-        ({"budget": 1.5}, ValueError, r"budget must be None .* in \(0, 1\]; got 1.5"),
+        ({"budget": 1.5}, ValueError, r"budget must be None .* in \(0, 1\] .*; got 1.5"),
         ({"budget": "half"}, ValueError, r"budget must be None .*; got 'half'"),
         ({"budget": 0}, ValueError, r"budget must be .*; got 0"),
         ({"budget": True}, TypeError, r"budget must be of type .*, got True"),
@@ -28,7 +28,13 @@ from cswap_lightning.config import MAX_BYTES
         ({"prefetch_bytes": "big"}, ValueError, r"prefetch_bytes must be .auto. or a number"),
         ({"plan": None}, TypeError, r"plan must be of type str, got None"),
         ({"budget": 10**21}, ValueError, r"budget=10{21} bytes .* more than any device's memory"),
-        ({"budget": 1e21}, ValueError, r"budget must be .* bytes > 0 \(an int\)"),
+        ({"budget": 1}, ValueError, (r"budget=1 is 1 byte, less than any step saves .*: for "
+                                     r"the whole device's memory write 1.0 or '100%'; for a "
+                                     r"size write it with its unit, e.g. '2GiB'")),
+        ({"budget": 1000}, ValueError, r"budget=1000 is 1000 bytes"),
+        ({"budget": "150%"}, ValueError, r"a percentage such as '50%'\); got 1.5"),
+        ({"budget": "2 gallons"}, ValueError, r"a size such as '2GiB' .*; got '2 gallons'"),
+        ({"budget": 1e21}, ValueError, r"budget must be .* bytes > 0 \(an int, or a size"),
         ({"prefetch_bytes": 10**14}, ValueError, r"prefetch_bytes=10{14} bytes \(91 TiB\) is more"),
         ({"inflight_bytes": 1 << 45}, ValueError, r"inflight_bytes=.* more than any device"),
         ({"inflight_bytes": "big"}, ValueError, r"inflight_bytes must be .auto. or a number"),
@@ -49,6 +55,18 @@ def test_defaults_and_valid_values():
     assert CSwapConfig(lossy_exclude=["head*"]).lossy_exclude == ("head*",)
     for budget in (None, "auto", 1 << 30, 0.5, 1.0):
         assert CSwapConfig(budget=budget).budget == budget
+
+
+@pytest.mark.parametrize(("written", "meant"), [
+    ("2GiB", 2 << 30), ("2 GiB", 2 << 30), ("1.5GB", 1_500_000_000), ("512MiB", 512 << 20),
+    ("64kb", 64_000), ("1TiB", 1 << 40), ("50%", 0.5), ("100%", 1.0), ("12.5 %", 0.125),
+])
+def test_budgets_are_taken_in_the_forms_people_write(written, meant):
+    """A size with its unit is bytes; a percentage is that share of the device's memory, the
+    same as the float (the config keeps what they mean, so equal budgets are equal configs)."""
+    config = CSwapConfig(budget=written)
+    assert config.budget == meant and type(config.budget) is type(meant)
+    assert config == CSwapConfig(budget=meant)
 
 
 def test_the_largest_sizes_are_accepted():

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from cswap_lightning import CSwapConfig, Offloader, offload
 from cswap_lightning.codecs import ZVCCodec, register
+from cswap_lightning.config import MIN_BUDGET
 from cswap_lightning.core import step
 
 LOSSLESS = ("raw", "zvc", "rle", "auto")
@@ -733,7 +734,8 @@ def test_with_room_every_measured_step_after_a_swapping_one_keeps_all_and_plans_
 
     def decisions(room: bool) -> list[set[str]]:
         monkeypatch.setattr(engine, "room_to_keep", lambda stats, device: room)
-        off = Offloader(CSwapConfig(budget=1, min_bytes=0, profile_steps=2, recompute="off"))
+        off = Offloader(CSwapConfig(budget=MIN_BUDGET, min_bytes=0, profile_steps=2,
+                                    recompute="off"))
         rows = []
         for epoch in range(2):
             if epoch:
@@ -749,3 +751,81 @@ def test_with_room_every_measured_step_after_a_swapping_one_keeps_all_and_plans_
     rows = decisions(room=True)  # whether each step moved
     assert rows[:3] == [True, False, True]  # measured: swapping, keeping; then the plan
     assert rows[4:6] == [True, False], rows  # after new_epoch: the plan, then keeping
+
+
+def _said(run) -> list[str]:
+    """The messages of the warnings ``run()`` gives."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run()
+    return [str(w.message) for w in caught]
+
+
+def test_a_budget_met_by_moving_without_a_watched_model_says_blocks_cannot_be_recomputed():
+    """Said once the plan is made, where it has to move tensors (or cannot meet the budget):
+    not where nothing needs to move, nor with a watched model or recompute='off'."""
+    model, x, y = model_and_batch("mlp")
+    keep = Offloader(CSwapConfig(plan="keep"))
+    grads(model, x, y, keep)
+    budget = keep.last_step().peak_resident_bytes // 2
+    keep.close()
+    unwatched = Offloader(CSwapConfig(budget=budget, profile_steps=1))
+    said = _said(lambda: grads(model, x, y, unwatched, steps=3))
+    assert [m for m in said if "no model is watched" in m] == [(
+        f"cswap: budget={budget} with recompute='auto', but no model is watched, so no block "
+        "can be recomputed to meet it (only moved): call offloader.watch(model) once before "
+        "training (the Lightning strategies and CSwapCallback do), or set recompute='off'")]
+    assert _said(lambda: grads(model, x, y, unwatched, steps=2)) == []  # once
+    unwatched.close()
+    for config in (CSwapConfig(budget=budget, profile_steps=1),
+                   CSwapConfig(budget=budget, profile_steps=1, recompute="off"),
+                   CSwapConfig(budget=1 << 40, profile_steps=1)):
+        off = Offloader(config)
+        if config.recompute == "auto" and config.budget == budget:
+            off.watch(model)
+        said = _said(lambda off=off: grads(model, x, y, off, steps=3))
+        assert not [m for m in said if "no model is watched" in m], config
+        off.close()
+
+
+MISPLACED = ("{what}: enter it around forward alone, and call backward after it: `with "
+             "offloader: loss = loss_fn(model(x), y)` then `loss.backward()`")
+
+
+def test_an_offloader_around_backward_is_said_once():
+    model, x, y = model_and_batch("mlp")
+    off = Offloader(CSwapConfig(plan="raw", min_bytes=0))
+
+    def around_both():
+        with off:
+            F.cross_entropy(model(x), y).backward()
+
+    what = "cswap: backward ran inside the Offloader's block"
+    assert _said(around_both) == [MISPLACED.format(what=what)]
+    assert _said(around_both) == []
+    off.close()
+    alone = Offloader(CSwapConfig(plan="raw", min_bytes=0))
+
+    def around_backward():
+        loss = F.cross_entropy(model(x), y)
+        with alone:
+            loss.backward()
+
+    what = "cswap: no tensor autograd saved passed through the Offloader's block"
+    assert _said(around_backward) == [MISPLACED.format(what=what)]
+    alone.close()
+    forward = Offloader(CSwapConfig(plan="raw", min_bytes=0))
+    assert _said(lambda: grads(model, x, y, forward)) == []  # around forward: nothing said
+    forward.close()
+
+
+def test_a_model_on_the_meta_device_fails_at_its_first_step_in_one_line():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).to("meta")
+    off = Offloader(CSwapConfig())
+    with pytest.raises(RuntimeError) as failure, off:
+        model(torch.randn(4, 8, device="meta")).sum()
+    assert str(failure.value) == (
+        "cswap: autograd saved a tensor on meta; the engine runs on the CPU and on CUDA GPUs "
+        "only: a model on the meta device has no data to train: materialise it first (e.g. "
+        "model.to_empty(device='cuda') and load or initialise its weights)")
+    off.close()

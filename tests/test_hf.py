@@ -116,7 +116,7 @@ def test_every_micro_batch_is_offloaded_and_weights_match(tmp_path, capsys):
     assert f"{label}: autograd saved" in table.read_text()
     tracked = cswap.offloader.tracked_step()
     assert tracked.step == ACCUMULATION - 1
-    assert run_summary(tracked, label, table, plot) in capsys.readouterr().out.splitlines()
+    assert run_summary(tracked, label, table, plot) in capsys.readouterr().out
 
     entered = cswap.offloader.last_step().step
     metrics = trainer.evaluate()

@@ -400,10 +400,11 @@ def test_metrics_are_logged_and_the_summary_written(tmp_path, caplog):
     label = "global step 2 (batch 1 of epoch 0)"  # the engine's step 1 was its second
     assert f"{label}: autograd saved" in table and "zvc" in table
     assert (tmp_path / "cswap_memory.png").read_bytes()[:4] == b"\x89PNG"
-    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cswap: saved")]
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cswap: ")]
     assert said == [run_summary(last, label, tmp_path / "cswap_summary.txt",
                                 tmp_path / "cswap_memory.png")]
     assert f"{100 * last.peak_share:.0f}% of the {fmt_bytes(last.keep_all_bytes)}" in said[0]
+    assert "\n".join(last.summary(label)[1:]) in table  # the same lines as the table's end
 
 
 def test_a_ratio_is_not_logged_where_nothing_moved(tmp_path):
@@ -590,3 +591,36 @@ def test_the_global_module_hooks_of_lossy_exclude_go_when_training_ends():
     trainer, _ = train(CSwapStrategy(replace(LOSSLESS, lossy_exclude=("head*",))))
     assert trainer.strategy.offloader.modules is not None  # it named sites by module
     assert (dict(hooks._global_forward_pre_hooks), dict(hooks._global_forward_hooks)) == before
+
+
+@pytest.mark.parametrize("strategy", [CSwapStrategy, CSwapDDPStrategy])
+def test_config_fields_given_to_a_strategy_go_to_its_config(strategy):
+    assert strategy(budget=0.5).cswap_config == CSwapConfig(budget=0.5)
+    given = strategy(CSwapConfig(plan="zvc"), budget="2GiB", min_bytes=0)
+    assert given.cswap_config == CSwapConfig(plan="zvc", budget=2 << 30, min_bytes=0)
+    with pytest.raises(ValueError, match=r"CSwapConfig.budget=1 is 1 byte"):
+        strategy(budget=1)
+
+
+def test_a_keyword_neither_the_config_nor_lightning_takes_is_named_with_the_likely_field():
+    with pytest.raises(TypeError, match=r"CSwapStrategy got an unexpected keyword argument "
+                       r"'budgett'; did you mean CSwapConfig's 'budget'\?. It takes "
+                       r"config=CSwapConfig\(...\), CSwapConfig's fields \(plan, .*\) and "
+                       r"SingleDeviceStrategy's arguments"):
+        CSwapStrategy(budgett=0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first", ["lightning", "cswap_lightning"])
+def test_import_cswap_lightning_registers_the_strategy_names_in_either_order(first):
+    """`import cswap_lightning` alone, before or after Lightning, is enough for
+    strategy="cswap"; it loads Lightning only once the program does."""
+    second = {"lightning": "cswap_lightning", "cswap_lightning": "lightning"}[first]
+    code = (f"import sys, {first}, {second}\n"
+            "print('lightning' in sys.modules and 'torchmetrics' in sys.modules)\n"
+            "import lightning.pytorch as pl\n"
+            "trainer = pl.Trainer(strategy='cswap', accelerator='cpu', logger=False)\n"
+            "print(type(trainer.strategy).__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.split() == ["True", "CSwapStrategy"]

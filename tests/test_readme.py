@@ -21,3 +21,64 @@ def test_every_warning_listed_is_one_the_library_prints():
     for message in listed:
         words = [re.escape(w) for w in message.replace("zvc", "{codec.name}").split(" ... ")]
         assert re.search(".*".join(words), printed), message
+
+
+def test_make_test_fast_is_named_beside_make_test_before_anything_else():
+    opening = README.split("## ")[0]
+    assert "`make test-fast`" in opening
+
+
+def python_block(containing: str) -> str:
+    return next(block for block in README.split("```python")[1:]
+                if containing in block).split("```")[0]
+
+
+def test_the_plain_loop_runs_as_written_silently_and_prints_the_summary(capsys):
+    """The README's plain loop, on a small model: it watches the model (nothing warns), and
+    what it prints ends with the summary the integrations print."""
+    import warnings
+
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+                            for _ in range(3)])
+    loader = [(torch.randn(32, 64), torch.randint(0, 64, (32,))) for _ in range(4)]
+    names = {"model": model, "loader": loader, "loss_fn": F.cross_entropy,
+             "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exec(python_block("cswap.offload(config).watch(model)"), names)  # noqa: S102 - as written
+    offloader = names["offloader"]
+    try:
+        assert offloader.recomputer.model is model
+        tracked = offloader.tracked_step()
+        out = capsys.readouterr().out
+        assert out.rstrip().endswith("\n".join(tracked.summary()))
+        assert f"budget {6.0:.1f} GiB: held" in out
+    finally:
+        offloader.close()
+
+
+def test_the_logging_lines_show_the_planners_decisions(caplog):
+    import logging
+
+    from conftest import grads, model_and_batch
+
+    from cswap_lightning import CSwapConfig, Offloader
+
+    logger = logging.getLogger("cswap_lightning")
+    level = logger.level
+    try:
+        exec(python_block('getLogger("cswap_lightning")'), {})  # noqa: S102 - as written
+        model, x, y = model_and_batch("mlp")
+        off = Offloader(CSwapConfig(budget=1 << 30, profile_steps=1)).watch(model)
+        grads(model, x, y, off, steps=3)
+        off.close()
+        planned = [r.getMessage() for r in caplog.records
+                   if r.name.startswith("cswap_lightning") and r.levelno == logging.INFO]
+        assert any(m.startswith("cswap: planned to move") for m in planned), planned
+    finally:
+        logger.setLevel(level)

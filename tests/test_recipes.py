@@ -19,7 +19,7 @@ from cswap_lightning.commands.cli import main
 from cswap_lightning.commands.fit import cli_args
 from cswap_lightning.commands.fit import main as fit
 from cswap_lightning.integrations.lightning import CSwapStrategy
-from cswap_lightning.recipes import describe, resolve_configs, shipped
+from cswap_lightning.recipes import cpu_size, describe, resolve_configs, shipped
 from cswap_lightning.recipes.models import ImageClassifier
 from cswap_lightning.recipes.nets import resnet50, vgg16
 from cswap_lightning.recipes.tokens import TokenSequences
@@ -108,6 +108,9 @@ def test_cswap_recipes_lists_each_with_what_it_trains(capsys):
     out = capsys.readouterr().out
     for name, path in shipped().items():
         assert f"{name:10} {describe(path)}" in out and str(path) in out
+        size = ("CPU-sized: cswap fit --config cnn" if name == "cnn" else
+                f"GPU-sized; on a CPU: cswap fit --config {name} --size cpu")
+        assert f"\n{'':10} {size}\n" in out
     assert describe(shipped()["bert"]).startswith("BERT-base sequence classification")
     assert describe(shipped()["bert"]).endswith("on generated token sequences.")
 
@@ -334,3 +337,86 @@ def test_recipe_on_gpu_moves_activations_off_the_device(name, tmp_path):
     assert cli.trainer.strategy.root_device.type == "cuda"
     assert cli.trainer.global_step == 2
     assert cli.trainer.strategy.offloader.last_step().offloaded_bytes > 0
+
+
+GPU_SIZED = [name for name in shipped() if name != "cnn"]
+
+
+@pytest.mark.parametrize("name", GPU_SIZED)
+def test_a_gpu_sized_recipe_ships_its_cpu_size_and_says_how_to_run_it(name):
+    assert cpu_size(name) is not None and cpu_size("cnn") is None
+    assert f"#   cswap fit --config {name} --size cpu\n" in shipped()[name].read_text()
+
+
+def test_a_gpu_sized_recipe_as_shipped_is_refused_where_torch_sees_no_gpu(capsys):
+    with pytest.raises(SystemExit) as failure:
+        cli_args(["--config", "gpt2"], cuda=False)
+    assert failure.value.code == 2
+    assert capsys.readouterr().err == (
+        "cswap fit: error: the gpt2 recipe is sized for a GPU, and torch sees no CUDA device "
+        "here: on the CPU it would take many GB of RAM and minutes a step. Run its CPU size: "
+        "cswap fit --config gpt2 --size cpu (or --size gpu to run it as shipped)\n")
+    gpt2 = str(shipped()["gpt2"])
+    assert cli_args(["--config", "gpt2"], cuda=True) == ["--config", gpt2]
+    assert cli_args(["--config", "gpt2", "--size", "gpu"], cuda=False) == ["--config", gpt2]
+    sized = ["--config", "gpt2", "--model.hidden_size", "64"]  # sized by the user
+    assert cli_args(sized, cuda=False) == ["--config", gpt2, "--model.hidden_size", "64"]
+    assert cli_args(["--config", "cnn"], cuda=False) == ["--config", str(shipped()["cnn"])]
+
+
+def test_size_cpu_lays_the_cpu_size_over_the_recipe_right_after_it(capsys):
+    gpt2, cpu = str(shipped()["gpt2"]), str(cpu_size("gpt2"))
+    assert cli_args(["--trainer.max_steps", "2", "--config", "gpt2", "--size", "cpu",
+                     "--data.batch_size", "2"], cuda=False) == [
+        "--trainer.max_steps", "2", "--config", gpt2, "--config", cpu, "--data.batch_size", "2"]
+    assert cli_args(["--size=cpu", "-c", str(RECIPES[0].parent / "gpt2.yaml")], cuda=True) == [
+        "-c", str(RECIPES[0].parent / "gpt2.yaml"), "--config", cpu]
+    for args, error in ([["--config", "cnn", "--size", "cpu"], "cnn has no other size"],
+                        [["--config", "gpt2", "--size", "big"], "--size takes cpu or gpu"]):
+        with pytest.raises(SystemExit) as failure:
+            cli_args(args, cuda=False)
+        assert failure.value.code == 2 and error in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n == "gpt2" else pytest.mark.slow)
+                                  for n in GPU_SIZED])
+def test_a_recipe_at_its_cpu_size_moves_its_larger_activations(name, tmp_path):
+    """At the CPU size the YAML names, with the default min_bytes, the engine has work: it
+    moves tensors, and the measured peak of saved tensors is below keeping them all."""
+    args = ["--config", name, "--size", "cpu", "--trainer.accelerator", "cpu",
+            "--trainer.max_steps", "3", "--trainer.limit_train_batches", "3",
+            "--trainer.limit_val_batches", "1", "--trainer.enable_progress_bar", "false",
+            "--trainer.default_root_dir", str(tmp_path)]
+    if "cache_dir" in init_args(yaml.safe_load(shipped()[name].read_text()), "data"):
+        args += ["--data.cache_dir", str(tmp_path / "data")]
+    offloader = fit(args).trainer.strategy.offloader
+    tracked = offloader.tracked_step()
+    assert offloader.config.min_bytes == CSwapConfig().min_bytes
+    assert tracked.offloaded_bytes > 0 and tracked.peak_share < 1, tracked.table()
+
+
+@pytest.mark.slow
+def test_sigterm_stops_cswap_fit_after_the_step_with_a_checkpoint(tmp_path):
+    """A scheduler's SIGTERM: the run stops after the step under way, saves a checkpoint it
+    can resume from, writes cswap's summary, and exits with 143 (128 + SIGTERM)."""
+    import signal
+    import time
+
+    run = subprocess.Popen(
+        [sys.executable, "-m", "cswap_lightning", "fit", "--config", "cnn",
+         "--trainer.max_epochs", "100000", "--trainer.limit_train_batches", "2",
+         "--trainer.limit_val_batches", "1", "--trainer.enable_progress_bar", "false",
+         "--trainer.default_root_dir", str(tmp_path), "--data.cache_dir", str(tmp_path / "data")],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300  # trained a while: an epoch's checkpoint is there
+    while not list(tmp_path.rglob("epoch=*.ckpt")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    run.send_signal(signal.SIGTERM)
+    text = run.stdout.read()
+    assert run.wait(timeout=300) == 143, text[-3000:]
+    checkpoint = next(tmp_path.rglob("sigterm.ckpt"))
+    assert "cswap fit: stopped by SIGTERM at global step" in text
+    assert f"checkpoint saved to {checkpoint}; resume with the same command and --ckpt_path" in text
+    assert "cswap fit: SIGTERM: stopping after the step under way" in text
+    assert torch.load(checkpoint, weights_only=False)["global_step"] > 0

@@ -289,6 +289,46 @@ def test_the_ledger_shows_a_lower_peak_of_saved_tensors(name):
     assert recomputed.peak_resident_bytes < 0.6 * measured.peak_resident_bytes
 
 
+@pytest.mark.parametrize("name", ["gpt2", "vgg16"])
+def test_a_recomputing_step_says_what_it_recomputed_spared_and_held_again(name):
+    """The step's summary, its metrics and its peak show the recomputation: which blocks, how
+    many backward ran again, the saved tensors that spared against the plain step's, what
+    the blocks held again while backward ran them (measured), and their forward's time."""
+    from cswap_lightning.core.stats import fmt_bytes
+    from cswap_lightning.integrations.metrics import step_values
+
+    run = recomputing(case(name)[0], "keep")
+    plain, stats = run.steps[0].stats, run.steps[1].stats
+    recomputed = stats.recomputed
+    assert recomputed.blocks == tuple(sorted(run.recomputed))
+    assert stats.recomputations == len(recomputed.blocks)  # each run again once, measured
+    assert (recomputed.plain_step, recomputed.plain_keep_all_bytes) == (plain.step,
+                                                                        plain.keep_all_bytes)
+    assert recomputed.forward_s == sum(c.forward_s for c in run.block_calls
+                                       if c.name in run.recomputed) > 0
+    freed = stats.recompute_freed_bytes
+    assert freed == plain.keep_all_bytes - stats.keep_all_bytes > 0
+    assert stats.baseline_bytes == plain.keep_all_bytes
+    # what a block saves again while backward runs it counts, one block at a time
+    assert stats.peak_resident_bytes < stats.peak_bytes < plain.peak_resident_bytes
+    assert stats.peak_share == stats.peak_bytes / plain.keep_all_bytes
+    text = "\n".join(stats.summary())
+    assert (f"recomputed in backward: {len(recomputed.blocks)} blocks "
+            f"({', '.join(recomputed.blocks[:6])}") in text
+    assert (f"{len(recomputed.blocks)} run again by this step's backward; keeping only their "
+            f"inputs spared {fmt_bytes(freed)} of the {fmt_bytes(plain.keep_all_bytes)} of "
+            f"saved tensors step {plain.step} kept, running every block plainly") in text
+    assert ("with what the recomputed blocks hold again while backward runs them, "
+            f"{fmt_bytes(stats.peak_bytes)} (measured), {100 * stats.peak_share:.0f}% of the "
+            f"{fmt_bytes(plain.keep_all_bytes)} that keeping them all holds without "
+            "recomputation") in text
+    values = step_values(stats)
+    assert values["recomputed_blocks"] == len(recomputed.blocks)
+    assert values["recompute_freed_bytes"] == freed
+    assert values["peak_resident_bytes"] == stats.peak_bytes
+    assert values["keep_all_bytes"] == plain.keep_all_bytes
+
+
 def saved_tensors(stats: cswap.StepStats) -> int:
     """How many tensors the step saved (its sites), tracked one by one or not."""
     return len(stats.sites) + stats.untracked_tensors + stats.untracked_moved_tensors

@@ -15,6 +15,7 @@ from test_conformance import BATCH, Built, _gen, differences, torch_case, train
 from torch import nn
 
 import cswap_lightning as cswap
+from cswap_lightning.config import MIN_BUDGET
 from cswap_lightning.core.recompute import units
 from cswap_lightning.planning.profiler import Link
 
@@ -245,9 +246,9 @@ def by_hand(case: Case) -> Run:
 
 
 def planned(case: Case) -> Run:
-    """The planner's choice under a budget of one byte: every block it may recompute."""
-    return Run(case, cswap.Offloader(cswap.CSwapConfig(budget=1, min_bytes=0, profile_steps=1),
-                                     link=SLOW_LINK), False)
+    """The planner's choice under the smallest budget (1 KiB): every block it may recompute."""
+    return Run(case, cswap.Offloader(cswap.CSwapConfig(budget=MIN_BUDGET, min_bytes=0,
+                                                       profile_steps=1), link=SLOW_LINK), False)
 
 
 def plain(case: Case) -> tuple[list, list[int]]:

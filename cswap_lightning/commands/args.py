@@ -8,6 +8,8 @@ import argparse
 import math
 from collections.abc import Callable
 
+from ..config import parse_budget
+
 
 def whole(low: int, high: int | None = None) -> Callable[[str], int]:
     """A whole number from ``low`` (to ``high``, if given)."""
@@ -44,10 +46,14 @@ fraction = number(lambda v: 0.0 <= v <= 1.0, "a number from 0 to 1")
 
 
 def budget(text: str) -> int | float | str | None:
-    """``none``, ``auto``, a fraction like ``0.5`` (written with a point) or a byte count like
-    ``2000000000`` or ``2e9``: what ``CSwapConfig.budget`` accepts."""
+    """``none``, ``auto``, a fraction like ``0.5`` (written with a point), a percentage like
+    ``50%``, a size like ``2GiB`` or a byte count like ``2000000000`` or ``2e9``: what
+    ``CSwapConfig.budget`` accepts (the config checks the value itself)."""
     if text in ("none", "auto"):
         return None if text == "none" else text
+    parsed = parse_budget(text)
+    if parsed is not text:  # a size or a percentage
+        return parsed
     try:
         value = float(text)
     except ValueError:
@@ -57,8 +63,8 @@ def budget(text: str) -> int | float | str | None:
     if math.isfinite(value) and value >= 1 and value.is_integer():
         return int(value)
     raise argparse.ArgumentTypeError(
-        f"expected none, auto, a fraction of device memory in (0, 1] like 0.5, or a number of "
-        f"bytes >= 1 like 2000000000; got {text!r}")
+        f"expected none, auto, a share of device memory like 0.5 or 50%, or a size like 2GiB "
+        f"or 2000000000 (bytes); got {text!r}")
 
 
 def device(text: str) -> str:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -20,8 +22,8 @@ from ..core.stats import fmt_bytes
 from ..core.tensors import skip_reason
 from ..core.transfer import Stored, Transfer
 from ..planning.advisor import Advisor
-from ..planning.predictor import calibrate
-from ..planning.profiler import SiteProfile, measure_link
+from ..planning.predictor import CodecTimeModel, calibrate
+from ..planning.profiler import Link, SiteProfile, measure_link
 from ..recipes.nets import build_cnn
 from .progress import Progress
 
@@ -93,18 +95,34 @@ def _swap_seconds(transfer: Transfer, t: torch.Tensor, codec: str, repeats: int 
     return best
 
 
-def run_advisor_check(device: str = "auto", codec: str = "zvc") -> list[Case]:
-    """Measure and predict every collected activation; print a table and the accuracy."""
+class Timings(NamedTuple):
+    """What the check measures of the device, given instead (tests: a device whose times
+    follow a law, so that the check does not depend on the machine's load): the link, the
+    codec's time model, and a swap's seconds (``transfer``, the flat tensor, the codec)."""
+
+    link: Link
+    time_model: CodecTimeModel
+    swap_seconds: Callable[[Transfer, torch.Tensor, str], float]
+
+
+def run_advisor_check(device: str = "auto", codec: str = "zvc",
+                      timings: Timings | None = None) -> list[Case]:
+    """Measure (or, with ``timings``, take) and predict every collected activation's swap;
+    print a table and the accuracy, and (measuring) what profiling a step costs."""
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto"
                        else device)
     progress = Progress("cswap bench advisor")
-    progress(f"timing the {codec} codec on synthetic tensors for the advisor's time model")
-    calibration = calibrate(dev, (codec,))
-    progress("measuring the link")
-    advisor = Advisor(codec, measure_link(dev), calibration.model)
+    if timings is None:
+        progress(f"timing the {codec} codec on synthetic tensors for the advisor's time model")
+        calibration = calibrate(dev, (codec,))
+        progress("measuring the link")
+        timings = Timings(measure_link(dev), calibration.model, _swap_seconds)
+        error = f"codec time model error on held-out runs (MAPE) {100 * calibration.mape:.1f}%"
+    else:
+        error, calibration = "timings given, not measured", None
+    advisor = Advisor(codec, timings.link, timings.time_model)
     transfer, cases = Transfer(pin_memory=True), []
-    print(f"cswap bench advisor: {codec} vs raw on {dev}; codec time model error on held-out "
-          f"runs (MAPE) {100 * calibration.mape:.1f}%")
+    print(f"cswap bench advisor: {codec} vs raw on {dev}; {error}")
     activations = collect_activations(dev)
     progress(f"swapping {len(activations)} activations raw and with {codec}, 3 times each")
     for source, t in activations:
@@ -114,14 +132,15 @@ def run_advisor_check(device: str = "auto", codec: str = "zvc") -> list[Case]:
         profile = SiteProfile(0, tuple(t.shape), str(t.dtype).removeprefix("torch."), nbytes,
                               True, sparsity=sparsity)
         raw_s, codec_s, _ = advisor.costs(profile)
-        cases.append(Case(source, nbytes, sparsity, _swap_seconds(transfer, flat, "raw"),
-                          _swap_seconds(transfer, flat, codec), raw_s, codec_s,
+        cases.append(Case(source, nbytes, sparsity, timings.swap_seconds(transfer, flat, "raw"),
+                          timings.swap_seconds(transfer, flat, codec), raw_s, codec_s,
                           advisor.decide(profile).decision, codec))
     transfer.close()
     print(report(cases))
-    progress("timing 20 steps of the demo CNN with and without profiling")
-    print(f"profiling a step (demo CNN, batch 128) takes {profiling_overhead(dev):.3f}x "
-          "the time of the same step unprofiled (median of 20, interleaved)")
+    if calibration is not None:
+        progress("timing 20 steps of the demo CNN with and without profiling")
+        print(f"profiling a step (demo CNN, batch 128) takes {profiling_overhead(dev):.3f}x "
+              "the time of the same step unprofiled (median of 20, interleaved)")
     return cases
 
 

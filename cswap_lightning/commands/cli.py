@@ -168,10 +168,10 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "recipes":
-        from ..recipes import describe, shipped
+        from ..recipes import describe, shipped, sizing
 
         for name, path in shipped().items():
-            print(f"{name:10} {describe(path)}\n{'':10} {path}")
+            print(f"{name:10} {describe(path)}\n{'':10} {sizing(name)}\n{'':10} {path}")
         return 0
     if args.command == "plan":
         from .plan import run_plan

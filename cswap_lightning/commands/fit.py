@@ -7,25 +7,37 @@
 built (a negative ``min_bytes``, ``budget: 1.5``) is a one-line usage error, exit status 2, not
 a traceback; one jsonargparse refuses (a misspelt key, a value outside a ``Literal``) is too,
 its innermost line first, before jsonargparse's full report and without the usage.
+
+``--size cpu`` runs a GPU-sized recipe at its CPU size (``recipes.apply_size``). On SIGTERM it
+stops after the step under way, saves a checkpoint and exits with status 143
+(``StopOnSigterm``).
 """
 
 from __future__ import annotations
 
 import re
+import signal
 import sys
+import threading
 from dataclasses import fields, is_dataclass
 from difflib import get_close_matches
+from pathlib import Path
 from pydoc import locate
+from types import FrameType
 from typing import Any, NoReturn
 
+import lightning.pytorch as pl
+import torch
 from jsonargparse import Namespace
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ..config import CSwapConfig
 
 # Importing it registers the strategy names "cswap", "cswap_ddp" and "cswap_fsdp".
 from ..integrations.lightning import _CSwapMixin
-from ..recipes import resolve_configs
+from ..recipes import apply_size, resolve_configs
 
 CSWAP_CONFIG = "trainer.strategy.init_args.config"
 ALIAS = "--cswap."  # --cswap.budget 0.5: --trainer.strategy.init_args.config.budget 0.5
@@ -37,12 +49,19 @@ def _usage_error(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def cli_args(args: list[str]) -> list[str]:
-    """LightningCLI's arguments for ``args``: ``--cswap.FIELD`` spelt out in full, and each
-    shipped recipe's name given to ``--config`` replaced by its path."""
+def cli_args(args: list[str], cuda: bool | None = None) -> list[str]:
+    """LightningCLI's arguments for ``args``: ``--cswap.FIELD`` spelt out in full, each
+    shipped recipe's name given to ``--config`` replaced by its path, and ``--size`` applied
+    (``recipes.apply_size``; ``cuda``: whether this machine has a GPU, asked if None). A
+    ``--size`` that cannot apply, or a GPU-sized recipe as shipped on a machine without a
+    GPU, is a usage error."""
     full = [f"--{CSWAP_CONFIG}.{arg.removeprefix(ALIAS)}" if arg.startswith(ALIAS) else arg
             for arg in args]
-    return resolve_configs(full)
+    try:
+        return apply_size(resolve_configs(full),
+                          torch.cuda.is_available() if cuda is None else cuda)
+    except ValueError as err:
+        _usage_error(str(err))
 
 
 # jsonargparse's report nests the error of each alternative of each union under the key
@@ -108,8 +127,45 @@ def cswap_cli(args: list[str] | None, prog: str, **kwargs: Any) -> LightningCLI:
     return CSwapCLI(args=args, parser_class=_Parser, parser_kwargs={"prog": prog}, **kwargs)
 
 
+class StopOnSigterm(Callback):
+    """What ``cswap fit`` does on SIGTERM (a scheduler's or a container's stop). Lightning
+    stops after the step under way (``SIGTERMException``); this callback then saves a
+    checkpoint, so that nothing trained is lost. Its signal handler says so at the first
+    SIGTERM, and stops the process at once at a second one, or at a first one that comes
+    before training has started (nothing to lose then)."""
+
+    def __init__(self) -> None:
+        self.checkpoint: Path | None = None
+        self.step = 0
+        self._signals = 0
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                     exception: BaseException) -> None:
+        if isinstance(exception, SIGTERMException):
+            self.step = trainer.global_step
+            path = Path(trainer.log_dir or trainer.default_root_dir) / "checkpoints"
+            self.checkpoint = path / "sigterm.ckpt"
+            trainer.save_checkpoint(self.checkpoint)
+
+    def handler(self, signum: int, frame: FrameType | None) -> None:
+        """The SIGTERM handler of the process; Lightning calls it after its own while it
+        trains."""
+        self._signals += 1
+        training = signal.getsignal(signal.SIGTERM) is not self.handler  # Lightning's, with it
+        if training and self._signals == 1:
+            print("cswap fit: SIGTERM: stopping after the step under way and saving a "
+                  "checkpoint (SIGTERM again stops at once)", file=sys.stderr, flush=True)
+            return
+        raise SystemExit(128 + signum)
+
+
 class CSwapCLI(LightningCLI):
-    """LightningCLI whose configured classes refusing their arguments end in a usage error."""
+    """LightningCLI whose configured classes refusing their arguments end in a usage error;
+    ``stop`` (``cswap fit``'s) joins the Trainer's callbacks."""
+
+    def __init__(self, *args: Any, stop: StopOnSigterm | None = None, **kwargs: Any) -> None:
+        self.stop = stop
+        super().__init__(*args, **kwargs)
 
     def before_instantiate_classes(self) -> None:
         """Build the strategy's CSwapConfig once first, to name the key of a bad value: inside
@@ -135,6 +191,8 @@ class CSwapCLI(LightningCLI):
             while err.__cause__ is not None:
                 err = err.__cause__
             _usage_error(str(err))
+        if self.stop is not None:
+            self.trainer.callbacks.append(self.stop)
 
 
 def main(args: list[str] | None = None) -> LightningCLI:
@@ -148,4 +206,17 @@ def main(args: list[str] | None = None) -> LightningCLI:
         sys.argv[2:] = cli_args(sys.argv[2:])
     else:
         args = ["fit", *cli_args(args)]
-    return cswap_cli(args, "cswap")
+    stop = StopOnSigterm()
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, stop.handler) if main_thread else None
+    try:
+        return cswap_cli(args, "cswap", stop=stop)
+    except SIGTERMException:
+        saved = (f"checkpoint saved to {stop.checkpoint}; resume with the same command and "
+                 f"--ckpt_path {stop.checkpoint}" if stop.checkpoint else "no checkpoint saved")
+        print(f"cswap fit: stopped by SIGTERM at global step {stop.step}: {saved}",
+              file=sys.stderr)
+        raise SystemExit(128 + signal.SIGTERM) from None
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)

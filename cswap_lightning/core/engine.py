@@ -28,12 +28,12 @@ from ..codecs.lossy import seed_of
 from ..config import LOSSY_CODECS, CSwapConfig, as_config
 from ..planning import live, mix
 from ..planning.advisor import HELD_ELSEWHERE, FixedPlan, Plan
-from ..planning.planner import Measured, Planner, room_to_keep
+from ..planning.planner import OVER_BUDGET, TIGHTENINGS, Measured, Planner, room_to_keep
 from ..planning.predictor import CodecTimeModel
 from ..planning.profiler import Link, Profiler
 from .module_names import ModuleTracker
 from .recompute import BlockCall, BlockTimer, Recompute, left_out_rows, top_hooks
-from .stats import SiteStats, StepStats, fmt_bytes
+from .stats import Recomputed, SiteStats, StepStats, fmt_bytes
 from .step import Checked, Move, Probe, Step, hide_from_dynamo
 from .transfer import Transfer
 
@@ -99,9 +99,15 @@ class Offloader:
         # the latest measured step finished (what it saved, its forward's time)
         self.recomputer: Recompute | None = None
         self.block_calls: list[BlockCall] = []
+        self._plain_stats: StepStats | None = None  # the step block_calls come from
         # the planner chooses the blocks to recompute once, from the plain measured steps
         self._recompute_planned = False
         self._measure_recomputed = False  # measured steps run the planner's choice
+        self.budget_bytes: int | None = None  # the budget as configured, once planned for
+        # Backward runs inside the block by design (Lightning's manual optimisation): not
+        # a misplaced block (_say_misplaced). Each warning below is given once.
+        self.backward_inside = False
+        self._said: set[str] = set()
         self._numbering: frozenset[str] = frozenset()  # the blocks the last step recomputed
         self.reverted: set[int] = set()  # lossy sites the accuracy guard moved back
         self.held_elsewhere: set[int] = set()  # sites whose moving freed nothing (measured)
@@ -169,6 +175,8 @@ class Offloader:
                   else None)
         step = Step(self, self._steps, self._order, measure, checked, limits)
         step.epoch = self._epoch
+        if self.config.plan == "auto":
+            step.stats.budget_bytes = self.budget_bytes
         step.keeping = measure and self._measure_keeping
         caller = sys._getframe(1)
         entered_from, self._entered_from = self._entered_from, (caller.f_code, caller.f_lineno)
@@ -229,6 +237,8 @@ class Offloader:
         self._disarm_recompute(self._step)
         self._step.end_forward()
         self._step.failed = exc_type is not None
+        if exc_type is None:
+            self._say_misplaced(self._step)
 
     def watch(self, model: torch.nn.Module) -> Self:
         """Train ``model`` under this Offloader: its blocks can then be recomputed
@@ -302,7 +312,10 @@ class Offloader:
             self.held_elsewhere = set()
             self._numbering = numbering
         if armed:
-            recomputer.arm()
+            tracked = step.checked is None and not step.dormant
+            recomputer.arm(step.residency if tracked else None)  # what they hold, measured
+            if recomputer.chosen:
+                step.stats.recomputed = self._recomputed(tuple(sorted(recomputer.chosen)))
         elif recomputer.model is not None:
             step.blocks = BlockTimer(recomputer, lambda: len(step.sizes))
 
@@ -317,6 +330,15 @@ class Offloader:
                       + "; ".join(f"{name} {why}" for name, why in unfit.items()),
                       RuntimeWarning, stacklevel=3)
         self.recompute([name for name in recomputer.chosen if name not in unfit])
+
+    def _recomputed(self, blocks: tuple[str, ...]) -> Recomputed:
+        """The blocks a step recomputes, with what the latest step that ran them plainly
+        measured: its keep-all, and their forward's time (spent again in backward)."""
+        plain = self._plain_stats
+        if plain is None:
+            return Recomputed(blocks)
+        forward_s = sum(call.forward_s for call in self.block_calls if call.name in blocks)
+        return Recomputed(blocks, plain.step, plain.keep_all_bytes, forward_s)
 
     def _disarm_recompute(self, step: Step) -> None:
         if self.recomputer is not None:
@@ -533,6 +555,7 @@ class Offloader:
             step.close()
         if step.blocks is not None:
             self.block_calls = step.blocks.calls()
+            self._plain_stats = step.stats
         if not step.sizes:  # it saved nothing: it says nothing of the graph
             return
         if step.epoch == self._epoch and self._other_graph(step):
@@ -641,12 +664,26 @@ class Offloader:
         plan.recompute_table = "\n".join(table for table in tables if table)
         self._plan = self._unchecked = plan
         self._checked = None
+        if plan.budget_bytes is not None:  # made for the configured one, less the tightenings
+            self.budget_bytes = plan.budget_bytes + self.planner.tightened
         moved = [d for d in plan.decisions.values() if d.decision != "keep"]
+        if plan.budget_bytes is not None and (moved or not plan.fits):
+            self._say_unwatched()
         budget = "none" if plan.budget_bytes is None else fmt_bytes(plan.budget_bytes)
         _log.info("cswap: planned to move %d of %d sites (%s); saved tensors on the device at "
                   "once: predicted %s, budget %s%s", len(moved), len(plan.decisions),
                   fmt_bytes(sum(d.nbytes for d in moved)), fmt_bytes(plan.predicted_peak),
                   budget, "" if plan.fits else " (does not fit)")
+        if choice is not None and not choice.mix.fits:
+            self._say_over_budget(choice.mix.prediction.peak_bytes, (
+                "whatever it recomputes and moves, the replay of the measured step predicts "
+                "a peak of at least"))
+        elif not plan.fits:
+            beside = (f" ({fmt_bytes(plan.base_bytes)} of it what the step holds beside its "
+                      "saved tensors)" if plan.base_bytes else "")
+            self._say_over_budget(plan.predicted_peak + plan.base_bytes,
+                                  "whatever it moves, the planner predicts a peak of",
+                                  after=beside)
 
     def _checked_by(self, step: Step) -> None:
         """Later steps keep the sites ``step`` kept, and move those it moved, without tracking
@@ -695,6 +732,10 @@ class Offloader:
         over = self.planner.over_budget(plan, peak)
         if over:
             self._tighten(over)
+        elif self.planner.tightenings >= TIGHTENINGS and peak > (1 + OVER_BUDGET) * (
+                self.budget_bytes or peak):
+            self._say_over_budget(peak, (f"after {TIGHTENINGS} plans made tighter, step "
+                                         f"{stats.step} measured a peak of"), measured=True)
 
     def _tighten(self, over: int) -> None:
         """Plan again for a budget ``over`` bytes tighter: choose the recomputed blocks again
@@ -739,6 +780,51 @@ class Offloader:
                   len(choice.names), choice.mix.how, f", skipped: {skipped}" if skipped else "")
         self.new_epoch()
         return True
+
+    def _say_once(self, key: str, message: str) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+    def _say_over_budget(self, peak: int, how: str, measured: bool = False,
+                         after: str = "") -> None:
+        """Warn (once) that the budget is not met: by how much, and what would fit."""
+        budget = self.budget_bytes
+        if budget is None or peak <= budget:
+            return
+        fits = (f"a budget of {fmt_bytes(peak)} or more would be met, as measured" if measured
+                else f"a budget of about {fmt_bytes(peak)} or more would be met (predicted)")
+        self._say_once("budget", (
+            f"cswap: the budget of {fmt_bytes(budget)} is not met: {how} {fmt_bytes(peak)}"
+            f"{after}, {fmt_bytes(peak - budget)} over it; {fits}. Raise the budget or lower "
+            "the batch size. offloader.plan.table() shows the plan, and logging at INFO "
+            "(logging.getLogger('cswap_lightning').setLevel('INFO')) the planner's decisions"))
+
+    def _say_unwatched(self) -> None:
+        """A plan that must move tensors to meet the budget, or cannot meet it, where no
+        model is watched whose blocks could be recomputed instead."""
+        cfg = self.config
+        if self.recomputer is None and cfg.recompute == "auto":
+            self._say_once("unwatched", (
+                f"cswap: budget={cfg.budget!r} with recompute='auto', but no model is "
+                "watched, so no block can be recomputed to meet it (only moved): call "
+                "offloader.watch(model) once before training (the Lightning strategies and "
+                "CSwapCallback do), or set recompute='off'"))
+
+    def _say_misplaced(self, step: Step) -> None:
+        """Say (once) that the block was entered around backward, where it does nothing
+        useful: tensors saved in forward are offloaded only if forward runs inside it."""
+        if self.backward_inside or step.dormant:
+            return
+        if step._backward_begun:
+            what = "cswap: backward ran inside the Offloader's block"
+        elif not step.sizes and torch.is_grad_enabled():
+            what = "cswap: no tensor autograd saved passed through the Offloader's block"
+        else:
+            return
+        self._say_once("misplaced", (
+            f"{what}: enter it around forward alone, and call backward after it: "
+            "`with offloader: loss = loss_fn(model(x), y)` then `loss.backward()`"))
 
     def _replanning(self) -> None:
         """The sites changed in number or kind (a data-dependent branch, several models under

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -48,7 +49,7 @@ from .rerun import (
     rerun_hooks,
     reruns,
 )
-from .tensors import version_probe
+from .tensors import of_a_leaf, version_probe
 
 _STAGE_ENDS = (_MaxPoolNd, _AdaptiveMaxPoolNd)  # as the replay cuts a Sequential's stages
 
@@ -154,6 +155,7 @@ class Recompute:
         self.changed: dict[str, set[str]] = {}
         self.armed = False
         self.hooks: tuple[Callable, Callable] | None = None  # the step's, when armed
+        self.witness: Witness | None = None  # the step's, when armed
 
     @property
     def model(self) -> nn.Module | None:
@@ -255,16 +257,17 @@ class Recompute:
         for unit in self.chosen.values():
             self._release(unit)
 
-    def arm(self) -> None:
+    def arm(self, witness: Witness | None = None) -> None:
         """Recompute the chosen units from now on, where the saves would go where they go
-        now (the step's hooks, or none in a step without hooks)."""
+        now (the step's hooks, or none in a step without hooks); ``witness`` (the step's
+        residency ledger) is told of each recomputation backward runs and what it saves."""
         for unit in self.chosen.values():
             if _wrapper(unit) is None:  # replaced since (compile_blocks, say): wrap that
                 self._wrap(unit)
-        self.armed, self.hooks = True, top_hooks()
+        self.armed, self.hooks, self.witness = True, top_hooks(), witness
 
     def disarm(self) -> None:
-        self.armed, self.hooks = False, None
+        self.armed, self.hooks, self.witness = False, None, None
 
     def on(self) -> bool:
         """Whether a wrapped unit called now runs under checkpoint: not inside a region
@@ -320,7 +323,8 @@ class RecomputedForward:
         if _self_checkpointed(self._parts.switches):
             return self.run(*args, **kwargs)
         return checkpointed(self.run, self._parts,
-                            recompute.changed_buffers(self.name, self.block), args, kwargs)
+                            recompute.changed_buffers(self.name, self.block), args, kwargs,
+                            recompute.witness)
 
     def __deepcopy__(self, memo: dict) -> RecomputedForward:
         from copy import deepcopy
@@ -363,7 +367,7 @@ class StagedForward:
                 parts = self._parts[i] = Parts.of(layers)
             input = checkpointed(partial(_in_turn, layers), parts,
                                  recompute.changed_buffers(unit.name, self.sequential),
-                                 (input,), {})
+                                 (input,), {}, recompute.witness)
             i = unit.span.stop
         return input
 
@@ -389,13 +393,14 @@ def _wrapper(unit: Unit) -> RecomputedForward | StagedForward | None:
 
 
 def checkpointed(run: Callable, parts: Parts, changed: list[Buffer], args: tuple,
-                 kwargs: dict[str, Any]) -> Any:
+                 kwargs: dict[str, Any], witness: Witness | None = None) -> Any:
     """``run(*args, **kwargs)`` under non-reentrant checkpoint. Tensor keyword arguments are
     passed positionally, so that they too are saved through the hooks around it (the engine
     sees them; checkpoint would hold keyword arguments itself). A recomputation runs as the
     first run did, and changes nothing the first run changed (``rerun.as_first``: the
     ``parts``' training flags, norms and generators, the ``changed`` buffers, the generators
-    and Hugging Face caches among the arguments)."""
+    and Hugging Face caches among the arguments). ``witness`` counts each recomputation and
+    the storages it saves (``_witnessed``)."""
     tensors = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
     others = {k: v for k, v in kwargs.items() if k not in tensors}
     count = len(args)
@@ -410,10 +415,43 @@ def checkpointed(run: Callable, parts: Parts, changed: list[Buffer], args: tuple
         if first:
             first = False
             return run(*inputs[:count], **named)
-        with as_first(first_run):
+        with as_first(first_run), _witnessed(witness, inputs):
             return run(*inputs[:count], **named)
 
     return checkpoint(body, *args, *(kwargs[k] for k in tensors), use_reentrant=False)
+
+
+class Witness(Protocol):
+    """What is told of recomputations in backward (the step's ``Residency``)."""
+
+    def recomputing(self) -> None: ...
+
+    def again(self, storage: torch.UntypedStorage) -> None: ...
+
+
+@contextmanager
+def _witnessed(witness: Witness | None, inputs: tuple) -> Iterator[None]:
+    """Tell ``witness`` of a recomputation and of each storage it saves (to checkpoint's own
+    hooks, which these pass every tensor on to, unchanged): held until the block's backward
+    uses them. The block's inputs, and weights, are the step's saved tensors or the model's,
+    counted already or never."""
+    hooks = top_hooks() if witness is not None else None
+    if hooks is None:
+        yield
+        return
+    witness.recomputing()
+    pack, unpack = hooks
+    inputs_held = {t.untyped_storage()._cdata for t in inputs if isinstance(t, torch.Tensor)}
+
+    def counted(t: torch.Tensor) -> Any:
+        if type(t) is torch.Tensor and not of_a_leaf(t):
+            storage = t.untyped_storage()
+            if storage._cdata not in inputs_held:
+                witness.again(storage)
+        return pack(t)
+
+    with torch.autograd.graph.saved_tensors_hooks(counted, unpack):
+        yield
 
 
 def _self_checkpointed(modules: Iterable[nn.Module]) -> bool:

@@ -9,6 +9,14 @@ prefetched ones are all counted, each storage once, whatever the device. The sto
 summed (``StepStats.keep_all_bytes``), are what keeping every saved tensor holds at the end of
 forward: the peak the engine's is compared with.
 
+A block the engine recomputes keeps only its inputs through forward; while backward runs it
+again, what it saves is held once more (by ``torch.utils.checkpoint``, until the block's own
+backward uses it). Those storages are counted too, from the recomputation until they are
+freed (:meth:`Residency.again`), beside the saved tensors: ``peak_resident_bytes`` stays the
+peak of the step's saved tensors (what the planner checks its plan against), and
+``peak_with_recompute_bytes`` is the peak with what the recomputed blocks held, the memory a
+user sees.
+
 Storages are freed on any thread. Rather than take a lock for every change on the hot path,
 each change is appended to a deque (atomic) and the changes are summed, in order, when the
 figures are read (:meth:`Residency.fold`).
@@ -32,6 +40,12 @@ class Held(weakref.ref):
     __slots__ = ("key", "nbytes")
 
 
+class HeldAgain(Held):
+    """A weak reference to a storage a recomputed block saved in backward."""
+
+    __slots__ = ()
+
+
 class Residency:
     """The ledger of one step: its changes, summed into ``stats`` (peak and timeline)."""
 
@@ -40,11 +54,14 @@ class Residency:
         self.now = 0  # bytes resident after the changes folded so far
         self.start = time.perf_counter()
         self._held: dict[int, Held] = {}  # storage address -> its reference
+        self._again: dict[int, HeldAgain] = {}  # the same, for recomputed blocks' saves
+        self.again_now = 0  # of ``now``, the bytes recomputed blocks hold
         # A weak reference's callback runs only while the reference lives: the ledger holds
         # those to restored copies (which the entries hold too) until the copies go.
         self._copies: set[Held] = set()
-        # (seconds, change of resident bytes)
-        self._changes: deque[tuple[float, int]] = deque()
+        # (seconds, change of resident bytes), and a third item (True) for the bytes a
+        # recomputed block holds
+        self._changes: deque[tuple[float, int] | tuple[float, int, bool]] = deque()
         self._append = self._changes.append
         self._freed_callback = self._freed  # one bound method for every reference
         # whether the storages held are summed into ``keep_all_bytes`` (not on a step that
@@ -74,8 +91,27 @@ class Residency:
         self._append((time.perf_counter(), nbytes))
         return ref
 
+    def recomputing(self) -> None:
+        """A recomputed block is run again by backward (``StepStats.recomputations``)."""
+        self.stats.recomputations += 1
+
+    def again(self, storage: torch.UntypedStorage) -> None:
+        """Count a storage a recomputed block saves while backward runs it again, until it is
+        freed; once, and not where the step's saved tensors hold it already (an input)."""
+        key = storage._cdata
+        if key in self._held or key in self._again:
+            return
+        ref = self._again[key] = HeldAgain(storage, self._freed_callback)
+        ref.key, ref.nbytes = key, storage.nbytes()
+        self._append((time.perf_counter(), ref.nbytes, True))
+
     def _freed(self, ref: Held) -> None:
         # A storage's address is reused only after this callback: the key is still ref's.
+        if type(ref) is HeldAgain:
+            if self._again.get(ref.key) is ref:
+                del self._again[ref.key]
+                self._append((time.perf_counter(), -ref.nbytes, True))
+            return
         if ref.key is None:
             self._copies.discard(ref)
         elif self._held.get(ref.key) is ref:
@@ -88,8 +124,14 @@ class Residency:
         """Sum the changes so far into ``stats``: the peak and the timeline."""
         stats, changes = self.stats, self._changes
         for _ in range(len(changes)):  # those appended meanwhile are the next fold's
-            at, resident = changes.popleft()
+            change = changes.popleft()
+            at, resident = change[0], change[1]
             self.now += resident
-            stats.peak_resident_bytes = max(stats.peak_resident_bytes, self.now)
+            if len(change) == 3:
+                self.again_now += resident
+            else:
+                stats.peak_resident_bytes = max(stats.peak_resident_bytes,
+                                                self.now - self.again_now)
+            stats.peak_with_recompute_bytes = max(stats.peak_with_recompute_bytes, self.now)
             stats.timeline_s.append(at - self.start)
             stats.timeline_bytes.append(self.now)

@@ -34,6 +34,19 @@ class SiteStats:
         return self.nbytes / self.stored_bytes if self.stored_bytes else None
 
 
+@dataclass(frozen=True)
+class Recomputed:
+    """The blocks a step runs recomputed (``Offloader.recomputed``), with what the latest step
+    that ran every block plainly measured (the engine's step ``plain_step``; None where none
+    did): what keeping all its saved tensors held, and the blocks' forward time there, which
+    recomputing them spends once more in backward."""
+
+    blocks: tuple[str, ...]
+    plain_step: int | None = None
+    plain_keep_all_bytes: int = 0
+    forward_s: float = 0.0
+
+
 @dataclass
 class StepStats:
     """All sites of one step, with the totals people ask about."""
@@ -74,6 +87,16 @@ class StepStats:
     # The checked plan moves nothing, so the step ran without the engine's hooks: autograd
     # kept every saved tensor itself (the figures are the checking step's).
     hooks_off: bool = False
+    # Measured on a step that tracks every site: how many recomputed blocks backward ran
+    # again, and the peak of ``peak_resident_bytes``'s ledger with what they saved again
+    # (held until each block's backward used it; ``Residency.again``).
+    recomputations: int = 0
+    peak_with_recompute_bytes: int = 0
+    recomputed: Recomputed | None = None  # the blocks run recomputed, where any are
+    # The budget the step's plan is made for, as configured (bytes; None: no budget or no
+    # plan yet), and the type of the device its saved tensors were on ("cpu", "cuda").
+    budget_bytes: int | None = None
+    device: str = ""
 
     def _sum(self, attr: str, include: Callable[[str], bool] = lambda decision: True) -> float:
         return sum(getattr(s, attr) for s in self.sites if include(s.decision))
@@ -96,11 +119,46 @@ class StepStats:
         return not (self.untracked_tensors or self.untracked_moved_tensors or self.hooks_off)
 
     @property
+    def peak_bytes(self) -> int:
+        """The measured peak a user's memory sees: the step's saved tensors, with what
+        recomputed blocks held again while backward ran them."""
+        return max(self.peak_resident_bytes, self.peak_with_recompute_bytes)
+
+    @property
+    def baseline_bytes(self) -> int:
+        """What keeping every saved tensor holds without the engine: ``keep_all_bytes``, or
+        where blocks are recomputed, the keep-all of the step that ran them plainly."""
+        recomputed = self.recomputed
+        if recomputed is not None and recomputed.plain_keep_all_bytes:
+            return recomputed.plain_keep_all_bytes
+        return self.keep_all_bytes
+
+    @property
+    def recompute_freed_bytes(self) -> int:
+        """Bytes of saved tensors that recomputing blocks spared (measured: the plain step's
+        keep-all less this step's), on a step that tracked every site; 0 otherwise."""
+        if self.recomputed is None or not self.tracked_all:
+            return 0
+        return max(self.baseline_bytes - self.keep_all_bytes, 0)
+
+    @property
     def peak_share(self) -> float | None:
-        """The measured peak as a fraction of what keeping everything holds
-        (``keep_all_bytes``), on a step that tracked every site; None otherwise."""
-        return (self.peak_resident_bytes / self.keep_all_bytes
-                if self.keep_all_bytes and self.tracked_all else None)
+        """The measured peak (``peak_bytes``) as a fraction of what keeping everything holds
+        (``baseline_bytes``), on a step that tracked every site; None otherwise."""
+        return (self.peak_bytes / self.baseline_bytes
+                if self.baseline_bytes and self.tracked_all else None)
+
+    @property
+    def budget_met(self) -> bool | None:
+        """Whether the measured peak stayed within the budget: on CUDA the allocator's peak
+        of the step, on the CPU ``peak_bytes`` (all the ledger knows of); None where there is
+        no budget or no such figure."""
+        if self.budget_bytes is None:
+            return None
+        if self.device == "cuda":
+            peak = self.peak_allocated_bytes
+            return None if peak is None else peak <= self.budget_bytes
+        return self.peak_bytes <= self.budget_bytes
 
     @property
     def offloaded_bytes(self) -> int:
@@ -153,6 +211,13 @@ class StepStats:
             "untracked_wait_s": self.untracked_wait_s,
             "resized": self.resized,
             "hooks_off": self.hooks_off,
+            "recomputations": self.recomputations,
+            "peak_with_recompute_bytes": self.peak_with_recompute_bytes,
+            "recomputed": None if self.recomputed is None else asdict(self.recomputed),
+            "recompute_freed_bytes": self.recompute_freed_bytes,
+            "budget_bytes": self.budget_bytes,
+            "budget_met": self.budget_met,
+            "device": self.device,
             "sites": [asdict(s) | {"ratio": s.ratio} for s in self.sites],
         }
 
@@ -176,12 +241,15 @@ class StepStats:
         if self.sites and not sparsity:
             rows.append("(sparsity is measured on the steps that profile, the first of each "
                         "epoch: the plan's table shows it)")
-        rows += self._summary(label)
+        rows += self.summary(label)
         return "\n".join(rows)
 
-    def _summary(self, label: str) -> list[str]:
-        """What the step did, in the user's terms: what autograd saved (activations apart from
-        weights), what moved and what stayed, the measured peak against keeping everything."""
+    def summary(self, label: str | None = None) -> list[str]:
+        """What the step did, in the user's terms (the lines that end :meth:`table`, and that
+        the integrations print when training ends): what autograd saved (activations apart
+        from weights), what was recomputed, moved and kept, the measured peak against keeping
+        everything, and whether the budget held."""
+        label = label or f"step {self.step}"
         count = len(self.sites) + self.untracked_tensors + self.untracked_moved_tensors
         if self.tracked_all:
             lines = [(f"{label}: autograd saved {count} tensors: "
@@ -196,6 +264,8 @@ class StepStats:
         else:  # untracked tensors are summed as they come: a storage once per view of it
             lines = [f"{label}: autograd saved {count} tensors"]
             kept = f"kept in place, weights included: {fmt_bytes(self.kept_bytes)}"
+        if self.recomputed is not None:
+            lines.append(self._recomputed_line())
         if self.untracked_tensors:
             lines.append(f"kept as the plan says, not tracked one by one: "
                          f"{self.untracked_tensors} saved tensors "
@@ -207,24 +277,100 @@ class StepStats:
                          f"{fmt_bytes(self.untracked_stored_bytes)})")
         moved, stored = self.offloaded_bytes, self.stored_bytes
         compressed = ("" if not moved else " (not compressed)" if moved == stored
-                      else f" ({_ratio(self.ratio)} smaller)")
+                      else f" ({_ratio(self.ratio)} smaller: {self._moved_by_codec()})")
         lines.append(f"moved out to host memory: {fmt_bytes(moved)}, held there as "
                      f"{fmt_bytes(stored)}{compressed}; {kept}")
+        lines.append(self._peak_line())
+        if self.budget_bytes is not None:
+            lines.append(self._budget_line())
+        if self.device == "cpu":
+            lines.append(self._ram_line())
+        lines.append(f"backward waited {self.wait_s * 1e3:.2f} ms for tensors coming back, "
+                     f"forward waited {self.forward_wait_s * 1e3:.2f} ms for copies out; host "
+                     f"memory held between steps {fmt_bytes(self.host_held_bytes)}")
+        return lines
+
+    def _recomputed_line(self) -> str:
+        """The blocks recomputed, what that spared (measured against the plain step) and
+        what it costs (their forward again, as the plain step timed it)."""
+        r = self.recomputed
+        names = ", ".join(r.blocks[:6]) + (f" and {len(r.blocks) - 6} more"
+                                           if len(r.blocks) > 6 else "")
+        line = f"recomputed in backward: {len(r.blocks)} blocks ({names})"
+        if self.tracked_all:
+            line += f", {self.recomputations} run again by this step's backward"
+        if r.plain_step is None or not r.plain_keep_all_bytes:
+            return line + " (no step ran them plainly to compare with)"
+        if self.tracked_all:
+            line += (f"; keeping only their inputs spared {fmt_bytes(self.recompute_freed_bytes)}"
+                     f" of the {fmt_bytes(r.plain_keep_all_bytes)} of saved tensors step "
+                     f"{r.plain_step} kept, running every block plainly")
+        return line + (f"; it costs their forward once more, {1e3 * r.forward_s:.1f} ms a step "
+                       f"as step {r.plain_step} timed it")
+
+    def _peak_line(self) -> str:
         peak = f"saved tensors resident at once: {fmt_bytes(self.peak_resident_bytes)} at the peak"
+        if self.tracked_all and self.peak_with_recompute_bytes > self.peak_resident_bytes:
+            peak += (f" (measured); with what the recomputed blocks hold again while backward "
+                     f"runs them, {fmt_bytes(self.peak_bytes)}")
         if self.peak_share is not None:
+            without = " without recomputation" if self.baseline_bytes != self.keep_all_bytes else ""
             peak += (f" (measured), {100 * self.peak_share:.0f}% of the "
-                     f"{fmt_bytes(self.keep_all_bytes)} that keeping them all holds "
-                     f"({fmt_bytes(self.keep_all_bytes - self.peak_resident_bytes)} less)")
+                     f"{fmt_bytes(self.baseline_bytes)} that keeping them all holds{without} "
+                     f"({_less(self.baseline_bytes - self.peak_bytes)})")
         elif not self.tracked_all or self.resized:
             peak += ", measured on the step that checked the plan" + (
                 ", whose saved tensors differ in size from this step's" if self.resized else "")
         if self.peak_allocated_bytes is not None:
             peak += f"; allocator peak {fmt_bytes(self.peak_allocated_bytes)}"
-        lines.append(peak)
-        lines.append(f"backward waited {self.wait_s * 1e3:.2f} ms for tensors coming back, "
-                     f"forward waited {self.forward_wait_s * 1e3:.2f} ms for copies out; host "
-                     f"memory held between steps {fmt_bytes(self.host_held_bytes)}")
-        return lines
+        return peak
+
+    def _budget_line(self) -> str:
+        """Whether the budget held, by the figure it is of (CUDA: the allocator's peak; the
+        CPU: the ledger's, saved tensors only, nothing else of the step being known)."""
+        budget = fmt_bytes(self.budget_bytes)
+        if self.device == "cuda":
+            peak, what = self.peak_allocated_bytes, "the allocator's peak"
+        else:
+            peak = self.peak_bytes
+            what = ("the ledger's peak (saved tensors, recomputed blocks' included; the rest "
+                    "of the step's memory is not measured on the CPU)")
+        met = self.budget_met
+        if met is None:
+            return f"budget {budget}: not measured on this step"
+        if met:
+            return f"budget {budget}: held, by {what}: {fmt_bytes(peak)}"
+        return (f"budget {budget}: NOT MET: {what} was {fmt_bytes(peak)}, "
+                f"{fmt_bytes(peak - self.budget_bytes)} over it")
+
+    def _ram_line(self) -> str:
+        """On the CPU the host is the same RAM: what the saved tensors took of it at most."""
+        ram = self.peak_bytes + self.stored_bytes
+        baseline = self.baseline_bytes
+        line = (f"on the CPU a moved tensor is a copy in the same RAM: saved tensors took at "
+                f"most {fmt_bytes(ram)} of it at once (the peak and the "
+                f"{fmt_bytes(self.stored_bytes)} held on the host)")
+        if baseline:
+            line += (f", against {fmt_bytes(baseline)} keeping them all "
+                     f"({_less(baseline - ram)}; only compression and recomputation save RAM "
+                     "here)")
+        return line + ("; the process's RSS also holds the engine's host buffers, Python's "
+                       "objects and memory the allocator keeps for reuse")
+
+    def _moved_by_codec(self) -> str:
+        """What moved, by codec (tracked sites): bytes, and bytes held where compressed."""
+        moved: dict[str, list[int]] = {}
+        for s in self.sites:
+            if s.decision not in ("keep", "dedup"):
+                total = moved.setdefault(s.decision, [0, 0])
+                total[0] += s.nbytes
+                total[1] += s.stored_bytes
+        return ", ".join(f"{codec} {fmt_bytes(n)}" + ("" if n == held else f" as {fmt_bytes(held)}")
+                         for codec, (n, held) in sorted(moved.items())) or "not tracked"
+
+
+def _less(n: int) -> str:
+    return f"{fmt_bytes(n)} less" if n >= 0 else f"{fmt_bytes(-n)} more"
 
 
 def fmt_bytes(n: float) -> str:

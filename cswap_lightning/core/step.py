@@ -43,6 +43,7 @@ from .tensors import (
     counter_owner,
     of_a_leaf,
     skip_reason,
+    unsupported_device,
     unwrap,
     version_error,
     version_probe,
@@ -187,6 +188,7 @@ class Step:
         self.residency = Residency(self.stats)
         if checked is not None:  # as measured on the step that checked the plan
             self.stats.peak_resident_bytes = checked.stats.peak_resident_bytes
+            self.stats.peak_with_recompute_bytes = checked.stats.peak_with_recompute_bytes
             self.stats.keep_all_bytes = checked.stats.keep_all_bytes
             self.residency.sums_keep_all = False
         self.measure = measure  # time the windows and count every site's zeros
@@ -389,7 +391,10 @@ class Step:
             self._by_storage[storage._cdata] = entry
 
     def _first_pack(self, device: torch.device) -> None:
+        if device.type not in ("cpu", "cuda"):
+            raise unsupported_device(device)
         self.device = device
+        self.stats.device = device.type
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         if self.measure:

@@ -93,6 +93,17 @@ def counter_owner(t: torch.Tensor) -> torch.Tensor:
     return t if t._base is None else t._base
 
 
+def unsupported_device(device: torch.device) -> RuntimeError:
+    """The error for a step whose saved tensors are on a device the engine does not run on."""
+    if device.type == "meta":
+        fix = ("a model on the meta device has no data to train: materialise it first (e.g. "
+               "model.to_empty(device='cuda') and load or initialise its weights)")
+    else:
+        fix = f"train on the CPU or a CUDA GPU, or without the engine on {device.type}"
+    return RuntimeError(f"cswap: autograd saved a tensor on {device}; the engine runs on the "
+                        f"CPU and on CUDA GPUs only: {fix}")
+
+
 def version_error(current: int, saved: int, dtype: torch.dtype, shape: tuple[int, ...]) -> NoReturn:
     """PyTorch skips its version check for tensors that pass through saved-tensor hooks; the
     engine does it, and raises this where a saved tensor was modified in place."""

@@ -28,6 +28,8 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import fields, replace
+from difflib import get_close_matches
 from typing import Any
 
 import lightning.pytorch as pl
@@ -42,6 +44,7 @@ from lightning.pytorch.strategies import (
     StrategyRegistry,
 )
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torchmetrics import Metric
 
 from ..config import CSwapConfig, as_config
@@ -62,14 +65,33 @@ from .metrics import (
 
 # The default as a value, not None, so LightningCLI's --print_config lists every field.
 DEFAULT_CONFIG = CSwapConfig()
+CONFIG_FIELDS = tuple(f.name for f in fields(CSwapConfig))
 
 
 class _CSwapMixin:
-    """What the CSwap strategies add to their Lightning base (listed first, so it wraps it)."""
+    """What the CSwap strategies add to their Lightning base (listed first, so it wraps it).
+
+    ``CSwapConfig``'s fields may be given as keywords (``CSwapStrategy(budget=0.5)``): they
+    replace those of ``config``; every other keyword goes to the Lightning base."""
 
     def __init__(self, config: CSwapConfig | None = DEFAULT_CONFIG, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.cswap_config = as_config(config, type(self).__name__)
+        name = type(self).__name__
+        given = {key: kwargs.pop(key) for key in list(kwargs) if key in CONFIG_FIELDS}
+        config = as_config(config, name)
+        self.cswap_config = replace(config, **given) if given else config
+        try:
+            super().__init__(**kwargs)
+        except TypeError as err:  # a keyword neither the config nor the base takes
+            if "unexpected keyword argument" not in str(err):
+                raise
+            wrong = next((k for k in kwargs if f"'{k}'" in str(err)), "")
+            close = get_close_matches(wrong, CONFIG_FIELDS, n=1)
+            hint = f"; did you mean CSwapConfig's {close[0]!r}?" if close else ""
+            mro = type(self).__mro__
+            base = mro[mro.index(_CSwapMixin) + 1].__name__
+            raise TypeError(f"{name} got an unexpected keyword argument {wrong!r}{hint}. It "
+                            f"takes config=CSwapConfig(...), CSwapConfig's fields "
+                            f"({', '.join(CONFIG_FIELDS)}) and {base}'s arguments") from None
         self._offloader: Offloader | None = None
         self._guard: AccuracyGuard | None = None
         self.shadow: Shadow | None = None  # with guard_shadow, from the first training step
@@ -113,6 +135,8 @@ class _CSwapMixin:
                 self.shadow = Shadow(module, module.trainer.optimizers[0])
             if check or self.shadow is not None:
                 self._beside(module, check, args, kwargs)
+        # Manual optimisation runs backward inside training_step: inside the block, by design.
+        self.offloader.backward_inside = not self.lightning_module.automatic_optimization
         with self.offloader:
             return super().training_step(*args, **kwargs)
 
@@ -400,12 +424,24 @@ class CSwapHooks(Callback):
                    trainer.gradient_clip_val)
         shadow.step(optimizer, clip)
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                     exception: BaseException) -> None:
+        """Training stopped by an exception: the model's own forwards back; after a SIGTERM,
+        which Lightning raises between steps, the summary too, as at the end of training."""
+        if isinstance(exception, SIGTERMException):
+            self.on_train_end(trainer, pl_module)
+        else:
+            self._release()
+
+    def _release(self) -> None:
         modules = self.strategy.offloader.modules
         if modules is not None:  # its global module hooks go now, not when garbage-collected
             modules.close()  # (mid-way through a later torch.compile, which guards on them)
         if self.strategy.offloader.recomputer is not None:
             self.strategy.offloader.recomputer.unwrap()  # the model's own forwards, until it trains
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._release()
         log_dir = trainer.log_dir or trainer.default_root_dir  # every rank: it broadcasts
         if self.last is None or not trainer.is_global_zero:
             return

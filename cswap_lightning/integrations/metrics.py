@@ -11,13 +11,15 @@ from matplotlib.figure import Figure
 from torchmetrics import MetricCollection
 
 from ..config import MiB
-from ..core.stats import StepStats, fmt_bytes
+from ..core.stats import StepStats
 from ..metrics import (
     CompressionRatio,
     KeepAllBytes,
     OffloadedBytes,
     PeakPercent,
     PeakResidentBytes,
+    RecomputedBlocks,
+    RecomputeFreedBytes,
     SwapWait,
 )
 
@@ -30,7 +32,8 @@ def offload_metrics(prefix: str = "cswap/") -> MetricCollection:
     return MetricCollection(
         {"ratio": CompressionRatio(), "offloaded_bytes": OffloadedBytes(), "wait_s": SwapWait(),
          "peak_resident_bytes": PeakResidentBytes(), "keep_all_bytes": KeepAllBytes(),
-         "peak_percent": PeakPercent()},
+         "peak_percent": PeakPercent(), "recomputed_blocks": RecomputedBlocks(),
+         "recompute_freed_bytes": RecomputeFreedBytes()},
         prefix=prefix,
         compute_groups=False,
     )
@@ -39,13 +42,17 @@ def offload_metrics(prefix: str = "cswap/") -> MetricCollection:
 def step_values(stats: StepStats, tracked: StepStats | None = None) -> dict[str, float]:
     """The update arguments of :func:`offload_metrics` for one step. ``tracked``: the step
     that tracked every site whose peak ``stats`` reports (``Offloader.tracked_step()``), for
-    what keeping everything holds; ``stats`` itself by default."""
+    what keeping everything holds, the peak with recomputation and what recomputing spared;
+    ``stats`` itself by default."""
+    measured = stats if stats.tracked_all else (tracked or stats)
     return {
         "offloaded_bytes": stats.offloaded_bytes,
         "stored_bytes": stats.stored_bytes,
         "wait_s": stats.wait_s,
-        "peak_resident_bytes": stats.peak_resident_bytes,
-        "keep_all_bytes": (tracked or stats).keep_all_bytes,
+        "peak_resident_bytes": measured.peak_bytes,
+        "keep_all_bytes": (tracked or stats).baseline_bytes,
+        "recomputed_blocks": len(stats.recomputed.blocks) if stats.recomputed else 0,
+        "recompute_freed_bytes": measured.recompute_freed_bytes,
     }
 
 
@@ -79,16 +86,27 @@ def memory_timeline(stats: StepStats, label: str | None = None) -> Figure:
                      "kept or moved as the plan says, not tracked one by one: no curve measured")
         return figure
     ms = [1e3 * t for t in stats.timeline_s]
+    recomputed = stats.recomputed
     ax.step(ms, [b / MiB for b in stats.timeline_bytes], where="post",
-            label="saved tensors on the device (measured)")
-    ax.axhline(stats.peak_resident_bytes / MiB, linestyle=":", color="gray",
-               label=f"peak {stats.peak_resident_bytes / MiB:.1f} MiB")
-    ax.axhline(stats.keep_all_bytes / MiB, linestyle="--", color="black",
-               label=f"keeping them all {stats.keep_all_bytes / MiB:.1f} MiB")
+            label="saved tensors on the device (measured)" + (
+                ", with what recomputed blocks hold again" if recomputed else ""))
+    ax.axhline(stats.peak_bytes / MiB, linestyle=":", color="gray",
+               label=f"peak {stats.peak_bytes / MiB:.1f} MiB")
+    ax.axhline(stats.baseline_bytes / MiB, linestyle="--", color="black",
+               label=f"keeping them all {stats.baseline_bytes / MiB:.1f} MiB"
+               + (" (without recomputation)" if stats.baseline_bytes != stats.keep_all_bytes
+                  else ""))
+    if stats.budget_bytes is not None and stats.budget_bytes <= 2 * stats.baseline_bytes:
+        ax.axhline(stats.budget_bytes / MiB, linestyle="-.", color="red",
+                   label=f"budget {stats.budget_bytes / MiB:.1f} MiB")
     ax.set_xlabel("ms since the step's first saved tensor")
     ax.set_ylabel("MiB")
-    ax.set_title(f"saved tensors during {label}: moved out {stats.offloaded_bytes / MiB:.1f} "
-                 f"MiB of {stats.keep_all_bytes / MiB:.1f} MiB of activations")
+    title = (f"saved tensors during {label}: moved out {stats.offloaded_bytes / MiB:.1f} "
+             f"MiB of {stats.keep_all_bytes / MiB:.1f} MiB of activations")
+    if recomputed:
+        title += (f";\n{len(recomputed.blocks)} blocks recomputed, sparing "
+                  f"{stats.recompute_freed_bytes / MiB:.1f} MiB")
+    ax.set_title(title)
     ax.legend()
     return figure
 
@@ -107,17 +125,9 @@ def write_summary(stats: StepStats, directory: str | Path,
 
 
 def run_summary(stats: StepStats, label: str, table: Path, plot: Path) -> str:
-    """The line a trainer prints when training ends: the peak against keeping everything,
-    what moved, what backward waited, and where the summary files are."""
-    if stats.peak_share is None:
-        peak = f"{fmt_bytes(stats.peak_resident_bytes)} at the peak"
-    else:
-        peak = (f"{fmt_bytes(stats.peak_resident_bytes)} at the peak, "
-                f"{100 * stats.peak_share:.0f}% of the {fmt_bytes(stats.keep_all_bytes)} that "
-                f"keeping them all holds "
-                f"({fmt_bytes(stats.keep_all_bytes - stats.peak_resident_bytes)} less)")
-    return (f"cswap: saved tensors resident at once on {label}, measured: {peak}; "
-            f"{fmt_bytes(stats.offloaded_bytes)} moved out, held as "
-            f"{fmt_bytes(stats.stored_bytes)} on the host; backward waited "
-            f"{1e3 * stats.wait_s:.1f} ms for them. Per-site summary in {table}, memory "
-            f"timeline in {plot}")
+    """What a trainer prints when training ends: the step's summary (:meth:`StepStats.summary`,
+    the lines that end the per-site table, the same a plain loop prints), and where the
+    summary files are."""
+    lines = stats.summary(label)
+    return "\n".join([f"cswap: {lines[0]}", *(f"  {line}" for line in lines[1:]),
+                      f"  per-site summary in {table}, memory timeline in {plot}"])
