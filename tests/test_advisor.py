@@ -332,18 +332,18 @@ def test_a_smaller_step_runs_the_plan_and_a_larger_one_is_planned_for_at_once(mo
     assert "zvc" in {d.decision for d in old_plan.decisions.values()}  # ReLU outputs compress
     _step(off, net, x[:7], y[:7])  # smaller: the plan's decisions, checked
     assert {s.decision for s in off.last_step().sites} & {"zvc"}
-    assert off.plan is old_plan and off._measure_left == 0
+    assert off.plan is old_plan and off.learning.measure_left == 0
     big_x, big_y = torch.cat([x, x]), torch.cat([y, y])
     _step(off, net, big_x, big_y)  # larger: its larger sites tracked and moved raw
     assert {s.decision for s in off.last_step().sites} - {"keep", "dedup"} == {"raw"}
     _step(off, net, big_x, big_y)  # planned for as it starts (the last step closed), checks
     assert {s.decision for s in off.last_step().sites} & {"zvc"}
-    assert off.plan is not old_plan and off._measure_left == 0 and len(links) == 1
+    assert off.plan is not old_plan and off.learning.measure_left == 0 and len(links) == 1
     assert all(d.shape[0] == 2 * x.shape[0] for d in off.plan.decisions.values()
                if d.decision != "keep" and len(d.shape) == 2)
     for batch in (x[:5], big_x[:, :], x):  # all served by it
         _step(off, net, batch, torch.cat([y, y])[: batch.shape[0]])
-    assert off._replans == 0 and off._measure_left == 0 and len(links) == 1
+    assert off.learning.replans == 0 and off.learning.measure_left == 0 and len(links) == 1
     off.close()
 
 

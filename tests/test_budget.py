@@ -391,7 +391,7 @@ def test_a_fixed_plan_tracks_again_without_measuring_when_the_saved_tensors_chan
     assert rechecked.untracked_tensors == 0 and rechecked.sites
     assert recounted.untracked_tensors == len(kept)
     assert recounted.peak_resident_bytes == rechecked.peak_resident_bytes > 0
-    assert off._measure_left == 0  # nothing was measured again
+    assert off.learning.measure_left == 0  # nothing was measured again
     off.close()
 
 
@@ -435,7 +435,7 @@ def test_varying_lengths_are_planned_for_the_longest_without_measuring_again():
             stats += train_beside_plain(off, model, x[:rows], steps=1)
     with off:  # closes the last step
         pass
-    assert off._measure_left == 0 and off._replans == 0
+    assert off.learning.measure_left == 0 and off.learning.replans == 0
     assert [bool(s.offloaded_bytes) for s in stats[:3]] == [True, True, True]  # measured, grew
     assert not any(s.offloaded_bytes for s in stats[3:])  # planned for 512 rows: keeps all
     assert not any(s.sites for s in stats[4:])  # checked on step 3, then only counted
@@ -458,7 +458,7 @@ def test_a_budget_plan_for_the_longest_meets_the_budget_on_shorter_steps():
         stats += train_beside_plain(off, model, x[:rows], steps=1)
     with off:  # closes the last step
         pass
-    assert off._measure_left == 0 and off._replans == 0 and off.plan.fits
+    assert off.learning.measure_left == 0 and off.learning.replans == 0 and off.plan.fits
     assert [s.resized for s in stats[3:]] == [True] * 4  # 256 rows checked the plan
     assert "differ in size from this step's" in stats[3].table()
     learned = off.state_dict()
@@ -498,7 +498,7 @@ def test_transformers_with_varying_lengths_are_never_measured_again(kind):
             stats.append(off.last_step())
     with off:  # closes the last step
         pass
-    assert off._replans == 0 and off._measure_left == 0
+    assert off.learning.replans == 0 and off.learning.measure_left == 0
     # the run fits: once its plan is checked, the steps run without hooks
     assert [s.hooks_off for s in stats[-3:]] == [True] * 3, [
         (len(s.sites), s.untracked_tensors, s.resized) for s in stats]

@@ -655,7 +655,7 @@ def _swapping_step(peak: int, moved: int):
 def test_measured_steps_keep_every_tensor_only_where_the_device_has_room_for_them():
     """The swap-all step's peak above today's allocation plus what it moved must fit in four
     fifths of what the device can still give (free, and reserved but unused)."""
-    from cswap_lightning.core.engine import room_to_keep
+    from cswap_lightning.planning.planner import room_to_keep
 
     GiB = 1 << 30
     stats = _swapping_step(peak=10 * GiB, moved=5 * GiB)
@@ -728,12 +728,12 @@ def test_with_room_every_measured_step_after_a_swapping_one_keeps_all_and_plans_
     under a budget nothing fits, a measured step that swapped is followed by one that keeps
     every tensor, before the plan and again after new_epoch() with the plan in place; the
     steps between run the plan, which moves."""
-    from cswap_lightning.core import engine
+    from cswap_lightning.core import learning
 
     model, x, y = model_and_batch("mlp")
 
     def decisions(room: bool) -> list[set[str]]:
-        monkeypatch.setattr(engine, "room_to_keep", lambda stats, device: room)
+        monkeypatch.setattr(learning, "room_to_keep", lambda stats, device: room)
         off = Offloader(CSwapConfig(budget=MIN_BUDGET, min_bytes=0, profile_steps=2,
                                     recompute="off"))
         rows = []

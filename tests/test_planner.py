@@ -175,10 +175,10 @@ def test_a_checked_step_over_its_budget_makes_the_next_plan_tighter():
     off = Offloader(CSwapConfig(budget=budget, profile_steps=1), link=SLOW_LINK)
     train(off, model, ids, steps=3)
     over = StepStats(99, peak_resident_bytes=int(1.5 * budget))
-    off._check(off.plan, over)
-    assert off.planner.tightened == over.peak_resident_bytes - budget
-    assert off._measure_left == off.config.profile_steps  # measured again
-    assert off.recomputation.mix.budget_bytes == budget - off.planner.tightened
+    off.learning.check(off.plan, over)
+    assert off.learning.planner.tightened == over.peak_resident_bytes - budget
+    assert off.learning.measure_left == off.config.profile_steps  # measured again
+    assert off.recomputation.mix.budget_bytes == budget - off.learning.planner.tightened
     stats = train(off, model, ids, steps=3)
     assert stats[-1].peak_resident_bytes <= budget
     off.close()

@@ -122,7 +122,7 @@ def run_demo(
         print(offloader.plan.table())
         if not any(d.decision in CODECS_THAT_COMPRESS for d in offloader.plan.decisions.values()):
             link = offloader.link or measure_link(dev)
-            raw = [p for p in offloader.profiler.profile()
+            raw = [p for p in offloader.learning.profiler.profile()
                    if offloader.plan.decisions[p.site].decision == "raw"]
             zvc = sum(predicted_stored_bytes("zvc", p) for p in raw)
             print(f"No site is compressed: here a swap costs a copy at {link.d2h / 1e9:.1f} GB/s, "
