@@ -3,8 +3,8 @@
 from .config import CSwapConfig
 from .core.compile import compile_blocks
 from .core.engine import Offloader, offload
-from .core.stats import SiteStats, StepStats
 from .integrations.strategy_names import register_strategy_names
+from .records import SiteStats, StepStats
 
 # Imported on first use, so that `import cswap_lightning` loads neither Lightning nor
 # transformers. The Lightning strategies' names ("cswap", "cswap_ddp", "cswap_fsdp",

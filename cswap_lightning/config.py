@@ -25,6 +25,9 @@ INFLIGHT_CHOICES: tuple[int, ...] = (2048 * MiB, 4096 * MiB, 8192 * MiB)
 # More memory than any device has (the largest GPUs hold 288 GB; 16 TiB is more RAM than
 # nearly any host): a byte count above it is a slip (a unit written twice), not a setting.
 MAX_BYTES = 1 << 44
+# A view whose storage is this many times larger than itself is kept: offloading it would
+# move (and free) nothing but the whole storage.
+MAX_STORAGE_TO_VIEW_RATIO = 4
 # A budget of fewer bytes than this is a slip (``budget=1`` meant the whole device, 1.0):
 # every step saves more.
 MIN_BUDGET = 1024

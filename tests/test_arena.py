@@ -15,9 +15,9 @@ from cswap_lightning import CSwapConfig, Offloader
 from cswap_lightning.codecs import get_codec
 from cswap_lightning.core import arena as arena_module
 from cswap_lightning.core.arena import ALIGNMENT, HostArena
-from cswap_lightning.core.stats import SiteStats, StepStats
 from cswap_lightning.core.transfer import Stored, Transfer
 from cswap_lightning.planning.memplan import Block, plan
+from cswap_lightning.records import SiteStats, StepStats
 
 
 @pytest.fixture(autouse=True)

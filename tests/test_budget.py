@@ -16,8 +16,8 @@ from conftest import wide_mlp
 from torch import nn
 
 from cswap_lightning import CSwapConfig, Offloader
-from cswap_lightning.core.stats import StepStats, fmt_bytes
 from cswap_lightning.planning.advisor import AUTO_MARGIN, resolve_budget
+from cswap_lightning.records import StepStats, fmt_bytes
 
 MiB = 1 << 20
 

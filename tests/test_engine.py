@@ -642,7 +642,7 @@ def test_a_storage_unpacked_on_a_second_stream_waits_for_its_restore():
 
 # -- what the measured steps measure (the H200 check of 2026-11-26) ---------------------------
 def _swapping_step(peak: int, moved: int):
-    from cswap_lightning.core.stats import SiteStats, StepStats
+    from cswap_lightning.records import SiteStats, StepStats
 
     stats = StepStats(0)
     stats.peak_allocated_bytes = peak
@@ -670,8 +670,8 @@ def test_measured_steps_keep_every_tensor_only_where_the_device_has_room_for_the
 def test_the_profiler_times_sites_from_the_steps_that_moved_nothing():
     """A swapping step's windows hold its copies' stalls; a step that kept everything times
     the compute alone, and its windows are the ones the planner replays."""
-    from cswap_lightning.core.stats import SiteStats, StepStats
     from cswap_lightning.planning.profiler import Profiler
+    from cswap_lightning.records import SiteStats, StepStats
 
     def step(decision: str) -> StepStats:
         stats = StepStats(0)

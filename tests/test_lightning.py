@@ -30,7 +30,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanMetric
 
 from cswap_lightning import CSwapConfig, compile_blocks
-from cswap_lightning.core.stats import fmt_bytes
 from cswap_lightning.integrations.lightning import (
     CSwapDDPStrategy,
     CSwapFSDPStrategy,
@@ -39,6 +38,7 @@ from cswap_lightning.integrations.lightning import (
     CSwapStrategy,
 )
 from cswap_lightning.integrations.metrics import run_summary
+from cswap_lightning.records import fmt_bytes
 
 LOSSLESS = CSwapConfig(plan="zvc", min_bytes=0)
 

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from cswap_lightning import CSwapConfig, Offloader
-from cswap_lightning.core.stats import SiteStats, StepStats
 from cswap_lightning.integrations.metrics import (
     memory_timeline,
     offload_metrics,
@@ -19,6 +18,7 @@ from cswap_lightning.integrations.metrics import (
     write_summary,
 )
 from cswap_lightning.metrics import CompressionRatio, ReconstructionError
+from cswap_lightning.records import SiteStats, StepStats
 
 MiB = 1 << 20
 

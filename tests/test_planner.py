@@ -8,8 +8,8 @@ import torch
 
 from cswap_lightning import CSwapConfig, Offloader
 from cswap_lightning.config import AUTO_INFLIGHT_BYTES
-from cswap_lightning.core.stats import StepStats
 from cswap_lightning.planning.profiler import Link
+from cswap_lightning.records import StepStats
 
 transformers = pytest.importorskip("transformers")
 # A link as slow beside this CPU's compute as PCIe is beside an H100's: swapping is dear, as

@@ -294,8 +294,8 @@ def test_a_recomputing_step_says_what_it_recomputed_spared_and_held_again(name):
     """The step's summary, its metrics and its peak show the recomputation: which blocks, how
     many backward ran again, the saved tensors that spared against the plain step's, what
     the blocks held again while backward ran them (measured), and their forward's time."""
-    from cswap_lightning.core.stats import fmt_bytes
     from cswap_lightning.integrations.metrics import step_values
+    from cswap_lightning.records import fmt_bytes
 
     run = recomputing(case(name)[0], "keep")
     plain, stats = run.steps[0].stats, run.steps[1].stats

@@ -18,13 +18,13 @@ import torch
 from torch import nn
 
 from ..codecs import get_codec
-from ..core.stats import fmt_bytes
 from ..core.tensors import skip_reason
 from ..core.transfer import Stored, Transfer
 from ..planning.advisor import Advisor
 from ..planning.predictor import CodecTimeModel, calibrate
 from ..planning.profiler import Link, SiteProfile, measure_link
 from ..recipes.nets import build_cnn
+from ..records import fmt_bytes
 from .progress import Progress
 
 

@@ -29,8 +29,8 @@ from torch.nn import functional as F
 from ..codecs import bit_view
 from ..codecs.lossy import FP8Codec, Int4Codec, Int8Codec, relative_error
 from ..codecs.reference import Codec, RLECodec, ZVCCodec
-from ..core.stats import fmt_bytes
 from ..planning.profiler import median_seconds
+from ..records import fmt_bytes
 from .bench_step import result_meta, write_results
 
 KiB, MiB = 1024, 1024 * 1024

@@ -29,7 +29,7 @@ from torch.nn import functional as F
 
 from ..config import CSwapConfig
 from ..core.engine import Offloader
-from ..core.stats import fmt_bytes
+from ..records import fmt_bytes
 
 
 def build_model(name: str, device: torch.device, batch_size: int | None):

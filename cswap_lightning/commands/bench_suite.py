@@ -41,9 +41,9 @@ from typing_extensions import Self
 
 from ..config import CSwapConfig
 from ..core.engine import Offloader
-from ..core.stats import fmt_bytes
 from ..integrations.hf_checkpointing import checkpointing_switch, has_offload
 from ..planning import profiled
+from ..records import fmt_bytes
 from .args import number
 from .bench_step import _Counted, result_meta, write_results
 

@@ -19,8 +19,8 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from ..config import LOSSY_CODECS, CSwapConfig
-from ..core.stats import StepStats, fmt_bytes
 from ..integrations.lightning import _CSwapMixin
+from ..records import StepStats, fmt_bytes
 from .bench_step import result_meta, write_results
 from .fit import cli_args, cswap_cli
 

@@ -16,10 +16,10 @@ from torch.nn import functional as F
 
 from ..config import COMPRESSORS, LOSSY_CODECS, CSwapConfig
 from ..core.engine import Offloader
-from ..core.stats import StepStats, fmt_bytes
 from ..planning.advisor import predicted_stored_bytes
 from ..planning.profiler import measure_link
 from ..recipes.nets import build_cnn
+from ..records import StepStats, fmt_bytes
 
 CODECS_THAT_COMPRESS = (*COMPRESSORS, *LOSSY_CODECS)
 TRAIN_FRACTION = 0.8

@@ -27,7 +27,7 @@ from ..codecs import get_codec
 from ..config import COMPRESSORS
 from ..planning import memplan
 from ..planning.memplan import Block, Layout
-from .stats import SiteStats, StepStats, fmt_bytes
+from ..records import SiteStats, StepStats, fmt_bytes
 
 ALIGNMENT = 512  # bytes; every region starts at a multiple of it
 

@@ -28,10 +28,10 @@ from ..planning import live
 from ..planning.advisor import FixedPlan, Plan
 from ..planning.predictor import CodecTimeModel
 from ..planning.profiler import Link
+from ..records import SiteStats, StepStats
 from .learning import Learning
 from .module_names import ModuleTracker
 from .recompute import BlockCall, BlockTimer, Recompute, top_hooks
-from .stats import SiteStats, StepStats
 from .step import Probe, Step, hide_from_dynamo
 from .transfer import Transfer
 

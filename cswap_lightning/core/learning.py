@@ -27,8 +27,8 @@ from ..planning.advisor import HELD_ELSEWHERE, Plan
 from ..planning.planner import OVER_BUDGET, TIGHTENINGS, Measured, Planner, room_to_keep
 from ..planning.predictor import CodecTimeModel
 from ..planning.profiler import Link, Profiler
+from ..records import Recomputed, StepStats, fmt_bytes
 from .recompute import BlockCall, Recompute, left_out_rows
-from .stats import Recomputed, StepStats, fmt_bytes
 from .step import Checked, Move, Step
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ from collections import deque
 
 import torch
 
-from .stats import StepStats
+from ..records import StepStats
 
 
 class Held(weakref.ref):

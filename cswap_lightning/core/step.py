@@ -26,7 +26,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
@@ -35,11 +35,10 @@ from ..codecs.lossy import relative_error, seed_of
 from ..config import LOSSY_CODECS
 from ..planning.prefetch import resident_window
 from ..planning.profiler import StepTimer
+from ..records import WEIGHTS, SiteStats, StepStats, fmt_bytes
 from .residency import Residency
-from .stats import SiteStats, StepStats, fmt_bytes
 from .tensors import (
     _STRIDED,
-    WEIGHTS,
     counter_owner,
     of_a_leaf,
     skip_reason,
@@ -51,8 +50,25 @@ from .tensors import (
 from .transfer import Stored
 
 if TYPE_CHECKING:
-    from .engine import Offloader
+    from ..config import CSwapConfig
+    from .module_names import ModuleTracker
     from .recompute import BlockTimer
+    from .transfer import Transfer
+
+
+class Session(Protocol):
+    """What a step reads of the engine that runs it (``engine.Offloader``): its settings,
+    copies and module names, the prefetch window and each site's decision; and where it
+    records the sites whose moving freed nothing."""
+
+    config: CSwapConfig
+    transfer: Transfer
+    modules: ModuleTracker | None
+    held_elsewhere: set[int]
+
+    def prefetch_window(self) -> int | None: ...
+
+    def codec_for(self, site: int, stats: SiteStats) -> str: ...
 
 
 class _Entry(Stored):
@@ -153,7 +169,7 @@ class Checked(NamedTuple):
 class Step:
     """Packs and unpacks of one forward and its backward."""
 
-    def __init__(self, offloader: Offloader, index: int, order: list[int] | None,
+    def __init__(self, offloader: Session, index: int, order: list[int] | None,
                  measure: bool, checked: Checked | None = None,
                  limits: tuple[int, ...] | None = None) -> None:
         self.offloader = offloader

@@ -10,16 +10,11 @@ from typing import NoReturn
 import torch
 
 from ..codecs import DTYPES
+from ..config import MAX_STORAGE_TO_VIEW_RATIO
 
-# A view whose storage is this many times larger than itself is kept: offloading it would
-# move (and free) nothing but the whole storage.
-MAX_STORAGE_TO_VIEW_RATIO = 4
 _SUPPORTED_DTYPES = frozenset(DTYPES)
 _STRIDED = torch.strided
 
-# Why a weight stays (trained or frozen, a leaf that requires grad, or a view of one): the
-# module holds it, so moving it would copy bytes and free nothing.
-WEIGHTS = ("parameter", "leaf", "view of a leaf")
 
 
 def unwrap(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor] | None]:

@@ -40,8 +40,8 @@ from functools import partial
 import torch
 
 from ..codecs import Codec, Header, LossyCodec, Packed, get_codec, nonzero_count
+from ..records import StepStats
 from .arena import ArenaReport, HostMemory, Lease, stop_unpinner
-from .stats import StepStats
 
 OFFLOAD, RESTORE, COMPRESS = range(3)  # a device's side streams
 _CPU = torch.device("cpu")  # compared with, as ``device.type`` makes a string (0.3 us)

@@ -52,8 +52,8 @@ from ..core.compile import compiled_whole
 from ..core.engine import Offloader
 from ..core.guard import AccuracyGuard
 from ..core.shadow import Shadow
-from ..core.stats import StepStats
 from ..planning.profiler import measure_link
+from ..records import StepStats
 from .metrics import (
     offload_metrics,
     plan_values,

@@ -11,7 +11,6 @@ from matplotlib.figure import Figure
 from torchmetrics import MetricCollection
 
 from ..config import MiB
-from ..core.stats import StepStats
 from ..metrics import (
     CompressionRatio,
     KeepAllBytes,
@@ -22,6 +21,7 @@ from ..metrics import (
     RecomputeFreedBytes,
     SwapWait,
 )
+from ..records import StepStats
 
 if TYPE_CHECKING:
     from ..core.engine import Offloader

@@ -27,7 +27,7 @@ import torch
 
 from ..codecs import get_codec
 from ..config import COMPRESSORS, LOSSY_CODECS
-from ..core.stats import SiteStats, StepStats, fmt_bytes
+from ..records import SiteStats, StepStats, fmt_bytes
 from .predictor import CodecTimeModel
 from .profiler import Link, SiteProfile
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from ..records import WEIGHTS
 from . import mix, replay
 from .advisor import predicted_stored_bytes
 from .predictor import CodecTimeModel
@@ -24,7 +25,6 @@ from .profiler import SiteProfile
 from .workload import Block, Op, Saved, Workload
 
 _SHARED = re.compile(r"shares storage with site (\d+)")
-_WEIGHTS = ("parameter", "leaf", "view of a leaf")
 _MOVABLE = ("", "plan", "small")  # what the engine may move, or keeps by the plan or by size
 
 
@@ -49,7 +49,7 @@ def workload(profiles: Sequence[SiteProfile], calls: Sequence[BlockCall],
     for i, p in enumerate(profiles):
         shared = _SHARED.fullmatch(p.reason)
         storage = index.get(int(shared.group(1)), i) if shared else i
-        weight = p.reason in _WEIGHTS
+        weight = p.reason in WEIGHTS
         # Kept for a reason the engine measured (held elsewhere) or could not move at all
         # (sparse, subclasses): left in place, counted from the start.
         held = not (weight or shared or p.offloadable or p.reason in _MOVABLE)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..config import AUTO_INFLIGHT_BYTES, INFLIGHT_CHOICES, CSwapConfig
-from ..core.stats import StepStats
+from ..records import StepStats
 from . import live
 from . import replay as replayed
 from .advisor import Advisor, Decision, Plan, resolve_budget

@@ -19,7 +19,7 @@ from functools import partial
 
 import torch
 
-from ..core.stats import StepStats
+from ..records import StepStats
 from .replay import Link
 
 _LINKS: dict[torch.device, Link] = {}

@@ -50,8 +50,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..config import AUTO_INFLIGHT_BYTES, CSwapConfig
-from ..core.tensors import MAX_STORAGE_TO_VIEW_RATIO
+from ..config import AUTO_INFLIGHT_BYTES, MAX_STORAGE_TO_VIEW_RATIO, CSwapConfig
 from .workload import Workload
 
 GB = 1e9

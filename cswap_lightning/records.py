@@ -6,7 +6,9 @@ from array import array
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from .tensors import WEIGHTS
+# Why a weight stays (trained or frozen, a leaf that requires grad, or a view of one): the
+# module holds it, so moving it would copy bytes and free nothing.
+WEIGHTS = ("parameter", "leaf", "view of a leaf")
 
 
 @dataclass(slots=True)
