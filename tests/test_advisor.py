@@ -15,7 +15,8 @@ from cswap_lightning.codecs import get_codec
 from cswap_lightning.commands.bench_advisor import Timings, accuracy, report, run_advisor_check
 from cswap_lightning.core.transfer import Stored
 from cswap_lightning.planning import predictor
-from cswap_lightning.planning.advisor import Advisor, Plan, exposed_s, predicted_stored_bytes
+from cswap_lightning.planning.advisor import Advisor, exposed_s, predicted_stored_bytes
+from cswap_lightning.planning.plan import Plan
 from cswap_lightning.planning.planner import Measured, Planner
 from cswap_lightning.planning.predictor import CodecTimeModel, KernelRun, calibrate, record_runs
 from cswap_lightning.planning.profiler import Link, SiteProfile

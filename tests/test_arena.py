@@ -16,7 +16,7 @@ from cswap_lightning.codecs import get_codec
 from cswap_lightning.core import arena as arena_module
 from cswap_lightning.core.arena import ALIGNMENT, HostArena
 from cswap_lightning.core.transfer import Stored, Transfer
-from cswap_lightning.planning.memplan import Block, plan
+from cswap_lightning.planning.memplan import Buffer, plan
 from cswap_lightning.records import SiteStats, StepStats
 
 
@@ -185,7 +185,7 @@ def test_the_arena_is_planned_again_when_a_site_changes_size():
 
 def test_a_region_sharing_bytes_with_a_held_one_waits_for_its_release():
     # Blocks 0 and 1 never live together, so the planner lets them share bytes.
-    layout = plan([Block(0, 1024, 0, 1), Block(1, 1024, 2, 3)], alignment=512)
+    layout = plan([Buffer(0, 1024, 0, 1), Buffer(1, 1024, 2, 3)], alignment=512)
     assert layout.regions[0] == layout.regions[1]
     arena = HostArena(layout, signature=(), pin=False)
     view, _ = arena.acquire(0, 1024)

@@ -8,91 +8,91 @@ from hypothesis import strategies as st
 from torch.nn import functional as F
 
 from cswap_lightning import CSwapConfig, Offloader
-from cswap_lightning.core.arena import payload_blocks
+from cswap_lightning.core.arena import payload_buffers
 from cswap_lightning.planning import memplan
-from cswap_lightning.planning.memplan import Block
+from cswap_lightning.planning.memplan import Buffer
 from cswap_lightning.recipes.nets import build_cnn
 
 
 @st.composite
-def block_sets(draw):
+def buffer_sets(draw):
     n = draw(st.integers(0, 40))
-    blocks = []
+    buffers = []
     for key in range(n):
         start = draw(st.integers(0, 60))
-        blocks.append(Block(key, draw(st.integers(0, 5000)), start, start + draw(st.integers(0, 30))))
-    return blocks
+        buffers.append(Buffer(key, draw(st.integers(0, 5000)), start, start + draw(st.integers(0, 30))))
+    return buffers
 
 
 @settings(max_examples=300, deadline=None)
-@given(block_sets(), st.sampled_from([1, 16, 512, 4096]))
-def test_no_two_blocks_alive_together_share_bytes(blocks, alignment):
-    layout = memplan.plan(blocks, alignment)
-    assert set(layout.regions) == {b.key for b in blocks}
-    for b in blocks:
+@given(buffer_sets(), st.sampled_from([1, 16, 512, 4096]))
+def test_no_two_buffers_alive_together_share_bytes(buffers, alignment):
+    layout = memplan.plan(buffers, alignment)
+    assert set(layout.regions) == {b.key for b in buffers}
+    for b in buffers:
         at, size = layout.regions[b.key]
         assert size == b.size and at % alignment == 0
         assert 0 <= at and at + size <= layout.arena_bytes
-    for i, a in enumerate(blocks):
+    for i, a in enumerate(buffers):
         a_at = layout.regions[a.key][0]
-        for b in blocks[i + 1 :]:
+        for b in buffers[i + 1 :]:
             b_at = layout.regions[b.key][0]
             if a.lives_with(b) and a.size and b.size:
                 assert a_at + a.size <= b_at or b_at + b.size <= a_at, (a, b, layout)
-    bound = memplan.lower_bound(blocks)
+    bound = memplan.lower_bound(buffers)
     assert layout.arena_bytes >= bound
-    assert memplan.per_tensor_bytes(blocks) >= bound
+    assert memplan.per_tensor_bytes(buffers) >= bound
 
 
 def test_lower_bound_and_per_tensor_bytes_of_a_small_case():
     # Ticks 3-5: a and b live (100 + 200); ticks 6-8: b and c (200 + 300).
-    blocks = [Block(0, 100, 0, 5), Block(1, 200, 3, 8), Block(2, 300, 6, 9)]
-    assert memplan.lower_bound(blocks) == 500
-    assert memplan.per_tensor_bytes(blocks) == 256 + 512
-    # A block ending at tick 5 and one starting at tick 6 are never live together.
-    assert memplan.lower_bound([Block(0, 100, 0, 5), Block(1, 100, 6, 7)]) == 100
+    buffers = [Buffer(0, 100, 0, 5), Buffer(1, 200, 3, 8), Buffer(2, 300, 6, 9)]
+    assert memplan.lower_bound(buffers) == 500
+    assert memplan.per_tensor_bytes(buffers) == 256 + 512
+    # A buffer ending at tick 5 and one starting at tick 6 are never live together.
+    assert memplan.lower_bound([Buffer(0, 100, 0, 5), Buffer(1, 100, 6, 7)]) == 100
 
 
-def test_blocks_with_disjoint_lifetimes_share_memory():
-    layout = memplan.plan([Block(0, 1000, 0, 1), Block(1, 1000, 2, 3)], alignment=512)
+def test_buffers_with_disjoint_lifetimes_share_memory():
+    layout = memplan.plan([Buffer(0, 1000, 0, 1), Buffer(1, 1000, 2, 3)], alignment=512)
     assert layout.regions == {0: (0, 1000), 1: (0, 1000)}
     assert layout.arena_bytes == 1000
-    layout = memplan.plan([Block(0, 1000, 0, 2), Block(1, 1000, 1, 3)], alignment=512)
-    assert layout.regions[1] == (1024, 1000)  # aligned past block 0
+    layout = memplan.plan([Buffer(0, 1000, 0, 2), Buffer(1, 1000, 1, 3)], alignment=512)
+    assert layout.regions[1] == (1024, 1000)  # aligned past buffer 0
     assert layout.arena_bytes == 2024
 
 
-def test_best_fit_takes_the_smallest_gap_that_holds_the_block():
-    blocks = [
-        Block(0, 300, 0, 2),  # placed at 0, gone after tick 2
-        Block(1, 250, 0, 9),  # at 300
-        Block(2, 200, 0, 2),  # at 550, gone after tick 2
-        Block(3, 150, 0, 9),  # at 750
-        Block(4, 100, 5, 9),  # gaps left for it: [0, 300) and [550, 750)
+def test_best_fit_takes_the_smallest_gap_that_holds_the_buffer():
+    buffers = [
+        Buffer(0, 300, 0, 2),  # placed at 0, gone after tick 2
+        Buffer(1, 250, 0, 9),  # at 300
+        Buffer(2, 200, 0, 2),  # at 550, gone after tick 2
+        Buffer(3, 150, 0, 9),  # at 750
+        Buffer(4, 100, 5, 9),  # gaps left for it: [0, 300) and [550, 750)
     ]
-    layout = memplan.plan(blocks, alignment=1)
+    layout = memplan.plan(buffers, alignment=1)
     assert [layout.regions[k][0] for k in range(4)] == [0, 300, 550, 750]
     assert layout.regions[4][0] == 550  # first fit would have taken 0
     assert layout.arena_bytes == 900
 
 
 @pytest.mark.parametrize(
-    ("blocks", "alignment", "error"),
+    ("buffers", "alignment", "error"),
     [
-        ([Block(0, 1, 0, 0)], 3, "power of two"),
-        ([Block(0, 1, 0, 0), Block(0, 2, 0, 0)], 1, "unique"),
+        ([Buffer(0, 1, 0, 0)], 3, "power of two"),
+        ([Buffer(0, 1, 0, 0), Buffer(0, 2, 0, 0)], 1, "unique"),
     ],
 )
-def test_bad_input_is_named(blocks, alignment, error):
+def test_bad_input_is_named(buffers, alignment, error):
     with pytest.raises(ValueError, match=error):
-        memplan.plan(blocks, alignment)
+        memplan.plan(buffers, alignment)
 
 
-def test_bad_blocks_are_named():
+def test_bad_buffers_are_named():
     with pytest.raises(ValueError, match="size must be >= 0"):
-        Block(7, -1, 0, 0)
+        Buffer(7, -1, 0, 0)
     with pytest.raises(ValueError, match="ends .* before it starts"):
-        Block(7, 1, 5, 4)
+        Buffer(7, 1, 5, 4)
 
 
 def _demo_step(name, plan):
@@ -113,8 +113,8 @@ def _demo_step(name, plan):
 @pytest.mark.parametrize("plan", ["raw", "zvc"])
 @pytest.mark.parametrize("name", ["demo", "transformer"])
 def test_arena_is_within_ten_percent_of_the_lower_bound_on_real_steps(name, plan):
-    blocks = payload_blocks(_demo_step(name, plan))
-    assert len(blocks) > 5
-    layout = memplan.plan(blocks)
-    bound = memplan.lower_bound(blocks)
+    buffers = payload_buffers(_demo_step(name, plan))
+    assert len(buffers) > 5
+    layout = memplan.plan(buffers)
+    bound = memplan.lower_bound(buffers)
     assert bound <= layout.arena_bytes <= 1.10 * bound

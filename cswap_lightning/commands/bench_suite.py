@@ -92,7 +92,7 @@ GOALS = (
 
 # -- models ---------------------------------------------------------------------------------
 @dataclass
-class Workload:
+class ModelCase:
     """A model to build (on the CPU, random weights), its batches and its loss."""
 
     key: str
@@ -108,7 +108,7 @@ class Workload:
 MODELS = ("resnet50", "vgg16", "bert-large", "gpt2-medium")
 
 
-def workload(key: str, small: bool) -> Workload:
+def workload(key: str, small: bool) -> ModelCase:
     """The full-size model, or a CPU-sized one with the same structure (``small``)."""
     if key in ("resnet50", "vgg16"):
         from ..recipes.nets import resnet50, vgg16
@@ -129,7 +129,7 @@ def workload(key: str, small: bool) -> Workload:
         def cross_entropy(model: nn.Module, batch) -> torch.Tensor:
             return nn.functional.cross_entropy(model(batch[0]), batch[1])
 
-        return Workload(key, label, f"width {width}, 3x{side}x{side} images, {classes} classes",
+        return ModelCase(key, label, f"width {width}, 3x{side}x{side} images, {classes} classes",
                         batch, partial(net, width, classes), images, cross_entropy, hf=False)
     if key in ("bert-large", "gpt2-medium"):
         bert = key == "bert-large"
@@ -163,7 +163,7 @@ def workload(key: str, small: bool) -> Workload:
         label = "BERT-large" if bert else "GPT-2 medium"
         if small:
             label += " (small)"
-        return Workload(key, label, f"hidden {hidden}, {layers} layers, {heads} heads, sequence "
+        return ModelCase(key, label, f"hidden {hidden}, {layers} layers, {heads} heads, sequence "
                         f"{seq}", batch, build, tokens, hf_loss, hf=True)
     raise ValueError(f"unknown model {key!r}; choose from {', '.join(MODELS)}")
 
@@ -227,7 +227,7 @@ class _Method:
     """One method set up on a model: the model to train, the context around forward, and
     the engine (cswap) or hooks object whose bytes are counted (torchtune)."""
 
-    def __init__(self, name: str, wl: Workload, model: nn.Module, budget_bytes: int | None,
+    def __init__(self, name: str, wl: ModelCase, model: nn.Module, budget_bytes: int | None,
                  min_bytes: int, prefetch_bytes: int | None = None) -> None:
         self.name, self.model, self.offloader, self.counted = name, model, None, None
         self.context: contextlib.AbstractContextManager = contextlib.nullcontext()
@@ -407,7 +407,7 @@ class StepResult:
     peak_bytes: int | None  # CUDA: allocator peak; CPU: the ledger's, on a ledger step only
 
 
-def _step(m: _Method, wl: Workload, optimizer, batch, dev: torch.device,
+def _step(m: _Method, wl: ModelCase, optimizer, batch, dev: torch.device,
           ledger: DeviceLedger | None = None) -> StepResult:
     cuda = dev.type == "cuda"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
@@ -460,7 +460,7 @@ class Settings:
     prefetch_bytes: int | None = None  # cswap's; None: the engine's default
 
 
-def measure(wl: Workload, base: nn.Module, method: str, batch_size: int, s: Settings,
+def measure(wl: ModelCase, base: nn.Module, method: str, batch_size: int, s: Settings,
             budget: float | None = None, budget_bytes: int | None = None) -> dict:
     """One method at one batch size (and budget): steps timed, peak measured, bytes counted.
 
@@ -533,7 +533,7 @@ def _decisions(st) -> dict[str, int]:
 
 
 # -- the largest batch ------------------------------------------------------------------------
-def max_batch(wl: Workload, base: nn.Module, method: str, s: Settings, start: int, limit: int,
+def max_batch(wl: ModelCase, base: nn.Module, method: str, s: Settings, start: int, limit: int,
               cap: int | None, deadline: float, bisections: int,
               known: dict[int, dict] | None = None) -> dict:
     """Largest batch of ``method`` that fits (CUDA: no out-of-memory, and within ``cap`` if
@@ -621,7 +621,7 @@ def _plan(levels: tuple[float, ...]) -> list[tuple[str, float | None]]:
     return first + rest
 
 
-def run_model(wl: Workload, dev: torch.device, opts: argparse.Namespace, deadline: float,
+def run_model(wl: ModelCase, dev: torch.device, opts: argparse.Namespace, deadline: float,
               save: Callable[[dict], None]) -> dict:
     """Every method on ``wl``, the largest batches, the goals and the verdict."""
     levels = tuple(opts.levels)

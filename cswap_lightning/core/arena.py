@@ -26,7 +26,7 @@ import torch
 from ..codecs import get_codec
 from ..config import COMPRESSORS
 from ..planning import memplan
-from ..planning.memplan import Block, Layout
+from ..planning.memplan import Buffer, Layout
 from ..records import SiteStats, StepStats, fmt_bytes
 
 ALIGNMENT = 512  # bytes; every region starts at a multiple of it
@@ -64,7 +64,7 @@ class HostArena:
     def acquire(self, key: int, nbytes: int, dtype: torch.dtype = torch.uint8
                 ) -> tuple[torch.Tensor, Lease] | str:
         """A view (as ``dtype``: the region goes back when this very view is collected) of
-        ``nbytes`` at the start of block ``key``'s region and its lease, or the
+        ``nbytes`` at the start of buffer ``key``'s region and its lease, or the
         reason it cannot be had."""
         while self._released:
             lease = self._released.popleft()
@@ -176,7 +176,7 @@ def _unregister(
 
 
 def _sharing(layout: Layout) -> dict[int, tuple[int, ...]]:
-    """For each block, the blocks whose regions share bytes with its own (itself included)."""
+    """For each buffer, the buffers whose regions share bytes with its own (itself included)."""
     regions = sorted((at, at + size, key) for key, (at, size) in layout.regions.items())
     sharing: dict[int, list[int]] = {key: [key] for key in layout.regions}
     for i, (_, stop, key) in enumerate(regions):
@@ -188,13 +188,13 @@ def _sharing(layout: Layout) -> dict[int, tuple[int, ...]]:
     return {key: tuple(keys) for key, keys in sharing.items()}
 
 
-def payload_blocks(step: StepStats) -> list[Block]:
-    """One block per host payload of ``step``: the most its payload can take (its stored
+def payload_buffers(step: StepStats) -> list[Buffer]:
+    """One buffer per host payload of ``step``: the most its payload can take (its stored
     size; a zvc or rle one's capacity), from its pack to its first unpack (or to the step's
     last tick if backward never needed it, yet)."""
     last = max((max(s.packed_at, s.unpacked_at or 0) for s in step.sites), default=0)
     return [
-        Block(s.site, _slot_bytes(s), s.packed_at, last if s.unpacked_at is None else s.unpacked_at)
+        Buffer(s.site, _slot_bytes(s), s.packed_at, last if s.unpacked_at is None else s.unpacked_at)
         for s in step.sites
         if s.stored_bytes > 0
     ]
@@ -299,7 +299,7 @@ class HostMemory:
 
     def _plan_from(self, step: StepStats, device: torch.device | None, hits: int,
                    fallbacks: dict[str, int]) -> None:
-        payloads = payload_blocks(step)
+        payloads = payload_buffers(step)
         slots = [replace(b, size=memplan.align_up(b.size, self.alignment)) for b in payloads]
         signature = tuple((s.site, s.nbytes, s.decision) for s in step.sites if s.stored_bytes)
         # A step that stored nothing (e.g. a forward under no_grad) says nothing about the next.
@@ -318,7 +318,7 @@ class HostMemory:
             replan,
         )
 
-    def _should_replan(self, signature: tuple, slots: list[Block], fallbacks: dict) -> bool:
+    def _should_replan(self, signature: tuple, slots: list[Buffer], fallbacks: dict) -> bool:
         arena = self.arena
         if arena is None:
             return signature != self._failed
@@ -326,7 +326,7 @@ class HostMemory:
                 or arena.slot_bytes > sum(b.size for b in slots))
 
     def _allocate(
-        self, slots: list[Block], signature: tuple, device: torch.device | None
+        self, slots: list[Buffer], signature: tuple, device: torch.device | None
     ) -> HostArena | None:
         layout = memplan.plan(slots, self.alignment)
         pin = self.pin and device is not None and device.type == "cuda"

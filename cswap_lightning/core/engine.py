@@ -25,7 +25,7 @@ from ..codecs.lossy import LOSSY_DTYPES as _LOSSY_TORCH_DTYPES
 from ..codecs.lossy import seed_of
 from ..config import LOSSY_CODECS, CSwapConfig, as_config
 from ..planning import live
-from ..planning.advisor import FixedPlan, Plan
+from ..planning.plan import FixedPlan, Plan
 from ..planning.predictor import CodecTimeModel
 from ..planning.profiler import Link
 from ..records import SiteStats, StepStats

@@ -23,7 +23,7 @@ import torch
 from ..codecs import get_codec
 from ..config import CSwapConfig
 from ..planning import mix
-from ..planning.advisor import HELD_ELSEWHERE, Plan
+from ..planning.plan import HELD_ELSEWHERE, Plan
 from ..planning.planner import OVER_BUDGET, TIGHTENINGS, Measured, Planner, room_to_keep
 from ..planning.predictor import CodecTimeModel
 from ..planning.profiler import Link, Profiler

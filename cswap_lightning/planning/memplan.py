@@ -1,8 +1,8 @@
 """Where each host buffer of a repeating step goes in one arena: lifetime-aware best fit.
 
-Pure arithmetic on blocks (a key, a size, a lifetime in ticks of the step clock); no torch.
-Two blocks may share bytes only if their lifetimes are disjoint. Blocks are placed largest
-first, each in the smallest gap left by the already placed blocks whose lifetimes overlap
+Pure arithmetic on buffers (a key, a size, a lifetime in ticks of the step clock); no torch.
+Two buffers may share bytes only if their lifetimes are disjoint. Buffers are placed largest
+first, each in the smallest gap left by the already placed buffers whose lifetimes overlap
 its own (lowest offset on ties), or past the last of them.
 
 Two figures to judge a placement by:
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class Block:
+class Buffer:
     """A buffer of ``size`` bytes needed from tick ``start`` to tick ``end``, both included."""
 
     key: int
@@ -33,59 +33,59 @@ class Block:
 
     def __post_init__(self) -> None:
         if self.size < 0:
-            raise ValueError(f"block {self.key}: size must be >= 0 bytes, got {self.size}")
+            raise ValueError(f"buffer {self.key}: size must be >= 0 bytes, got {self.size}")
         if self.end < self.start:
             raise ValueError(
-                f"block {self.key}: lifetime ends (tick {self.end}) before it starts "
+                f"buffer {self.key}: lifetime ends (tick {self.end}) before it starts "
                 f"(tick {self.start})"
             )
 
-    def lives_with(self, other: Block) -> bool:
-        """Whether both blocks are needed at some common tick."""
+    def lives_with(self, other: Buffer) -> bool:
+        """Whether both buffers are needed at some common tick."""
         return self.start <= other.end and other.start <= self.end
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Where each block lies in an arena of ``arena_bytes``: key -> ``(offset, size)``."""
+    """Where each buffer lies in an arena of ``arena_bytes``: key -> ``(offset, size)``."""
 
     regions: dict[int, tuple[int, int]]
     arena_bytes: int
     alignment: int
 
 
-def plan(blocks: Iterable[Block], alignment: int = 512) -> Layout:
-    """Place ``blocks`` so that no two with overlapping lifetimes overlap in memory.
+def plan(buffers: Iterable[Buffer], alignment: int = 512) -> Layout:
+    """Place ``buffers`` so that no two with overlapping lifetimes overlap in memory.
 
     Every offset is a multiple of ``alignment`` (a power of two)."""
     if alignment < 1 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two >= 1, got {alignment}")
-    blocks = tuple(blocks)
-    keys = [b.key for b in blocks]
+    buffers = tuple(buffers)
+    keys = [b.key for b in buffers]
     if len(set(keys)) != len(keys):
-        raise ValueError(f"block keys must be unique, got {sorted(keys)}")
-    # (offset, stop, start tick, end tick, block), kept sorted by offset
-    placed: list[tuple[int, int, int, int, Block]] = []
-    for block in sorted(blocks, key=lambda b: (-b.size, b.start, b.key)):
-        start, end = block.start, block.end
+        raise ValueError(f"buffer keys must be unique, got {sorted(keys)}")
+    # (offset, stop, start tick, end tick, buffer), kept sorted by offset
+    placed: list[tuple[int, int, int, int, Buffer]] = []
+    for buffer in sorted(buffers, key=lambda b: (-b.size, b.start, b.key)):
+        start, end = buffer.start, buffer.end
         taken = [
             (at, stop) for at, stop, first, last, _ in placed if first <= end and start <= last
         ]
-        at = _best_fit(taken, block.size, alignment)
-        bisect.insort(placed, (at, at + block.size, start, end, block), key=_offset)
+        at = _best_fit(taken, buffer.size, alignment)
+        bisect.insort(placed, (at, at + buffer.size, start, end, buffer), key=_offset)
     regions = {b.key: (at, b.size) for at, _, _, _, b in placed}
     return Layout(regions, max((stop for _, stop, *_ in placed), default=0), alignment)
 
 
-def lower_bound(blocks: Iterable[Block]) -> int:
-    """The most bytes live at one tick: no placement of ``blocks`` fits in less."""
-    return _peak_live(blocks, lambda b: b.size)
+def lower_bound(buffers: Iterable[Buffer]) -> int:
+    """The most bytes live at one tick: no placement of ``buffers`` fits in less."""
+    return _peak_live(buffers, lambda b: b.size)
 
 
-def per_tensor_bytes(blocks: Iterable[Block]) -> int:
+def per_tensor_bytes(buffers: Iterable[Buffer]) -> int:
     """The most bytes live at one tick once each size is rounded up to a power of two, as
     PyTorch's pinned-memory allocator does: a lower bound for what it holds."""
-    return _peak_live(blocks, lambda b: power_of_two_ceil(b.size))
+    return _peak_live(buffers, lambda b: power_of_two_ceil(b.size))
 
 
 def power_of_two_ceil(n: int) -> int:
@@ -116,10 +116,10 @@ def align_up(n: int, alignment: int) -> int:
     return -(-n // alignment) * alignment
 
 
-def _peak_live(blocks: Iterable[Block], size_of: Callable[[Block], int]) -> int:
-    """Sweep the ticks: each block adds its size at ``start`` and removes it after ``end``."""
+def _peak_live(buffers: Iterable[Buffer], size_of: Callable[[Buffer], int]) -> int:
+    """Sweep the ticks: each buffer adds its size at ``start`` and removes it after ``end``."""
     events: list[tuple[int, int]] = []
-    for b in blocks:
+    for b in buffers:
         events += [(b.start, size_of(b)), (b.end + 1, -size_of(b))]
     peak = live = 0
     for _, delta in sorted(events, key=lambda e: (e[0], e[1] > 0)):  # frees first at a tick

@@ -28,7 +28,8 @@ from ..config import AUTO_INFLIGHT_BYTES, INFLIGHT_CHOICES, CSwapConfig
 from ..records import StepStats
 from . import live
 from . import replay as replayed
-from .advisor import Advisor, Decision, Plan, resolve_budget
+from .advisor import Advisor, resolve_budget
+from .plan import Decision, Plan
 from .predictor import CodecTimeModel, calibrate
 from .prefetch import lookahead_bytes
 from .profiler import Link, SiteProfile, measure_link
