@@ -72,6 +72,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import pytest
 import torch
+from conftest import spy_on_moves
 from torch import nn
 from torch.autograd import Function
 from torch.utils.checkpoint import checkpoint
@@ -580,19 +581,6 @@ CASES: list[Case] = [
     saved_output_changed_in_place, modified_in_place, detached_after_saving,
     three_linears, view_of_unpacked, view_kept_by_checkpoint]
 REPEATS = 4  # measured, checked, then untracked (or without hooks)
-
-
-def spy_on_moves(session: Offloader, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The addresses of the storages the session moves off the device, as it moves them."""
-    moved: list[int] = []
-    offload_one = session.transfer.offload
-
-    def recording(entry, flat, *args, **kwargs):
-        moved.append(flat.untyped_storage().data_ptr())
-        return offload_one(entry, flat, *args, **kwargs)
-
-    monkeypatch.setattr(session.transfer, "offload", recording)
-    return moved
 
 
 def outcome(case: Case, hooks: AbstractContextManager) -> Outcome | RuntimeError:

@@ -11,26 +11,14 @@ import copy
 
 import pytest
 import torch
+from conftest import spy_on_moves
 from torch import nn
 
-from cswap_lightning import CSwapConfig, Offloader, offload
+from cswap_lightning import CSwapConfig, offload
 
 # Every tensor that can move moves (budget=None, min_bytes=0), so each graph's plan moves its
 # activations and keeps its weights; prefetch_bytes only makes these configs this module's own.
 MiB = 1 << 20
-
-
-def spy_on_moves(session: Offloader, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The addresses of the storages the session moves off the device, as it moves them."""
-    moved: list[int] = []
-    offload_one = session.transfer.offload
-
-    def recording(entry, flat, *args, **kwargs):
-        moved.append(flat.untyped_storage().data_ptr())
-        return offload_one(entry, flat, *args, **kwargs)
-
-    monkeypatch.setattr(session.transfer, "offload", recording)
-    return moved
 
 
 class WeightSecond(nn.Module):
