@@ -49,6 +49,11 @@ outputs`` (``view_of_unpacked``) and ``test_offloading_works_with_view_ac_cached
 (``view_kept_by_checkpoint``), on the CPU: their ``torch.cuda._sleep`` only gives a freed
 buffer time to be overwritten on the GPU; the values they check are checked here.
 
+Beyond the suites, cases of this project's own in the same harness: a reentrant checkpoint,
+``retain_graph``, a partial gradient then the whole backward, saved views and transposes,
+saved integer indices and masks, complex numbers, bfloat16 autocast, ``no_grad`` and
+``inference_mode`` inside the block, a weight changed before backward, dropout.
+
 Left out: the parts of the tests above that check a user's own hooks against PyTorch's rules
 (a hook of the wrong arity, an unpack hook returning a non-tensor, a pack hook changing its
 input; per-tensor ``register_hooks``): the engine's hooks are its own. ``test_saved_tensor_
@@ -566,6 +571,122 @@ def view_kept_by_checkpoint(hooks) -> Outcome:
     return [t.grad], [t]
 
 
+# Beyond the suites: what training loops do that the suites above leave out ---------------
+def reentrant_checkpoint(hooks) -> Outcome:
+    """A reentrant checkpoint inside the session: its forward saves nothing, its backward
+    runs forward again with no session around it."""
+    a = _leaf(30, 8, 8)
+    with hooks:
+        h = a.sin()
+        h = checkpoint(lambda x: x.pow(2).exp(), h, use_reentrant=True)
+        c = unheld(h)
+    c.sum().backward()
+    return [a.grad], [a]
+
+
+def backward_twice(hooks) -> Outcome:
+    """``retain_graph``: the moved tensors come back twice."""
+    a = _leaf(31, 8, 8)
+    with hooks:
+        y = unheld(a * 2).exp()
+    y.sum().backward(retain_graph=True)
+    first = a.grad.clone()
+    y.sum().backward()
+    return [first, a.grad], [a]
+
+
+def part_then_all(hooks) -> Outcome:
+    """A gradient of one input first (part of the graph unpacked), then backward of all."""
+    a, b = _leaf(32, 8), _leaf(33, 8)
+    with hooks:
+        z = (unheld(a * 2) * unheld(b * 3)).sum()
+    (grad_a,) = torch.autograd.grad(z, (a,), retain_graph=True)
+    z.backward()
+    return [grad_a, a.grad, b.grad], [a, b]
+
+
+def views_and_transposes(hooks) -> Outcome:
+    """Saved views of a larger storage, and a transposed (non-contiguous) one."""
+    a = _leaf(34, 16, 8)
+    with hooks:
+        h = a * 2
+        v = h[:, :4]
+        out = (v * v).sum() + (h.t() @ h).sum() + unheld(h[3:10]).sum()
+    out.backward()
+    return [a.grad], [a]
+
+
+def integers_and_masks(hooks) -> Outcome:
+    """Saved int64 indices (``gather``) and a bool mask (``where``)."""
+    a = _leaf(35, 10, 4)
+    index = torch.tensor([[0, 1, 2, 3]] * 3)
+    with hooks:
+        h = a * 2
+        out = (h.gather(0, index).sum() + torch.where(h > 0, h, h * 0.1).sum()
+               + unheld(h).sum())
+    out.backward()
+    return [a.grad], [a]
+
+
+def complex_numbers(hooks) -> Outcome:
+    """Saved complex tensors (kept where they are)."""
+    generator = torch.Generator().manual_seed(36)
+    a = torch.randn(6, dtype=torch.cfloat, generator=generator).requires_grad_()
+    with hooks:
+        out = ((a * 2) * (a * 3)).abs().sum()
+    out.backward()
+    return [a.grad], [a]
+
+
+def bfloat16_autocast(hooks) -> Outcome:
+    """Autocast to bfloat16 inside the session: the casts' outputs are saved."""
+    a, w = _leaf(37, 16, 16), _leaf(38, 16, 16)
+    with hooks, torch.autocast("cpu", dtype=torch.bfloat16):
+        out = unheld((a @ w).relu()).float().sum()
+    out.backward()
+    return [a.grad, w.grad], [a, w]
+
+
+def no_grad_inside(hooks) -> Outcome:
+    """``no_grad`` and ``inference_mode`` blocks inside the session's."""
+    a = _leaf(39, 8)
+    with hooks:
+        with torch.no_grad():
+            c = a * 3
+        with torch.inference_mode():
+            d = torch.ones(8) * 2
+        y = unheld(a * c) * d.clone()
+    y.sum().backward()
+    return [a.grad], [a]
+
+
+def weight_changed_after_forward(hooks) -> Outcome:
+    """A saved weight changed in place (an optimizer's step) before backward: PyTorch's
+    in-place error."""
+    w = _leaf(40, 8)
+    with hooks:
+        y = unheld(w * 2) * w
+    with torch.no_grad():
+        w.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    return [], [w]
+
+
+def layers_with_dropout(hooks) -> Outcome:
+    """Four blocks of linear, GELU, dropout and layer norm: dropout's masks saved."""
+    torch.manual_seed(7)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Dropout(0.1),
+                                          nn.LayerNorm(32)) for _ in range(4)))
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(41))
+    torch.manual_seed(8)
+    with hooks:
+        loss = model(x).pow(2).mean()
+    loss.backward()
+    params = list(model.parameters())
+    return [p.grad for p in params], params
+
+
 # What a case runs under without the engine: nothing, or where the session is the innermost
 # hooks of a user's, or where PyTorch raises only under hooks, PyTorch's pass-through hooks.
 PLAIN: dict[Case, Callable[[], AbstractContextManager]] = {
@@ -579,7 +700,10 @@ CASES: list[Case] = [
     backward_changes_unpacked, checkpoint_inside_session, session_inside_checkpoint,
     pack_leaves_inputs_alone, wrapped_number, dtypes_and_sparse, freed_after_backward,
     saved_output_changed_in_place, modified_in_place, detached_after_saving,
-    three_linears, view_of_unpacked, view_kept_by_checkpoint]
+    three_linears, view_of_unpacked, view_kept_by_checkpoint,
+    reentrant_checkpoint, backward_twice, part_then_all, views_and_transposes,
+    integers_and_masks, complex_numbers, bfloat16_autocast, no_grad_inside,
+    weight_changed_after_forward, layers_with_dropout]
 REPEATS = 4  # measured, checked, then untracked (or without hooks)
 
 
@@ -630,8 +754,9 @@ def quiet() -> Iterator[None]:
         yield
 
 
-# The cases that save only leaves (or nothing a hook sees): the others move a tensor.
-MOVE_NOTHING = {wrapped_number, dtypes_and_sparse}
+# The cases that save only leaves, nothing a hook sees, or complex numbers (kept: "dtype
+# complex64" in the table); the others move a tensor.
+MOVE_NOTHING = {wrapped_number, dtypes_and_sparse, complex_numbers}
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.__name__)
