@@ -1,14 +1,16 @@
 """The saved-tensor hook tests of PyTorch and the offload tests of torchtune, restated for the
 engine: each case runs alone under a fresh ``Offloader``, and all of them one after another
-through one shared ``offload(config)``, and must give what PyTorch gives without the engine,
-bitwise (gradients, outputs, tensors read back), or raise the error PyTorch raises.
+through one shared ``offload(config)`` (entered by each case, or once around them all), and
+must give what PyTorch gives without the engine, bitwise (gradients, outputs, tensors read
+back), or raise the error PyTorch raises.
 
 ``budget=None, min_bytes=0``: every tensor that can move moves, so each case's activations
 leave and come back. A case runs four times in a row (a measured step, the step that checks
 its plan, then steps that run the plan untracked, or without hooks where the plan moves
 nothing), so a shared session meets each case under every other case's plan.
 
-Restated from PyTorch's ``test/test_autograd.py`` (``TestAutograd``):
+Restated from PyTorch's ``test/test_autograd.py`` (``TestAutograd``, as of pytorch/pytorch
+5c322af):
 
 - ``test_saved_variable_packing_unpacking_saved_original_with_hooks`` and
   ``..._with_default_hooks``: ``saved_original`` (values and ``grad_fn`` of a saved leaf and
@@ -43,11 +45,12 @@ Restated from PyTorch's ``test/test_autograd.py`` (``TestAutograd``):
   too) it does not, so the session raises it on the steps it runs without hooks (a plan that
   moves nothing) and not on the others, alone as through a shared session.
 
-Restated from torchtune's ``tests/torchtune/training/test_activation_offloading.py``:
-``test_offloading_is_same_as_without`` (``three_linears``), ``test_offloading_works_with_view_
-outputs`` (``view_of_unpacked``) and ``test_offloading_works_with_view_ac_cached_buffers``
-(``view_kept_by_checkpoint``), on the CPU: their ``torch.cuda._sleep`` only gives a freed
-buffer time to be overwritten on the GPU; the values they check are checked here.
+Restated from torchtune's ``tests/torchtune/training/test_activation_offloading.py`` (as of
+pytorch/torchtune bd2a0fc): ``test_offloading_is_same_as_without`` (``three_linears``),
+``test_offloading_works_with_view_outputs`` (``view_of_unpacked``) and
+``test_offloading_works_with_view_ac_cached_buffers`` (``view_kept_by_checkpoint``), on the
+CPU: their ``torch.cuda._sleep`` only gives a freed buffer time to be overwritten on the GPU;
+the values they check are checked here.
 
 Beyond the suites, cases of this project's own in the same harness: a reentrant checkpoint,
 ``retain_graph``, a partial gradient then the whole backward, saved views and transposes,
@@ -60,9 +63,9 @@ input; per-tensor ``register_hooks``): the engine's hooks are its own. ``test_sa
 hooks_extra_exit_during_bw_no_crash`` and ``..._extra_enter_during_bw_no_leak`` enter and leave
 a user's hooks object from its own unpack hook, which the ``with`` blocks of an ``Offloader``
 cannot do. ``test_graph_save_on_cpu_cuda`` measures CUDA memory (the engine's memory is
-measured in test_engine and the gpu tests). torchao and transformers have no offload test of
-saved-tensor hooks of their own to restate (transformers' offloaded gradient checkpointing is
-``save_on_cpu`` around a checkpointed layer: ``checkpoint_inside_session``).
+measured in test_engine and the gpu tests). torchao's tests offload parameters and optimizer
+state (FSDP's ``CPUOffloadPolicy``, ``CPUOffloadOptimizer``), not saved tensors: nothing of
+theirs applies. transformers' tests were not read (its repository was too large to fetch).
 
 Hooks return other tensor objects than the saved ones even in PyTorch (pass-through hooks
 too), so identity is not asserted where PyTorch's tests assert it without hooks.
