@@ -1,10 +1,11 @@
 """The offload session: one ``Offloader`` per training loop, entered around each forward.
 
 It owns the hooks' life cycle: each step is handed to a ``Step`` (``step.py``), whose hooks do
-the per-tensor work, and closed once the device is past it; what lasts across steps (the
-plan, its checks, the measurements) is ``Learning``'s (``learning.py``), the watched model's
-module names and recomputed blocks are ``Watched``'s (``watched.py``), and where lossy codecs
-may run, and how they round, is ``LossySites``' (``lossy_sites.py``).
+the per-tensor work, and closed once the device is past it (``closing.py``); what lasts
+across steps (the plan, its checks, the measurements) is ``Learning``'s (``learning.py``),
+the watched model's module names and recomputed blocks are ``Watched``'s (``watched.py``),
+and where lossy codecs may run, and how they round, is ``LossySites``' (``lossy_sites.py``).
+``offload(config)``, one Offloader per config and thread, is in ``shared.py``.
 """
 
 from __future__ import annotations
