@@ -2,7 +2,8 @@
 
 from .config import CSwapConfig
 from .core.compile import compile_blocks
-from .core.engine import Offloader, offload
+from .core.engine import Offloader
+from .core.shared import offload
 from .integrations.strategy_names import register_strategy_names
 from .records import SiteStats, StepStats
 

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from cswap_lightning import Offloader
 from cswap_lightning.codecs import codec_names, get_codec, register
 from cswap_lightning.codecs.reference import RawCodec
 from cswap_lightning.recipes.nets import build_cnn
@@ -53,6 +54,19 @@ def deterministic():
     yield
     cudnn.deterministic, cudnn.benchmark = before[:2]
     torch.use_deterministic_algorithms(before[2], warn_only=before[3])
+
+
+def spy_on_moves(session: Offloader, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The addresses of the storages the session moves off the device, as it moves them."""
+    moved: list[int] = []
+    offload_one = session.transfer.offload
+
+    def recording(entry, flat, *args, **kwargs):
+        moved.append(flat.untyped_storage().data_ptr())
+        return offload_one(entry, flat, *args, **kwargs)
+
+    monkeypatch.setattr(session.transfer, "offload", recording)
+    return moved
 
 
 def wide_mlp(activation: type[nn.Module]) -> tuple[nn.Module, torch.Tensor]:

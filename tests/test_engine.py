@@ -434,11 +434,11 @@ def test_entering_a_step_never_waits_for_the_device(monkeypatch):
     monkeypatch.setattr(off.transfer, "marks", lambda device: [work])
     monkeypatch.setattr(off.transfer, "drain", lambda device=True: waits.append(device))
     grads(model, x, y, off, steps=3)
-    assert off.plan is None and [s.measure for s, _ in off._closing] == [True, False]
+    assert off.plan is None and [s.measure for s, _ in off.closing.owed] == [True, False]
     assert not off._step.measure  # the one measurement owed is not taken again
     work.done = True
     grads(model, x, y, off, steps=1)
-    assert off.plan is not None and not off._closing
+    assert off.plan is not None and not off.closing.owed
     assert waits == []
     gate = threading.Event()
     off.transfer._worker.submit(lambda: gate.wait(30))  # busy until the gate opens

@@ -82,7 +82,7 @@ def test_the_rounding_follows_torch_seed_and_changes_each_step():
     seeds = []
     for seed in (0, 0, 1):
         torch.manual_seed(seed)
-        seeds.append(Offloader(CSwapConfig(plan="int8")).seed)
+        seeds.append(Offloader(CSwapConfig(plan="int8")).lossy.seed)
     assert seeds[0] == seeds[1] != seeds[2]
     off = Offloader(CSwapConfig(plan="int8", min_bytes=0))
     first, second = grads(net, x, y, off), grads(net, x, y, off)  # same batch, next step

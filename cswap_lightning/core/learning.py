@@ -202,6 +202,28 @@ class Learning:
         return checked.stats.peak_resident_bytes <= _CPU_HEADROOM * plan.budget_bytes
 
 
+    def new_step(self, index: int, measured_owed: int, probe_next: bool) -> Step:
+        """The next step, as what was learned says it runs: measured (the closed steps whose
+        measurements are still owed, ``measured_owed``, count as measured), or under the
+        checked plan (not on a guard's probe, nor before a new plan has run), or tracking
+        every site. A plan that moves nothing is measured again once the allocator's peak of
+        a step without hooks nears the budget."""
+        if self.checked is not None and self.checked.moves_nothing and self.near_budget():
+            _log.info("cswap: the allocator's peak neared the budget on a step without hooks: "
+                      "measuring again")
+            self.new_epoch()
+        measure = self.measure_left > measured_owed
+        checked = (self.checked if not measure and not probe_next and self.unchecked is None
+                   else None)
+        auto = self.config.plan == "auto"
+        limits = self.plan.site_bytes if checked is not None and auto else None
+        step = Step(self.owner, index, self.order, measure, checked, limits)
+        step.epoch = self.epoch
+        if auto:
+            step.stats.budget_bytes = self.budget_bytes
+        step.keeping = measure and self.measure_keeping
+        return step
+
     def near_budget(self) -> bool:
         """On CUDA, whether the allocator's peak since the last step came near the plan's
         budget (read without waiting for the device; the peak starts again from here)."""
