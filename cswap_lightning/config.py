@@ -85,7 +85,8 @@ class CSwapConfig:
             tensor that can be.
         profile_steps: steps measured before ``"auto"`` plans (and again at each epoch start).
         lossy: ``"off"``; a lossy codec name (``"int8"``, ``"fp8"``, ``"int4"``) the advisor may
-            pick for dense floating tensors where it pays; ``"auto"`` lets it weigh ``"int8"``.
+            pick for dense floating tensors where it pays, and the planner's mix weighs per
+            block beside the lossless ``compressor``; ``"auto"`` lets them weigh ``"int8"``.
         lossy_exclude: module name patterns (``fnmatch``, e.g. ``"classifier*"``) whose saved
             tensors are never compressed lossily; they need ``Offloader.watch(model)`` (the
             integrations call it), and a step without it raises.
@@ -117,7 +118,9 @@ class CSwapConfig:
         pin_memory: use page-locked host memory for CUDA tensors (needed for async copies).
         recompute: ``"auto"`` lets the planner run chosen blocks of the watched model (its
             transformer layers, ResNet bottlenecks, VGG stages) again in backward instead of
-            keeping what they save (``Offloader.recompute``); ``"off"`` never does.
+            keeping what they save, whole or below the layer (only their elementwise work,
+            their matmuls' and attention's outputs kept or swapped; ``Offloader.recompute``);
+            ``"off"`` never does.
     """
 
     plan: PlanName = "auto"

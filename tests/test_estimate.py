@@ -221,3 +221,35 @@ def test_ways_compare_the_mix_with_checkpointing(tiny_llama):
     (chosen,) = sizing.mixes(est, [("at checkpointing's peak", budget)])
     assert chosen.fits and chosen.prediction.peak_bytes <= budget
     assert chosen.step_s <= base[1].step_s * 1.001  # never slower than checkpointing
+
+
+def test_the_trace_keeps_below_the_layer_what_the_engine_keeps(tiny_llama):
+    """What recomputing each layer below the layer keeps, traced on the meta device (its
+    input, the outputs of its matmuls and attention), is what the engine's block timer saw
+    on the CPU, but the attention's random-number seeds, which only CUDA's fused kernels
+    return; and the layer's elementwise share of its forward is the estimate's cost of it."""
+    import cswap_lightning as cswap
+
+    est = estimate(Setup(tiny_llama, 32, 2, dtype=torch.float32), device("h100-pcie"))
+    traced = [(layer["input_bytes"], [n for n in layer["kept"] if n > 16])
+              for layer in est.profile["layers"]]
+    config = transformers.LlamaConfig(**{k: v for k, v in TINY_LLAMA.items()
+                                         if k != "model_type"})
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 256, (2, 32))
+    off = cswap.Offloader(cswap.CSwapConfig(plan="keep", budget=None)).watch(model)
+    for _ in range(2):  # the first is measured: its block calls are read at the next
+        with off:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    seen = [(c.input_bytes, list(c.kept)) for c in off.block_calls if c.elementwise_s is not None]
+    off.close()
+    assert traced == seen and len(seen) == 2
+    w = est.workload()
+    layers = [b for b in w.blocks if b.below is not None]
+    assert [b.name for b in layers] == ["model.layers.0", "model.layers.1"]
+    for block, layer in zip(layers, est.profile["layers"], strict=True):
+        forward = sum(op.forward_s for op in w.ops[block.ops.start:block.ops.stop])
+        assert 0 < block.below.seconds < forward
+        assert block.below.kept == (layer["input_bytes"], *layer["kept"])

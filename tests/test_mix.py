@@ -50,7 +50,7 @@ def test_a_block_that_compresses_swaps_further_inside_the_window():
     w = blocks4()
     raw = mix.choose(w, 30 * MB, slow, ENGINE)
     halved = mix.choose(w, 30 * MB, slow, ENGINE,
-                        codec_of=lambda b: Codec("zvc", ratio=0.5, encode=1e15, decode=1e15))
+                        codec_of=lambda w, b: Codec("zvc", ratio=0.5, encode=1e15, decode=1e15))
     assert [d.action for d in raw.decisions(w)] == ["swap", "recompute", "keep", "keep"]
     assert [d.action for d in halved.decisions(w)] == ["swap", "swap", "keep", "keep"]
     assert halved.prediction.step_s < raw.prediction.step_s

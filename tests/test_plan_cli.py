@@ -4,6 +4,7 @@ why."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,22 @@ def test_plan_with_lora_trains_the_adapters_only(config, capsys):
     # 4 layers x 7 adapters x rank 8 x (in + out)
     trained = 4 * 8 * ((64 + 64) + 2 * (64 + 32) + (64 + 64) + 2 * (64 + 128) + (128 + 64))
     assert f"{trained / 1e6:,.1f} M trained weights" in out
+
+
+def test_plan_says_what_a_layer_keeps_below_the_layer_and_weighs_a_lossy_codec(config, capsys):
+    """The line under the memory table: a layer's saved bytes per token, and what recomputing
+    it below the layer (less) or whole (less still) keeps, and for how long."""
+    assert cli.main(["plan", config, "--seq", "512", "--device", "h100-pcie", "--lossy", "int8",
+                     "--no-search"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    found = re.search(r"a layer \((\S+)\) saves (\d+) KiB per token; recomputed below the "
+                      r"layer .* it keeps (\d+) KiB per token for ([\d.]+) ms \((\d+)% of its "
+                      r"forward\), recomputed whole (\d+) KiB for ([\d.]+) ms \(estimated\)", out)
+    assert found, out
+    name, saved, below, below_ms, share, whole, whole_ms = found.groups()
+    assert name.endswith("layers.0")
+    assert int(whole) < int(below) < int(saved)
+    assert 0 < float(below_ms) < float(whole_ms) and 0 < int(share) < 100
 
 
 def test_plan_of_a_cnn_searches_the_batch(capsys):

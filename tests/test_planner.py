@@ -9,6 +9,7 @@ import torch
 from cswap_lightning import CSwapConfig, Offloader
 from cswap_lightning.config import AUTO_INFLIGHT_BYTES
 from cswap_lightning.planning.profiler import Link
+from cswap_lightning.planning.workload import BELOW
 from cswap_lightning.records import StepStats
 
 transformers = pytest.importorskip("transformers")
@@ -79,16 +80,20 @@ def test_a_gpt2_at_40_percent_recomputes_blocks_and_meets_the_budget_bitwise():
 @pytest.mark.parametrize("level", [0.8, 0.6])
 @pytest.mark.usefixtures("ticking_clock")
 def test_a_gpt2_recomputes_layers_or_their_activation_modules_within_the_budget(level):
-    """Layers and their gelu_new modules are both units: whichever the planner picks (a layer
-    and its own activation never both), the budget is met and training is bitwise. Timed by
-    the ticking clock: the choice is the same on every machine, under any load."""
+    """Layers (whole or below the layer) and their gelu_new modules are all units: whichever
+    the planner picks (a layer and its own activation never both), the budget is met and
+    training is bitwise. Timed by the ticking clock: the choice is the same on every
+    machine, under any load."""
     model, ids = gpt2()
     budget = int(level * keep_peak(model, ids))
     off = Offloader(CSwapConfig(budget=budget, profile_steps=1), link=SLOW_LINK)
     stats = train(off, model, ids, steps=4)
-    assert off.recomputed and len(off.recomputation.workloads) == 2
-    layers = {n for n in off.recomputed if not n.endswith(".mlp.act")}
-    assert all(n.removesuffix(".mlp.act") not in layers for n in off.recomputed - layers)
+    assert off.recomputed and len(off.recomputation.workloads) == 3
+    layers = {n.removesuffix(BELOW) for n in off.recomputed if not n.endswith(".mlp.act")}
+    assert len(layers) == len(off.recomputed) - sum(n.endswith(".mlp.act")
+                                                    for n in off.recomputed)
+    assert all(n.removesuffix(".mlp.act") not in layers for n in off.recomputed
+               if n.endswith(".mlp.act"))
     assert stats[-1].peak_resident_bytes <= 1.05 * budget, off.plan.table()
     off.close()
 
@@ -126,6 +131,33 @@ def test_without_recomputation_the_advisor_swaps_to_meet_the_budget():
     assert not off.recomputed and off.recomputation is None
     assert stats[-1].offloaded_bytes > 0
     assert stats[-1].peak_resident_bytes <= 1.05 * budget, off.plan.table()
+    off.close()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ticking_clock")
+def test_under_one_layers_saves_every_layer_is_recomputed_from_its_input_swapped():
+    """The checkpoint boundary offloaded (issue 29, item 4). A budget under what one layer
+    saves: no mix fits (backward holds one recomputed layer), so the planner's mix frees the
+    most it can, every layer recomputed from its input swapped (``swap_input``); then the
+    engine swaps the sites checkpoint saved those inputs at, through its hooks like any saved
+    tensor, the earliest first until the ledger's peak fits; training stays bitwise."""
+    from cswap_lightning.core.recompute import renumbered
+
+    model, ids = gpt2()
+    budget = int(0.05 * keep_peak(model, ids))
+    off = Offloader(CSwapConfig(budget=budget, profile_steps=1), link=SLOW_LINK)
+    stats = train(off, model, ids, steps=4)  # bitwise, step by step
+    mix = off.recomputation.mix
+    assert not mix.fits and off.recomputed == {f"transformer.h.{i}" for i in range(4)}
+    assert [d.swap_input for d in mix.decisions() if d.action == "recompute"] == [True] * 4
+    measured, planned = stats[0].sites, stats[-1].sites
+    kept_where = set(renumbered(off.block_calls, off.recomputed, len(measured)).values())
+    inputs = [s for s in planned if s.site not in kept_where and s.shape == (8, 128, 256)]
+    assert len(inputs) == 4  # each layer's hidden states, saved by checkpoint
+    moved = [s.decision != "keep" for s in inputs]
+    assert moved[0] and moved == sorted(moved, reverse=True)  # the earliest
+    assert stats[-1].peak_resident_bytes <= budget
     off.close()
 
 
@@ -212,15 +244,92 @@ def test_compression_widens_the_links_window_so_the_planner_recomputes_less():
     link = replay.Link(2.5e8, 2.5e8, 1e12)
     engine = replay.Engine(min_bytes=1, prefetch_bytes=16 * MB, inflight_bytes=64 * MB)
     steps = live.candidates(profiles, calls)
-    codec_of = live.block_codec(profiles, "zvc", _InstantCodecs())
+    codec_of = live.block_codec(profiles, lambda p: "zvc", _InstantCodecs())
     # a bit of mask per element, and the non-zero values: the dense input, a quarter of the rest
     stored = (MB // 32 + MB) + (8 * MB // 32 + 8 * MB // 4)
-    assert codec_of(steps[0].blocks[0]).ratio == pytest.approx(stored / (9 * MB), rel=1e-3)
+    assert codec_of(steps[0], steps[0].blocks[0]).ratio == pytest.approx(stored / (9 * MB),
+                                                                         rel=1e-3)
     raw = live.choose_recompute(steps, 24 * MB, link, engine)
-    compressed = live.choose_recompute(steps, 24 * MB, link, engine, codec_of=codec_of)
+    compressed = live.choose_recompute(steps, 24 * MB, link, engine, codecs=[codec_of])
     assert raw.names == ("b0", "b1")
     assert compressed.names == ()
     swapped = [d.codec.name for d in compressed.mix.decisions() if d.action == "swap"]
     assert swapped == ["zvc", "zvc"]
     assert compressed.mix.prediction.step_s < raw.mix.prediction.step_s
     assert compressed.mix.prediction.peak_bytes <= 24 * MB
+
+
+def dense_blocks() -> tuple[torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256),
+                                                      torch.nn.Tanh()) for _ in range(6)])
+    return model, torch.randn(512, 256)
+
+
+def planned(lossy: str) -> tuple[Offloader, torch.nn.Module, torch.Tensor]:
+    """Six dense blocks planned at half their saved bytes on a slow link, with instant codecs
+    (so that what shrinks pays), three steps."""
+    model, x = dense_blocks()
+    keep = Offloader(CSwapConfig(plan="keep", min_bytes=0))
+    with keep:
+        loss = model(x).square().mean()
+    loss.backward()
+    budget = keep.last_step().peak_resident_bytes // 2
+    keep.close()
+    off = Offloader(CSwapConfig(budget=budget, profile_steps=1, min_bytes=0, lossy=lossy),
+                    link=SLOW_LINK, time_model=_InstantCodecs()).watch(model)
+    for _ in range(3):
+        with off:
+            loss = model(x).square().mean()
+        loss.backward()
+    return off, model, x
+
+
+@pytest.mark.usefixtures("ticking_clock")
+def test_lossy_allowed_is_weighed_per_block_and_the_guard_checks_the_sites_chosen():
+    """Issue 29, item 3: with ``lossy="int8"`` the planner's mix weighs the blocks through
+    int8 beside the lossless codec, the sites the plan sends lossy are those the accuracy
+    guard then checks; with ``lossy="off"`` nothing is lossy and the guard never runs."""
+    from cswap_lightning.core.guard import AccuracyGuard
+
+    off, model, x = planned("int8")
+    assert len(off.recomputation.codecs) == 2  # zvc, and int8 where allowed
+    chosen = off.lossy_sites()
+    assert chosen and all(off.plan.decisions[s].decision == "int8" for s in chosen)
+    guard = AccuracyGuard(off)
+    assert guard.due()
+    report = guard.probe(model, lambda: model(x).square().mean())
+    assert set(report.site_errors) == set(chosen) and report.worst_rel_error < 0.1
+    off.close()
+    lossless, _, _ = planned("off")
+    assert len(lossless.recomputation.codecs) == 1 and not lossless.lossy_sites()
+    assert not AccuracyGuard(lossless).due()
+    lossless.close()
+
+
+def llama() -> tuple[torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=448,
+                                      num_hidden_layers=4, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=500,
+                                      max_position_embeddings=256, attention_dropout=0.1,
+                                      bos_token_id=1, eos_token_id=2)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    return model, torch.randint(3, 500, (4, 128))
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ticking_clock")
+def test_a_llama_weighs_its_layers_below_the_layer_and_meets_the_budget_bitwise():
+    """The measured step's block timer saw what each layer recomputed below the layer keeps
+    and costs: the planner weighs that beside the layers whole (a third candidate), and
+    whatever it picks, the budget is met by the ledger and training is bitwise."""
+    model, ids = llama()
+    budget = int(0.6 * keep_peak(model, ids))
+    off = Offloader(CSwapConfig(budget=budget, profile_steps=1), link=SLOW_LINK)
+    stats = train(off, model, ids, steps=4)
+    found = off.recomputation.workloads
+    assert len(found) == 3 and any(b.selective for b in found[2].blocks)
+    assert all(b.below.kept and b.below.seconds > 0 for b in found[2].blocks if b.selective)
+    assert stats[-1].peak_resident_bytes <= 1.05 * budget, off.plan.table()
+    off.close()

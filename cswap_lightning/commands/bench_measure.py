@@ -51,7 +51,7 @@ from ..planning.replay import Engine, checkpoint_all, predict
 from ..planning.workload import from_profile
 from .bench_step import device_name, result_meta, write_results
 from .bench_suite import Checkpointed, checkpoint_blocks, hf_checkpointing
-from .bench_suite import Workload as Model
+from .bench_suite import ModelCase as Model
 from .bench_suite import workload as model_workload
 
 LEVELS = (0.85, 0.5)

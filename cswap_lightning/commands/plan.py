@@ -59,7 +59,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                    help="more budgets for the planner's mix, in GiB")
     p.add_argument("--finer", action="store_true",
                    help="also weigh a layer's activation modules as units of recomputation "
-                   "(slower to plan)")
+                   "(slower to plan; layers are weighed whole and below the layer anyway)")
+    p.add_argument("--lossy", choices=tuple(sizing.LOSSY_SPEEDS), default=None,
+                   help="let the planner's mix send blocks through this lossy codec too "
+                   "(CSwapConfig.lossy; the accuracy guard checks it in training)")
     p.add_argument("--no-search", dest="search", action="store_false",
                    help="skip the search for the longest sequence that fits")
 
@@ -89,9 +92,10 @@ def _run(args: argparse.Namespace) -> int:
     budgets += [(f"{b:g} GiB", int(b * GiB)) for b in args.budgets]
     budgets += [("half the peak without help", base[0].prediction.peak_bytes // 2),
                 ("checkpointing's peak", base[1].prediction.peak_bytes)]
-    ways = base + sizing.mixes(est, budgets, finer=args.finer)
+    ways = base + sizing.mixes(est, budgets, finer=args.finer, lossy=args.lossy)
     print(header(est, spec))
     print(memory(est, ways[0]))
+    print(below_the_layer(est))
     print(plans(ways))
     if args.search:
         ceiling = min(spec.max_sequence or CEILING, CEILING) if spec.sequence else 4096
@@ -142,16 +146,31 @@ def memory(est: Estimate, keep: sizing.Way) -> str:
     return "\n".join(lines)
 
 
+def below_the_layer(est: Estimate) -> str:
+    """What a layer saves, and recomputed below the layer (its elementwise work again) keeps
+    and costs; empty where the model has no layers."""
+    layer = sizing.first_layer(est)
+    if layer is None:
+        return ""
+    return textwrap.fill(
+        f"a layer ({layer.name}) saves {layer.saved_kib:.0f} KiB per token; recomputed below "
+        f"the layer (its elementwise work again, its matmuls' and attention's outputs kept) it "
+        f"keeps {layer.below_kib:.0f} KiB per token for {1e3 * layer.below_s:.2f} ms "
+        f"({layer.below_s / layer.forward_s:.0%} of its forward), recomputed whole "
+        f"{layer.whole_kib:.0f} KiB for {1e3 * layer.forward_s:.2f} ms (estimated)", WIDTH) + "\n"
+
+
 def plans(ways: list[sizing.Way]) -> str:
     checkpointing = ways[1]
     title = ("plans (the replay of the estimated step; a step is forward and backward, the "
              "optimizer apart)")
+    width = max(42, *(len(way.how) for way in ways))
     lines = [title,
-             f"  {'budget':<28} {'plan':<42} {'peak GiB':>8} {'step ms':>8} {'vs ckpt':>8}"]
+             f"  {'budget':<28} {'plan':<{width}} {'peak GiB':>8} {'step ms':>8} {'vs ckpt':>8}"]
     for way in ways:
         label = {"no help": "none (no help)", "checkpointing": "none (checkpointing)"}.get(
             way.label, way.label)
-        lines.append(f"  {label:<28} {way.how:<42} {way.prediction.peak_bytes / GiB:>8.2f} "
+        lines.append(f"  {label:<28} {way.how:<{width}} {way.prediction.peak_bytes / GiB:>8.2f} "
                      f"{1e3 * way.step_s:>8.1f} {checkpointing.step_s / way.step_s:>7.2f}x"
                      + ("" if way.fits else " OVER"))
     return "\n".join(lines) + "\n"

@@ -16,9 +16,14 @@ modules are units too, cheap to run again: one made of several elementwise opera
 ``gelu_new`` saves four tensors) keeps only its input when recomputed; one of a single
 operation gains nothing, as the block timer's counts show.
 
+A block can also be recomputed *below the layer* (``selective.py``), named
+``"block:elementwise"``: its matrix products', attention's and convolutions' outputs are kept,
+through the engine's hooks like its inputs, and only its elementwise work runs again.
+
 The engine arms the chosen blocks only for the steps it does not measure (the planner measures
 the plain blocks), and on measured steps a :class:`BlockTimer` records what each unit saved and
-how long its forward took.
+how long its forward took, and for each block what recomputing it below the layer would keep
+and cost (``selective.Observer``).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from __future__ import annotations
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
@@ -37,6 +42,7 @@ from torch.nn.modules.pooling import _AdaptiveMaxPoolNd, _MaxPoolNd
 from torch.utils.checkpoint import checkpoint
 
 from ..planning.profiler import Clock
+from ..planning.workload import BELOW
 from .compile import containers, is_compiled
 from .rerun import (
     Buffer,
@@ -49,6 +55,7 @@ from .rerun import (
     rerun_hooks,
     reruns,
 )
+from .selective import Observer, Region
 from .tensors import of_a_leaf, version_probe
 
 _STAGE_ENDS = (_MaxPoolNd, _AdaptiveMaxPoolNd)  # as the replay cuts a Sequential's stages
@@ -58,11 +65,18 @@ _STAGE_ENDS = (_MaxPoolNd, _AdaptiveMaxPoolNd)  # as the replay cuts a Sequentia
 class Unit:
     """What runs under one checkpoint: a block (``module``), or the stage ``span`` of the
     children of the ``nn.Sequential`` ``module``, named ``"seq[i:j]"`` (``"[i:j]"`` at the
-    root)."""
+    root); ``below``: a block recomputed below the layer (its elementwise work only), named
+    ``"block:elementwise"``."""
 
     name: str
     module: nn.Module
     span: range | None = None
+    below: bool = False
+
+    @property
+    def key(self) -> str:
+        """The unit's name as the block timer knows it: the block's, for either way."""
+        return self.name.removesuffix(BELOW)
 
     def modules(self) -> list[nn.Module]:
         """The block, or the stage's layers."""
@@ -104,6 +118,14 @@ def units(model: nn.Module) -> dict[str, Unit]:
     traced = _traced(model)
     return {name: unit for name, unit in found.items()
             if not any(id(m) in traced for m in unit.modules())}
+
+
+def below(found: dict[str, Unit]) -> dict[str, Unit]:
+    """Each block among ``found`` (not a stage, not inside another unit) recomputed below the
+    layer, by name (``"block:elementwise"``)."""
+    return {f"{name}{BELOW}": Unit(f"{name}{BELOW}", unit.module, None, True)
+            for name, unit in found.items()
+            if unit.span is None and not any(name.startswith(f"{other}.") for other in found)}
 
 
 def _traced(model: nn.Module) -> set[int]:
@@ -167,21 +189,28 @@ class Recompute:
         return units(model) if model is not None else {}
 
     def choose(self, names: Iterable[str]) -> dict[str, str]:
-        """Recompute these units (and no others) whenever armed; returns the names skipped,
-        with why. Raises ``ValueError`` for a name that is no unit of the model."""
+        """Recompute these units (and no others) whenever armed (a block's name with
+        ``":elementwise"``: that block below the layer); returns the names skipped, with why.
+        Raises ``ValueError`` for a name that is no unit of the model."""
         found = self.units()
+        found |= below(found)
         names = list(dict.fromkeys(names))
         unknown = [n for n in names if n not in found]
         if unknown:
             raise ValueError(
                 f"cswap: {', '.join(map(repr, unknown))} is not a block this model can recompute; "
-                f"its blocks are {_listed(found)}")
+                f"its blocks are {_listed(found)} (a block's name with {BELOW!r}: its "
+                "elementwise work only)")
         skipped = {n: reason for n in names if (reason := self._unfit(found[n]))}
         outer = [n for n in names if n not in skipped and found[n].span is None]
         for name in names:
-            within = next((o for o in outer if name.startswith(f"{o}.")), None)
+            key, below_ = found[name].key, found[name].below
+            within = next((o for o in outer if key.startswith(f"{found[o].key}.")
+                           or (key == found[o].key and below_ and not found[o].below)), None)
             if within is not None and name not in skipped:
-                skipped[name] = f"inside {within}, recomputed as a whole"
+                skipped[name] = (f"inside {within}, "
+                                 + ("recomputed below the layer" if found[within].below
+                                    else "recomputed as a whole"))
         chosen = {n: found[n] for n in names if n not in skipped}
         for name in self.chosen.keys() - chosen.keys():
             self._release(self.chosen[name])
@@ -201,13 +230,13 @@ class Recompute:
         """The chosen units found unfit since they were chosen (on a measured step, or hooks
         added inside them), with why."""
         return {name: why for name, unit in self.chosen.items()
-                if (why := self.unfit.get(name) or (any(map(reruns, self._inside[name]))
-                                                    and _rerun_hooks(unit)))}
+                if (why := self.unfit.get(unit.key) or _compiled_below(unit)
+                    or (any(map(reruns, self._inside[name])) and _rerun_hooks(unit)))}
 
     def _unfit(self, unit: Unit) -> str:
-        if unit.name in self.unfit:
-            return self.unfit[unit.name]
-        hooks = _rerun_hooks(unit)
+        if unit.key in self.unfit:
+            return self.unfit[unit.key]
+        hooks = _rerun_hooks(unit) or _compiled_below(unit)
         if hooks:
             return hooks
         if _self_checkpointed([m for top in unit.modules() for m in top.modules()]):
@@ -229,7 +258,7 @@ class Recompute:
             module.forward = wrapper
         wrapper.recompute = self
         if unit.span is None:
-            wrapper.name = unit.name
+            wrapper.name, wrapper.below = unit.name, unit.below
         else:
             wrapper.spans[unit.span.start] = unit
 
@@ -286,9 +315,17 @@ def _buffer(root: nn.Module, where: str) -> Buffer:
     return root.get_submodule(path), name
 
 
+def _compiled_below(unit: Unit) -> str:
+    """Why a block compiled cannot be recomputed below the layer (its operators run inside a
+    compiled graph, out of the dispatch modes' reach), or ""."""
+    if unit.below and is_compiled(unit.module):
+        return "compiled: below the layer needs its operators run eagerly; recompute it whole"
+    return ""
+
+
 def _rerun_hooks(unit: Unit) -> str:
     if unit.span is None:
-        return rerun_hooks([(unit.name, unit.module)], True)
+        return rerun_hooks([(unit.key, unit.module)], True)
     prefix = unit.name.rsplit("[", 1)[0]
     return rerun_hooks([(".".join(p for p in (prefix, str(i)) if p), layer)
                         for i, layer in zip(unit.span, unit.modules(), strict=True)], False)
@@ -305,6 +342,7 @@ class RecomputedForward:
         self.inner_forward = inner_forward
         self.recompute = recompute
         self.name = name  # the unit's
+        self.below = False  # recomputed below the layer (``selective.py``)
         # the block's modules as a recomputation needs them: found at the first call
         # recomputed (a block being copied has no modules yet)
         self._parts: Parts | None = None
@@ -323,8 +361,9 @@ class RecomputedForward:
         if _self_checkpointed(self._parts.switches):
             return self.run(*args, **kwargs)
         return checkpointed(self.run, self._parts,
-                            recompute.changed_buffers(self.name, self.block), args, kwargs,
-                            recompute.witness)
+                            recompute.changed_buffers(self.name.removesuffix(BELOW), self.block),
+                            args, kwargs, recompute.witness,
+                            Region(recompute.hooks) if self.below else None)
 
     def __deepcopy__(self, memo: dict) -> RecomputedForward:
         from copy import deepcopy
@@ -393,14 +432,17 @@ def _wrapper(unit: Unit) -> RecomputedForward | StagedForward | None:
 
 
 def checkpointed(run: Callable, parts: Parts, changed: list[Buffer], args: tuple,
-                 kwargs: dict[str, Any], witness: Witness | None = None) -> Any:
+                 kwargs: dict[str, Any], witness: Witness | None = None,
+                 region: Region | None = None) -> Any:
     """``run(*args, **kwargs)`` under non-reentrant checkpoint. Tensor keyword arguments are
     passed positionally, so that they too are saved through the hooks around it (the engine
     sees them; checkpoint would hold keyword arguments itself). A recomputation runs as the
     first run did, and changes nothing the first run changed (``rerun.as_first``: the
     ``parts``' training flags, norms and generators, the ``changed`` buffers, the generators
     and Hugging Face caches among the arguments). ``witness`` counts each recomputation and
-    the storages it saves (``_witnessed``)."""
+    the storages it saves (``_witnessed``). With a ``region``, only below the layer: the
+    outputs of its matrix products, attention and convolutions are kept, through the
+    region's hooks (``selective.py``)."""
     tensors = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
     others = {k: v for k, v in kwargs.items() if k not in tensors}
     count = len(args)
@@ -415,10 +457,16 @@ def checkpointed(run: Callable, parts: Parts, changed: list[Buffer], args: tuple
         if first:
             first = False
             return run(*inputs[:count], **named)
-        with as_first(first_run), _witnessed(witness, inputs):
+        with (as_first(first_run), _witnessed(witness, inputs),
+              nullcontext() if region is None else region.recomputing()):
             return run(*inputs[:count], **named)
 
-    return checkpoint(body, *args, *(kwargs[k] for k in tensors), use_reentrant=False)
+    if region is None:
+        return checkpoint(body, *args, *(kwargs[k] for k in tensors), use_reentrant=False)
+    out = checkpoint(body, *args, *(kwargs[k] for k in tensors), use_reentrant=False,
+                     context_fn=region.contexts)
+    region.close(out)
+    return out
 
 
 class Witness(Protocol):
@@ -479,7 +527,10 @@ class BlockCall:
     """One call of a unit on a measured step (run plainly): the sites it saved
     (``first_site`` to ``stop_site``, the step's site numbers), its tensor inputs (how many,
     their bytes: what recomputing it saves instead, as sites of their own where it starts),
-    and its forward's seconds (CUDA events, or the host clock)."""
+    and its forward's seconds (CUDA events, or the host clock). For a block that can be
+    recomputed below the layer (``selective.Observer``): the bytes of each output that
+    recomputation keeps besides the inputs (the largest's dtype), and the seconds of its
+    other operators (None for the other units)."""
 
     name: str
     first_site: int
@@ -487,6 +538,9 @@ class BlockCall:
     input_tensors: int
     input_bytes: int
     forward_s: float
+    kept: tuple[int, ...] = ()
+    kept_dtype: str = ""
+    elementwise_s: float | None = None
 
 
 def renumbered(calls: list[BlockCall], chosen: Iterable[str], sites: int) -> dict[int, int]:
@@ -525,18 +579,24 @@ class BlockTimer:
         self.next_site = next_site
         self.hooks = top_hooks()
         self.clock: Clock | None = None
-        self.stamps: list[tuple[str, int, int, int, int, Any, Any]] = []
+        self.stamps: list[tuple] = []  # each call's BlockCall fields, clock stamps for times
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
         # each unit call returned, with its inputs' version probes and its state
         self.returned: list[tuple[str, list[tuple[torch.Tensor, int]], _State]] = []
-        for unit in recompute.units().values():
-            self._watch(unit)
+        self.observing: list[Observer] = []  # the blocks' observers running now
+        found = recompute.units()
+        blocks = {unit.key for unit in below(found).values() if not is_compiled(unit.module)}
+        for unit in found.values():
+            self._watch(unit, unit.name in blocks)
 
-    def _watch(self, unit: Unit) -> None:
+    def _watch(self, unit: Unit, observe: bool) -> None:
+        """Hooks around the unit's calls (``observe``: a block, whose recomputation below the
+        layer is measured too)."""
         name = unit.name
         modules = unit.modules()
         root = unit.module
-        open_calls: list[tuple[int, list[tuple[torch.Tensor, int]], _State, Any]] = []
+        open_calls: list[tuple[int, list[tuple[torch.Tensor, int]], _State, Any,
+                               Observer | None]] = []
         named = _named_within(root, unit)
         norms = {(id(m), n) for m, n in norm_buffers(m for _, m in named)}
         buffers = [(where, m, n) for where, m in named
@@ -556,13 +616,21 @@ class BlockTimer:
                 self.recompute.unfit[name] = ("runs under saved-tensor hooks other than the "
                                               "step's (an outer checkpoint, save_on_cpu)")
             versions = [(t, t._version) for t in inputs]
+            observer = None
+            if observe:
+                observer = Observer(self.clock, self.clock.device)
+                self.observing.append(observer.__enter__())
             open_calls.append((self.next_site(), versions, _State(buffers, parameters),
-                               self.clock.now()))
+                               self.clock.now(), observer))
 
         def after(module: nn.Module, args: tuple, output: Any) -> None:
             if torch.compiler.is_compiling() or not open_calls:
                 return
-            first_site, versions, state, start = open_calls.pop()
+            first_site, versions, state, start, observer = open_calls.pop()
+            kept, dtype, runs, began = (), "", None, None
+            if observer is not None:
+                kept, dtype, runs, began = observer.finish(output)
+                self._stop(observer)
             if any(t._version != v for t, v in versions):
                 self.recompute.unfit[name] = "changes an input in place"
             self._learn(name, state, "")
@@ -570,7 +638,7 @@ class BlockTimer:
             self.returned.append((name, probes, _State(buffers, parameters)))
             nbytes = sum(t.numel() * t.element_size() for t, _ in versions)
             self.stamps.append((name, first_site, self.next_site(), len(versions), nbytes,
-                                start, self.clock.now()))
+                                start, self.clock.now(), kept, dtype, runs, began))
 
         self.handles.append(modules[0].register_forward_pre_hook(before, with_kwargs=True))
         self.handles.append(modules[-1].register_forward_hook(after))
@@ -593,8 +661,18 @@ class BlockTimer:
                                                       "it returns (checkpoint keeps it)")
             self._learn(name, state, " after it returns")
 
+    def _stop(self, observer: Observer) -> None:
+        """Take an observer off, and those entered after it (a call that raised)."""
+        while self.observing:
+            last = self.observing.pop()
+            last.__exit__(None, None, None)
+            if last is observer:
+                return
+
     def remove(self) -> None:
         """Take the hooks off (at the end of forward)."""
+        if self.observing:
+            self._stop(self.observing[0])
         for handle in self.handles:
             handle.remove()
         self.handles, self.next_site = [], None  # the step's: no cycle through it
@@ -611,8 +689,10 @@ class BlockTimer:
         """Every unit call of the step, in order (read once the step's device work is done:
         on CUDA this waits for the stamps' events)."""
         self.returned = []
-        return [BlockCall(*call, self.clock.seconds(start, end))
-                for *call, start, end in self.stamps]
+        return [BlockCall(*call, self.clock.seconds(start, end), kept, dtype,
+                          None if runs is None else max(self.clock.seconds(began, end) - sum(
+                              self.clock.seconds(*run) for run in runs), 0.0))
+                for *call, start, end, kept, dtype, runs, began in self.stamps]
 
 
 def _named_within(root: nn.Module, unit: Unit) -> list[tuple[str, nn.Module]]:

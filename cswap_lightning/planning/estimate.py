@@ -24,6 +24,7 @@ from functools import cache
 
 import torch
 
+from ..core import ops
 from . import models, trace
 from .devices import Device
 from .workload import Workload, from_profile
@@ -163,6 +164,21 @@ def _profile(traced: trace.Trace, device: Device, setup: Setup, spec: models.Mod
         times = backward if kernel.backward else forward
         times[kernel.module] = times.get(kernel.module, 0.0) + device.kernel_s(kernel)
     forward_ms, backward_ms = 1e3 * sum(forward.values()), 1e3 * sum(backward.values())
+    # each layer's forward seconds, and those of what recomputing it below the layer runs
+    # again: all but the kernels whose outputs it keeps (``ops.dear``)
+    layers: dict[str, list[float]] = {}
+    costs: dict[str, list[float]] = {}
+    for kernel in traced.kernels:
+        if kernel.layer and kernel.kind in ops.KEPT_KINDS:
+            costs.setdefault(kernel.layer, []).append(kernel.cost)
+    for kernel in traced.kernels:
+        if kernel.layer:
+            times = layers.setdefault(kernel.layer, [0.0, 0.0])
+            seconds = device.kernel_s(kernel)
+            times[0] += seconds
+            kept = kernel.kind in ops.KEPT_KINDS and ops.dear(
+                [kernel.cost, *costs[kernel.layer]])[0]
+            times[1] += 0.0 if kept else seconds
     shape = f"-s{setup.sequence}" if spec.sequence else ""
     return {
         "name": f"{spec.name}{shape}-b{setup.batch}", "estimate": True,
@@ -175,7 +191,13 @@ def _profile(traced: trace.Trace, device: Device, setup: Setup, spec: models.Mod
         "modules": [{"module": m, "forward_ms": 1e3 * forward.get(m, 0.0),
                      "backward_ms": 1e3 * backward.get(m, 0.0), "calls": traced.calls.get(m, 0),
                      "backward_allocated": traced.backward_allocated.get(m, [])}
-                    for m in traced.modules]}
+                    for m in traced.modules],
+        # what recomputing each layer below the layer would keep and cost
+        "layers": [{"layer": name, "input_bytes": layer.input_bytes,
+                    "kept": layer.kept_bytes(), "kept_dtype": layer.dtype,
+                    "forward_ms": 1e3 * layers.get(name, [0.0, 0.0])[0],
+                    "elementwise_forward_ms": 1e3 * layers.get(name, [0.0, 0.0])[1]}
+                   for name, layer in traced.layers.items()]}
 
 
 @cache

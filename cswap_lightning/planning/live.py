@@ -17,12 +17,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+import torch
+
 from ..records import WEIGHTS
 from . import mix, replay
 from .advisor import predicted_stored_bytes
 from .predictor import CodecTimeModel
 from .profiler import SiteProfile
-from .workload import Block, Op, Saved, Workload
+from .workload import Below, Block, Op, Saved, Workload
 
 _SHARED = re.compile(r"shares storage with site (\d+)")
 _MOVABLE = ("", "plan", "small")  # what the engine may move, or keeps by the plan or by size
@@ -34,6 +36,10 @@ class BlockCall(Protocol):
     name: str
     first_site: int
     stop_site: int
+    input_bytes: int
+    kept: tuple[int, ...]
+    kept_dtype: str
+    elementwise_s: float | None
 
 
 def workload(profiles: Sequence[SiteProfile], calls: Sequence[BlockCall],
@@ -56,14 +62,14 @@ def workload(profiles: Sequence[SiteProfile], calls: Sequence[BlockCall],
         saved.append(Saved(p.module, p.dtype, p.nbytes, p.nbytes, storage, weight, held))
     block_of = [-1] * len(profiles)  # the recomputable block a site is in, or -1
     parent = [""] * len(profiles)  # the unit left out around a site (its nested ones taken)
-    named: list[str] = []
+    named: list[tuple[str, Below | None]] = []
     for call in sorted(calls, key=lambda c: (c.stop_site - c.first_site) if innermost
                        else c.first_site):
         sites = [index[s] for s in range(call.first_site, call.stop_site) if s in index]
         if sites and all(block_of[i] < 0 for i in sites):
             for i in sites:
                 block_of[i] = len(named)
-            named.append(call.name)
+            named.append((call.name, _below(call)))
         elif innermost:
             for i in sites:
                 parent[i] = parent[i] or call.name
@@ -73,9 +79,12 @@ def workload(profiles: Sequence[SiteProfile], calls: Sequence[BlockCall],
     for i in range(1, len(profiles) + 1):
         if i == len(profiles) or (block_of[i], parent[i]) != (block_of[start], parent[start]):
             key = block_of[start]
-            blocks.append(Block(named[key], range(start, i), True, parent[start]) if key >= 0
-                          else Block(f"(sites {start}-{i - 1})", range(start, i), False,
-                                     parent[start]))
+            if key >= 0:
+                unit, below = named[key]
+                blocks.append(Block(unit, range(start, i), True, parent[start], below))
+            else:
+                blocks.append(Block(f"(sites {start}-{i - 1})", range(start, i), False,
+                                    parent[start]))
             start = i
     ops = tuple(Op(profiles[k].module, b, range(k, k + 1), profiles[k].forward_s,
                    profiles[k].backward_s, 0, 0, 0)
@@ -84,6 +93,15 @@ def workload(profiles: Sequence[SiteProfile], calls: Sequence[BlockCall],
     # so what the step holds beside them did not
     held = sum(s.storage_nbytes for i, s in enumerate(saved) if s.held and s.storage == i)
     return Workload(name, 1, tuple(saved), ops, tuple(blocks), beside_bytes + held, 0, 0)
+
+
+def _below(call: BlockCall) -> Below | None:
+    """What recomputing the call below the layer keeps (its inputs, as one tensor, and the
+    outputs measured) and costs; None where not measured."""
+    if call.elementwise_s is None:
+        return None
+    return Below((call.input_bytes, *call.kept), call.elementwise_s,
+                 call.kept_dtype or "float32")
 
 
 def by_site(w: Workload) -> Workload:
@@ -106,7 +124,7 @@ class Recomputation:
     engine: replay.Engine
     inflight_choices: tuple[int, ...] = ()
     workloads: tuple[Workload, ...] = ()  # the candidates it was chosen among
-    codec_of: Callable[[Block], replay.Codec] | None = None  # how a block may travel
+    codecs: tuple[mix.CodecOf, ...] = ()  # how blocks may travel compressed
 
     @property
     def inflight_bytes(self) -> int:
@@ -117,56 +135,79 @@ class Recomputation:
         """The choice for a budget ``by`` bytes tighter, from the same replayed step."""
         return choose_recompute(self.workloads or (self.workload,),
                                 max(self.mix.budget_bytes - by, 0), self.link, self.engine,
-                                self.inflight_choices, self.codec_of)
+                                self.inflight_choices, self.codecs)
 
 
 def candidates(profiles: Sequence[SiteProfile], calls: Sequence[BlockCall],
                beside_bytes: int = 0) -> tuple[Workload, ...]:
-    """The measured step with the outermost units of recomputation, and, where units nest,
-    with the innermost (GPT-2's ``gelu_new`` saves four tensors for a fifth of its layer's
-    forward time: recomputing it alone frees more bytes per second than the layer)."""
+    """The measured step with the outermost units of recomputation; where units nest, with
+    the innermost (GPT-2's ``gelu_new`` saves four tensors for a fifth of its layer's
+    forward time: recomputing it alone frees more bytes per second than the layer); and
+    where the blocks were measured for it, with each block recomputed below the layer or
+    whole (``Workload.with_below``)."""
     outer = workload(profiles, calls, beside_bytes)
     inner = workload(profiles, calls, beside_bytes, innermost=True)
-    return (outer,) if inner.blocks == outer.blocks else (outer, inner)
+    below = outer.with_below()
+    return (outer, *([inner] if inner.blocks != outer.blocks else []),
+            *([below] if below is not outer else []))
 
 
-def block_codec(profiles: Sequence[SiteProfile], codec: str, model: CodecTimeModel
-                ) -> Callable[[Block], replay.Codec]:
-    """How a block of the measured step travels through ``codec``: the bytes its movable
-    sites would store (the format's size at their measured sparsity) against their raw
-    bytes, at the speeds the codec was measured at for them."""
+def block_codec(profiles: Sequence[SiteProfile], codec_for: Callable[[SiteProfile], str],
+                model: CodecTimeModel) -> mix.CodecOf:
+    """How a block of the measured step travels with each of its movable sites through the
+    codec ``codec_for`` names for it (``"raw"``, a compressor, a lossy codec): the bytes
+    they would store (each format's size at their measured sparsity) against their raw
+    bytes, at the speeds each codec was measured at for them. What a recomputation below the
+    layer keeps counts as dense sites of the block's dtype."""
 
-    def codec_of(block: Block) -> replay.Codec:
-        sites = [profiles[k] for k in block.ops if profiles[k].offloadable]
+    def codec_of(w: Workload, block: Block) -> replay.Codec:
+        sites = [_site(w, i, profiles) for op in w.ops[block.ops.start:block.ops.stop]
+                 for i in op.saves]
+        sites = [p for p in sites if p.offloadable]
         raw = sum(p.nbytes for p in sites)
         if not raw:
             return replay.RAW
-        stored = sum(predicted_stored_bytes(codec, p) for p in sites)
-        seconds = [sum(model.predict(codec, way, p.nbytes, p.sparsity) for p in sites)
+        codecs = [codec_for(p) for p in sites]
+        stored = sum(p.nbytes if c == "raw" else predicted_stored_bytes(c, p)
+                     for p, c in zip(sites, codecs, strict=True))
+        seconds = [sum(model.predict(c, way, p.nbytes, p.sparsity)
+                       for p, c in zip(sites, codecs, strict=True) if c != "raw")
                    for way in ("encode", "decode")]
         encode, decode = (raw / s if s > 0 else float("inf") for s in seconds)
-        return replay.Codec(codec, stored / raw, encode, decode)
+        names = sorted(set(codecs) - {"raw"})
+        return replay.Codec("+".join(names) or "raw", stored / raw, encode, decode)
 
     return codec_of
 
 
+def _site(w: Workload, i: int, profiles: Sequence[SiteProfile]) -> SiteProfile:
+    """Saved tensor ``i`` of a workload of the measured step: its site's profile, or for
+    what a recomputation below the layer keeps, a dense site of its bytes."""
+    s = w.saved[i]
+    if not s.below:
+        return profiles[i]
+    elem = getattr(torch, s.dtype).itemsize
+    return SiteProfile(-1, (s.nbytes // elem,), s.dtype, s.nbytes, True, module=s.module)
+
+
 def choose_recompute(measured: Sequence[Workload], budget_bytes: int, link: replay.Link,
                      engine: replay.Engine, inflight_choices: Sequence[int] = (),
-                     codec_of: Callable[[Block], replay.Codec] | None = None
-                     ) -> Recomputation:
+                     codecs: Sequence[mix.CodecOf] = ()) -> Recomputation:
     """The blocks the planner recomputes to meet ``budget_bytes``, from the measured step
     (with each of its candidate units, ``candidates``) replayed under candidate mixes: none
     where keeping or swapping alone is predicted to meet it at least as fast.
     ``inflight_choices``: larger bounds on bytes in flight it may pick (``mix.choose``);
-    ``codec_of``: how a block may travel compressed (``block_codec``), weighed against
-    swapping it raw: compression widens what the link carries in its window."""
-    shrinks = codec_of is not None and any(codec_of(block).ratio < 1
-                                           for block in measured[0].blocks)
+    ``codecs``: ways blocks may travel compressed (``block_codec``), each weighed against
+    swapping them raw where it shrinks some block: compression widens what the link carries
+    in its window."""
+    shrinking = tuple(codec_of for codec_of in codecs
+                      if any(codec_of(measured[0], block).ratio < 1
+                             for block in measured[0].blocks))
     chosen_workload, chosen = mix.choose_among(
         measured, budget_bytes, link, engine, inflight_choices=inflight_choices,
-        codecs=(None, codec_of) if shrinks else (None,))
+        codecs=(None, *shrinking))
     names = tuple(block.name for block, decision in zip(
         chosen_workload.blocks, chosen.decisions(), strict=True)
         if decision.action == "recompute")
     return Recomputation(names, chosen, chosen_workload, link, engine, tuple(inflight_choices),
-                         tuple(measured), codec_of)
+                         tuple(measured), tuple(codecs))

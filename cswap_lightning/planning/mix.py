@@ -7,10 +7,14 @@ So the planner, replaying the step (``replay.py``) for each candidate:
 
 1. keeps everything if that fits (a run that fits costs nothing);
 2. otherwise, for each count of blocks swapped (the earliest: backward needs them last;
-   compressed where a block's codec says so, which widens the link's window), recomputes the
-   fewest other blocks that make the peak fit, those that free the most bytes per second of
-   recomputation first, and takes the mix the replay predicts fastest: swaps inside the
-   link's window cost nothing, swaps beyond it the link's time, recomputation a forward;
+   compressed where a block's codec says so, which widens the link's window; where a layer
+   can be recomputed below the layer, also so with what that keeps swapped, which halves
+   what the link carries for its elementwise work again), recomputes the fewest other
+   blocks that make the peak fit, those that free the most bytes per second of
+   recomputation first (a layer below the layer, ``Workload.with_below``, or whole), and
+   takes the mix the replay predicts fastest: swaps inside the link's window cost nothing,
+   swaps beyond it the link's time, recomputation a forward (below the layer, its
+   elementwise part);
 3. where even recomputing every block leaves the peak over the budget, swaps the recomputed
    blocks' inputs and the blocks that cannot be recomputed too, earliest first.
 
@@ -29,9 +33,13 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import product
 
 from .replay import KEEP, RAW, Codec, Decision, Engine, Link, Plan, Prediction, predict
 from .workload import Block, Workload
+
+# How a block of a workload travels when swapped (its inputs, where it is recomputed).
+CodecOf = Callable[[Workload, Block], Codec]
 
 
 @dataclass(frozen=True)
@@ -66,10 +74,11 @@ class Mix:
 
 
 def choose(workload: Workload, budget_bytes: int | None, link: Link | None = None,
-           engine: Engine | None = None, codec_of: Callable[[Block], Codec] | None = None,
+           engine: Engine | None = None, codec_of: CodecOf | None = None,
            recompute: bool = True, inflight_choices: Sequence[int] = ()) -> Mix:
     """The fastest plan the replay predicts to fit ``budget_bytes`` (the allocator's peak);
-    ``codec_of(block)`` is how a swapped block travels (raw by default); ``recompute=False``
+    ``codec_of(workload, block)`` is how a swapped block travels (raw by default);
+    ``recompute=False``
     only keeps or swaps; ``inflight_choices``: larger bounds on bytes in flight than
     ``engine``'s the plan may use, where the replay's peak with the copies in flight
     (``held_peak_bytes``) stays within the budget."""
@@ -89,7 +98,7 @@ def choose(workload: Workload, budget_bytes: int | None, link: Link | None = Non
 def choose_among(workloads: Sequence[Workload], budget_bytes: int | None,
                  link: Link | None = None, engine: Engine | None = None,
                  inflight_choices: Sequence[int] = (),
-                 codecs: Sequence[Callable[[Block], Codec] | None] = (None,)
+                 codecs: Sequence[CodecOf | None] = (None,)
                  ) -> tuple[Workload, Mix]:
     """``choose`` for each of the same step's workloads (its units of recomputation cut
     otherwise, ``Workload.with_units``) and each way of swapping (``codecs``: raw, or a
@@ -112,11 +121,11 @@ class _Unit:
 
 
 def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: Engine,
-            codec_of: Callable[[Block], Codec] | None, recompute: bool,
+            codec_of: CodecOf | None, recompute: bool,
             held: bool = False) -> Mix:
     """``choose`` at one bound on bytes in flight (``held``: the copies in flight count
     against the budget too)."""
-    codec_of = codec_of or (lambda block: RAW)
+    codec_of = codec_of or (lambda w, block: RAW)
     variants: dict[frozenset[str], Workload] = {}
 
     def merged(parents: frozenset[str]) -> Workload:
@@ -145,29 +154,43 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
     def eligible(ranked: list[_Unit], swapped: int) -> list[_Unit]:
         return [u for u in ranked if min(u.blocks) >= swapped]
 
-    def mixed(ranked: list[_Unit], swapped: int, recomputed: int) -> tuple[Workload, Plan]:
-        """The earliest ``swapped`` blocks swapped, the ``recomputed`` best units of the
-        others recomputed (a piece of a parent recomputed whole goes with it)."""
+    def swap(b: int, below: bool) -> Decision:
+        """Block ``b`` swapped; ``below``: where it can be, recomputed below the layer with
+        what that keeps swapped (the link carries less, for its elementwise work again)."""
+        block = workload.blocks[b]
+        if below and block.selective:
+            return Decision("recompute", codec_of(workload, block), swap_input=True)
+        return Decision("swap", codec_of(workload, block))
+
+    def mixed(ranked: list[_Unit], swapped: int, recomputed: int,
+              below: bool = False) -> tuple[Workload, Plan]:
+        """The earliest ``swapped`` blocks swapped (``below``: as ``swap`` says), the
+        ``recomputed`` best units of the others recomputed (a piece of a parent recomputed
+        whole goes with it)."""
         chosen = eligible(ranked, swapped)[:recomputed]
         whole = frozenset(u.name for u in chosen if u.whole)
-        decisions = {names[b]: Decision("swap", codec_of(workload.blocks[b]))
-                     for b in range(swapped)}
+        decisions = {names[b]: swap(b, below) for b in range(swapped)}
         decisions |= {u.name: Decision("recompute") for u in chosen
                       if u.whole or workload.blocks[u.blocks[0]].parent not in whole}
         return merged(whole), Plan(KEEP, decisions)
 
-    # For each count of earliest blocks swapped, the fewest recomputations that fit.
+    # For each count of earliest blocks swapped (raw or compressed; where blocks can be
+    # recomputed below the layer, also so with what they keep swapped), the fewest
+    # recomputations that fit.
+    ways = (False, True) if any(b.selective for b in workload.blocks) else (False,)
     candidates: dict[str, tuple[tuple[Workload, Plan], Prediction]] = {}
-    for n, ranked in enumerate(rankings):
+    for (n, ranked), below in product(enumerate(rankings), ways):
         for swapped in range(len(names) + 1):
             left = len(eligible(ranked, swapped))
-            k = _first(left + 1, lambda k, r=ranked, s=swapped: fits(mixed(r, s, k)))
+            k = _first(left + 1, lambda k, r=ranked, s=swapped, b=below: fits(mixed(r, s, k, b)))
             if k is None:
                 continue
-            chosen = mixed(ranked, swapped, k)
-            recomputed = sum(d.action == "recompute" for d in chosen[1].blocks.values())
-            how = f"swap the earliest {swapped} blocks, recompute {recomputed}"
-            candidates[how + (" of the finest units" if n else "")] = (chosen, run(chosen))
+            chosen = mixed(ranked, swapped, k, below)
+            recomputed = sum(d.action == "recompute" and not d.swap_input
+                             for d in chosen[1].blocks.values())
+            how = (f"swap the earliest {swapped} blocks" + (" (below the layer)" if below else "")
+                   + f", recompute {recomputed}" + (" of the finest units" if n else ""))
+            candidates[how] = (chosen, run(chosen))
             if k == 0:  # swapping more would only add link time
                 break
     # every unit recomputed is not enough, or nothing is: move inputs too, on the workload
@@ -181,7 +204,7 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
             recomputed = b in full
             if b < k:
                 decisions[block.name] = Decision(
-                    "recompute" if recomputed else "swap", codec_of(block),
+                    "recompute" if recomputed else "swap", codec_of(whole, block),
                     swap_input=recomputed)
             elif recomputed:
                 decisions[block.name] = Decision("recompute")
@@ -215,16 +238,25 @@ def _units(workload: Workload) -> list[_Unit]:
 
 
 def _bytes_per_second(workload: Workload, blocks: Sequence[int]) -> float:
-    """Bytes recomputing these blocks as one frees (their saved activations but the first
-    one's input) per second of their forward."""
-    ops = [op for b in blocks
-           for op in workload.ops[workload.blocks[b].ops.start:workload.blocks[b].ops.stop]]
-    kept = workload.block_input(blocks[0])
-    freed = sum(workload.saved[i].storage_nbytes for op in ops for i in op.saves
-                if workload.saved[i].activation and workload.saved[i].storage == i
-                and i != kept)
-    seconds = sum(op.forward_s for op in ops)
+    """Bytes recomputing these blocks as one frees (their saved activations less what the
+    recomputation keeps: the first one's input, or below the layer what it keeps) per second
+    of the recomputation."""
+    block = workload.blocks[blocks[0]]
+    if len(blocks) == 1 and block.selective:
+        freed = saved_bytes(workload, blocks[0]) - sum(block.below.kept)
+    else:
+        kept = workload.block_input(blocks[0])
+        freed = sum(saved_bytes(workload, b, but=kept) for b in blocks)
+    seconds = sum(workload.blocks[b].recompute_s(workload.ops) for b in blocks)
     return freed / seconds if seconds > 0 else float("inf")
+
+
+def saved_bytes(workload: Workload, block: int, but: int | None = None) -> int:
+    """The activations a block's plain forward saves (each storage once, ``but`` one)."""
+    b = workload.blocks[block]
+    return sum(workload.saved[i].storage_nbytes for op in workload.ops[b.ops.start:b.ops.stop]
+               for i in op.saves if workload.saved[i].activation and i != but
+               and workload.saved[i].storage == i and not workload.saved[i].below)
 
 
 def _first(n: int, ok: Callable[[int], bool]) -> int | None:
@@ -239,18 +271,19 @@ def table(mix: Mix, workload: Workload | None = None) -> str:
     its forward once more), then the prediction against keeping everything."""
     workload = mix.workload or workload
     rows = [f"{'block':<28} {'decision':<22} {'saves':>10} {'costs ms':>9}"]
-    for block, decision in zip(workload.blocks, mix.decisions(workload), strict=True):
+    for b, (block, decision) in enumerate(zip(workload.blocks, mix.decisions(workload),
+                                              strict=True)):
         if decision.action == "keep":
             continue
         what = decision.action
+        if block.selective and decision.action == "recompute":
+            what += " below"
         if decision.action == "swap" and decision.codec.name != "raw":
             what += f" {decision.codec.name}"
         if decision.swap_input:
-            what += " (input swapped)"
-        ops = workload.ops[block.ops.start:block.ops.stop]
-        saved = sum(workload.saved[i].storage_nbytes for op in ops for i in op.saves
-                    if workload.saved[i].activation and workload.saved[i].storage == i)
-        cost = (f"{1e3 * sum(op.forward_s for op in ops):.3f}"
+            what += " (kept swapped)" if block.selective else " (input swapped)"
+        saved = saved_bytes(workload, b)
+        cost = (f"{1e3 * block.recompute_s(workload.ops):.3f}"
                 if decision.action == "recompute" else "link")
         rows.append(f"{block.name:<28} {what:<22} {saved / 2**20:>6.1f} MiB {cost:>9}")
     p, keep = mix.prediction, mix.keep

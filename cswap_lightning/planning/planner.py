@@ -26,9 +26,9 @@ import torch
 
 from ..config import AUTO_INFLIGHT_BYTES, INFLIGHT_CHOICES, CSwapConfig
 from ..records import StepStats
-from . import live
+from . import live, mix
 from . import replay as replayed
-from .advisor import Advisor, resolve_budget
+from .advisor import LOSSY_MAX_SPARSITY, Advisor, resolve_budget
 from .plan import Decision, Plan
 from .predictor import CodecTimeModel, calibrate
 from .prefetch import lookahead_bytes
@@ -95,9 +95,24 @@ class Planner:
         self.recomputation = live.choose_recompute(
             measured, budget, link, self._engine(m, link),
             INFLIGHT_CHOICES if self.config.inflight_bytes == "auto" else (),
-            live.block_codec(m.profiles, self.config.compressor, model))
+            self._block_codecs(m, model))
         self.inflight_bytes = self.recomputation.inflight_bytes
         return self.recomputation
+
+    def _block_codecs(self, m: Measured, model: CodecTimeModel) -> list[mix.CodecOf]:
+        """How blocks may travel compressed, for the mix to weigh: each movable site through
+        the compressor; and where ``lossy`` allows, through the lossy codec where the site
+        may be lossy (``lossy_ok``, and dense: ``LOSSY_MAX_SPARSITY``), else the compressor."""
+        compressor, lossy = self.config.compressor, self._lossy()
+        codecs = [live.block_codec(m.profiles, lambda p: compressor, model)]
+        if lossy is not None:
+            codecs.append(live.block_codec(m.profiles, lambda p: lossy if (
+                p.sparsity < LOSSY_MAX_SPARSITY and self.lossy_ok(p)) else compressor, model))
+        return codecs
+
+    def _lossy(self) -> str | None:
+        """The lossy codec the config allows (``"auto"``: int8), or None."""
+        return {"off": None, "auto": "int8"}.get(self.config.lossy, self.config.lossy)
 
     def plan(self, m: Measured, fresh: bool = True) -> Plan:
         """Every site's decision: each movable site's codec (``Advisor.decide``), swapped
@@ -105,8 +120,7 @@ class Planner:
         and codec times measured now, else those of the latest plan)."""
         cfg = self.config
         link, model = self.measure(m.device, fresh)
-        lossy = {"off": None, "auto": "int8"}.get(cfg.lossy, cfg.lossy)
-        advisor = Advisor(cfg.compressor, link, model, lossy, self.lossy_ok)
+        advisor = Advisor(cfg.compressor, link, model, self._lossy(), self.lossy_ok)
         decisions = {p.site: advisor.decide(p) if p.offloadable else Decision(
             p.site, p.shape, p.dtype, p.nbytes, p.sparsity, "keep",
             p.reason or "not offloadable", 0, 0.0, 0.0) for p in m.profiles}
@@ -182,7 +196,7 @@ class Planner:
         of the latest plan, where there is one)."""
         if fresh or self._measured is None:
             cfg = self.config
-            lossy = {"off": None, "auto": "int8"}.get(cfg.lossy, cfg.lossy)
+            lossy = self._lossy()
             codecs = (cfg.compressor,) if lossy is None else (cfg.compressor, lossy)
             self._measured = (self.link or measure_link(device),
                               self.time_model or calibrate(device, codecs).model)

@@ -108,11 +108,15 @@ def candidates(model: str, batch: int | None = None) -> tuple[Workload, ...]:
     return unit_candidates(workload(model, batch))
 
 
-def unit_candidates(w: Workload) -> tuple[Workload, ...]:
-    """``w`` with its blocks as units of recomputation, and, where its layers hold
-    activation modules, with those as the units instead."""
+def unit_candidates(w: Workload, activations: bool = True) -> tuple[Workload, ...]:
+    """``w`` with its blocks as units of recomputation; where its layers hold activation
+    modules (and ``activations``), with those as the units instead; and where it knows what
+    recomputing its layers below the layer keeps and costs, with each layer recomputed below
+    or whole (``Workload.with_below``)."""
     finer = w.with_units(lambda op: bool(_ACTIVATION.search(op.module)))
-    return (w,) if finer.blocks == w.blocks else (w, finer)
+    below = w.with_below()
+    return (w, *([finer] if activations and finer.blocks != w.blocks else []),
+            *([below] if below is not w else []))
 
 
 def predict_method(model: str, method: str, batch: int | None = None,

@@ -3,7 +3,9 @@
 A plan decides per block (``workload.py``: a transformer layer, a ResNet bottleneck, a VGG
 stage, or the ops around them): keep its saved tensors on the device, swap them to host memory
 (raw, or through a codec of some ratio and speed), or recompute the block in backward from its
-input (kept, or swapped), as activation checkpointing does. The replay runs the step as the
+input (kept, or swapped), as activation checkpointing does; a layer recomputed below the layer
+(``Block.selective``) keeps its input and its matmuls' and attention's outputs instead (kept,
+or swapped) and runs only its elementwise work again. The replay runs the step as the
 engine (``core/step.py``, ``core/transfer.py``) and PyTorch run it:
 
 - forward issues each op on the compute stream; each storage a swapped block saves is copied
@@ -232,8 +234,13 @@ class _Replay:
                  timeline: bool) -> None:
         self.w, self.link, self.engine = workload, link, engine
         self.decisions = plan.decisions(workload)
-        self.inputs = [workload.block_input(b) if d.action == "recompute" else None
+        # what each recomputed block keeps (its input; below the layer, what its last op
+        # saves), None for the others
+        self.inputs = [workload.recompute_inputs(b) if d.action == "recompute" else None
                        for b, d in enumerate(self.decisions)]
+        # the saves of blocks that would keep them below the layer but are not recomputed
+        self.absent = {i for op in workload.ops if self.inputs[op.block] is None
+                       for i in op.saves if workload.saved[i].below}
         self.record = timeline
         self.timeline: list[Interval] = []
         # clocks (seconds) and what they add up
@@ -328,27 +335,28 @@ class _Replay:
     def _forward(self) -> None:
         w = self.w
         for k, op in enumerate(w.ops):
-            decision, block_input = self.decisions[op.block], self.inputs[op.block]
+            decision, inputs = self.decisions[op.block], self.inputs[op.block]
             begin = max(self.compute, self.host)
             self.stall += begin - self.compute
             self.compute = begin + op.forward_s
             self._mark("compute", f"forward {op.module}", begin, self.compute)
-            for i in op.saves:
+            saves = [i for i in op.saves if i not in self.absent]
+            for i in saves:
                 if w.saved[i].storage == i and w.saved[i].activation:
                     self._allocate(i)
             self._point(op.forward_other, f"forward {op.module or '(functions)'}")
-            for i in op.saves:
+            for i in saves:
                 s = w.saved[i]
                 if not s.activation or s.storage in self.entries:  # moved already: shared
                     continue
-                if decision.action == "recompute" and s.storage != block_input:
+                if inputs is not None and s.storage not in inputs:
                     continue  # recomputed in backward
                 swap = decision.action == "swap" or decision.swap_input
                 if swap and self._movable(i):
                     self._move_out(s.storage, decision.codec, f"out {i} {s.module}")
                 else:
                     self._hold(i)
-            for storage in {w.saved[i].storage for i in op.saves}:
+            for storage in {w.saved[i].storage for i in saves}:
                 if self.last_forward_op[storage] == k and storage not in self.holders:
                     self._free(storage)  # forward lets go of it
 
@@ -376,7 +384,7 @@ class _Replay:
         w = self.w
         self.order = self._prefetch_order()
         self.position = {storage: n for n, storage in enumerate(self.order)}
-        input_copy: dict[int, int] = {}  # recomputed block -> its input's copy back
+        input_copy: dict[int, set[int]] = {}  # recomputed block -> its input's copy back
         for k in range(len(w.ops) - 1, -1, -1):
             op = w.ops[k]
             if self._recomputes_at(k):
@@ -385,9 +393,9 @@ class _Replay:
             used: set[int] = set()
             for i in op.saves:
                 storage = w.saved[i].storage
-                if not w.saved[i].activation or storage not in self.entries:
-                    continue
-                if input_copy.get(op.block) == storage:  # back for the recompute
+                if not w.saved[i].activation or w.saved[i].below or storage not in self.entries:
+                    continue  # (what a recomputation below the layer kept is done with)
+                if storage in input_copy.get(op.block, ()):  # back for the recompute
                     ready = max(ready, self.entries[storage].back_end)
                 elif storage not in used:
                     ready = max(ready, self._unpack(storage))
@@ -399,7 +407,7 @@ class _Replay:
             self._point(op.backward_grads, f"backward {op.module or '(functions)'}")
             self.grads += op.weight_grads
             if w.blocks[op.block].ops.start == k and op.block in input_copy:
-                used.add(input_copy.pop(op.block))  # the block is done with its input
+                used |= input_copy.pop(op.block)  # the block is done with its input
             self._drop_copies(used)
             for i in op.saves:
                 self._release(i)
@@ -410,8 +418,10 @@ class _Replay:
         order: dict[int, None] = {}
         for k in range(len(self.w.ops) - 1, -1, -1):
             op = self.w.ops[k]
-            if self._recomputes_at(k) and self.inputs[op.block] in self.entries:
-                order.setdefault(self.inputs[op.block])
+            if self._recomputes_at(k):
+                for storage in self.inputs[op.block]:
+                    if storage in self.entries:
+                        order.setdefault(storage)
             for i in op.saves:
                 if self.w.saved[i].storage in self.entries:
                     order.setdefault(self.w.saved[i].storage)
@@ -422,25 +432,36 @@ class _Replay:
         block = self.w.ops[k].block
         return self.inputs[block] is not None and self.w.blocks[block].ops.stop - 1 == k
 
-    def _recompute(self, block: int, input_copy: dict[int, int]) -> None:
-        """Run a block's forward again, once its input is back if it was moved: its saved
-        storages live again, held by their saves."""
-        w = self.w
-        storage_in, ready = self.inputs[block], self.host
-        if storage_in in self.entries:
-            ready = self._unpack(storage_in)
-            input_copy[block] = storage_in
+    def _recompute(self, block: int, input_copy: dict[int, set[int]]) -> None:
+        """Run a block's forward again (below the layer: its elementwise part), once what it
+        kept is back where it was moved: its saved storages live again, held by their saves.
+        Below the layer, what it kept is given back as the recomputation ends (a kept output
+        that the step saves lives on as its save)."""
+        w, b = self.w, self.w.blocks[block]
+        inputs, ready = self.inputs[block], self.host
+        moved = {storage for storage in inputs if storage in self.entries}
+        for storage in moved:
+            ready = max(ready, self._unpack(storage))
         begin = max(self.compute, self.host, ready)
         self.wait += begin - max(self.compute, self.host)
-        ops = w.ops[w.blocks[block].ops.start:w.blocks[block].ops.stop]
-        seconds = sum(op.forward_s for op in ops)
+        seconds = b.recompute_s(w.ops)
         self.compute = begin + seconds
         self.recompute_s += seconds
-        self._mark("compute", f"recompute {w.blocks[block].name}", begin, self.compute)
+        self._mark("compute", f"recompute {b.name}", begin, self.compute)
+        ops = w.ops[b.ops.start:b.ops.stop]
         for op in ops:
             for i in op.saves:
-                if w.saved[i].activation and w.saved[i].storage != storage_in:
+                s = w.saved[i]
+                if s.activation and not s.below and s.storage not in inputs:
                     self._hold(i)
+        if not b.selective:
+            input_copy[block] = moved
+            return
+        for op in ops:
+            for i in op.saves:
+                if w.saved[i].below:
+                    self._release(i)
+        self._drop_copies(moved)
 
     def _unpack(self, storage: int) -> float:
         """The storage's copy back for the op about to run (restored now if none lives),

@@ -13,12 +13,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+import torch
+
+from ..codecs import get_codec
 from ..config import INFLIGHT_CHOICES
 from . import mix, models, profiled
-from .devices import Device
+from .devices import DEVICES, Device
 from .estimate import Estimate, cached
-from .replay import KEEP, RAW, Decision, Plan, Prediction, checkpoint_all, predict
-from .workload import Workload
+from .replay import KEEP, RAW, Codec, Decision, Plan, Prediction, checkpoint_all, predict
+from .workload import Block, Workload
 
 CONTEXT_BYTES = 1 << 30
 GRANULE = 256  # sequence lengths searched in steps of this many tokens
@@ -62,20 +65,83 @@ def baselines(est: Estimate) -> list[Way]:
                 optimizer_fits and checkpointed.peak_bytes <= limit)]
 
 
-def mixes(est: Estimate, budgets: Sequence[tuple[str, int]], finer: bool = False
-          ) -> list[Way]:
-    """The planner's mix at each budget (a label and the allocator's bytes it may use, at
-    most the device's), over layers as units of recomputation, ``finer``: and over their
-    activation modules too (slower to plan)."""
+def mixes(est: Estimate, budgets: Sequence[tuple[str, int]], finer: bool = False,
+          lossy: str | None = None, clip: bool = True) -> list[Way]:
+    """The planner's mix at each budget (a label and the allocator's bytes it may use; with
+    ``clip``, at most the device's), over layers recomputed whole or below the layer as
+    units of recomputation, ``finer``: and over their activation modules too (slower to
+    plan); ``lossy``: blocks may also travel through that lossy codec (``lossy_codec``)."""
     w, link, limit = est.workload(), est.device.link, usable(est.device)
-    units = profiled.unit_candidates(w) if finer else (w,)
+    units = profiled.unit_candidates(w, activations=finer)
+    codecs = (None,) if lossy is None else (None, lossy_codec(lossy, est.device))
     out = []
     for label, budget in budgets:
-        _, chosen = mix.choose_among(units, min(budget, limit), link,
-                                     inflight_choices=INFLIGHT_CHOICES)
+        _, chosen = mix.choose_among(units, min(budget, limit) if clip else budget, link,
+                                     inflight_choices=INFLIGHT_CHOICES, codecs=codecs)
         out.append(Way(label, chosen.how, chosen.prediction,
                        est.optimizer_peak <= limit and chosen.fits))
     return out
+
+
+# The lossy codecs' speeds in bytes of bfloat16 tensors per second, measured on the H200
+# (`cswap bench codec`, 2026-11-26, 64 MiB, the slower of its sparsities: int8 compress 206
+# GB/s, decompress 458 GB/s; benchmarks/results/codec-h200-2026-11-26.md). fp8 was not
+# measured there: its kernels do the work of int8's, and it is given int8's speeds.
+LOSSY_SPEEDS = {"int8": (206e9, 458e9), "fp8": (206e9, 458e9)}
+_FLOATING = ("float32", "float16", "bfloat16")
+
+
+def lossy_codec(name: str, device: Device) -> mix.CodecOf:
+    """How a block of an estimated step travels through a lossy codec on ``device``: its
+    floating activations at the codec's exact size (dense: an estimate knows no sparsity),
+    the others raw, at the H200's measured speeds (``LOSSY_SPEEDS``) scaled by the device's
+    memory rate against the H200's (an estimate)."""
+    if name not in LOSSY_SPEEDS:
+        raise ValueError(f"no speeds for lossy codec {name!r}; known: {', '.join(LOSSY_SPEEDS)}")
+    h200 = DEVICES["h200"]
+    scale = (device.bandwidth * device.rates.memory) / (h200.bandwidth * h200.rates.memory)
+    encode, decode = (speed * scale for speed in LOSSY_SPEEDS[name])
+    codec = get_codec(name)
+
+    def codec_of(w: Workload, block: Block) -> Codec:
+        saves = [w.saved[i] for op in w.ops[block.ops.start:block.ops.stop] for i in op.saves
+                 if w.saved[i].activation and w.saved[i].storage == i]
+        raw = sum(s.storage_nbytes for s in saves)
+        lossy = [s for s in saves if s.dtype in _FLOATING]
+        if not raw or not lossy:
+            return RAW
+        stored = raw - sum(s.storage_nbytes - codec.payload_nbytes(
+            s.storage_nbytes // getattr(torch, s.dtype).itemsize) for s in lossy)
+        moved = sum(s.storage_nbytes for s in lossy)
+        return Codec(name, stored / raw, raw * encode / moved, raw * decode / moved)
+
+    return codec_of
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer of an estimated step, per token: what it saves, what recomputing it below
+    the layer (its elementwise work again) or whole keeps, and what each costs."""
+
+    name: str
+    saved_kib: float
+    below_kib: float
+    whole_kib: float
+    below_s: float
+    forward_s: float
+
+
+def first_layer(est: Estimate) -> Layer | None:
+    """The estimated step's first layer that can be recomputed below the layer (None where
+    the model has none)."""
+    w = est.workload()
+    k = next((k for k, b in enumerate(w.blocks) if b.below is not None), None)
+    if k is None:
+        return None
+    block, kib = w.blocks[k], est.setup.sequence * est.setup.batch * 1024
+    return Layer(block.name, mix.saved_bytes(w, k) / kib, sum(block.below.kept) / kib,
+                 w.saved[w.block_input(k)].storage_nbytes / kib, block.below.seconds,
+                 sum(op.forward_s for op in w.ops[block.ops.start:block.ops.stop]))
 
 
 def fits(est: Estimate, how: str, workload: Workload | None = None) -> bool:

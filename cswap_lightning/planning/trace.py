@@ -35,21 +35,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from ..core import ops
+from .workload import layer_of
+
 ALLOCATOR_ROUND = 512  # CUDA's caching allocator hands out multiples of 512 bytes
 ATTENTION_KERNELS = ("cudnn", "flash")
 
 aten = torch.ops.aten
-_KIND = {op: "attention" for op in (
-    aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_cudnn_attention_backward,
-    aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_backward,
-    aten._scaled_dot_product_efficient_attention,
-    aten._scaled_dot_product_efficient_attention_backward)}
-_KIND |= {op: "matmul" for op in (aten.mm, aten.addmm, aten.bmm, aten.baddbmm)}
-_KIND |= {op: "conv" for op in (aten.convolution, aten.convolution_backward)}
-_KIND |= {op: "norm" for op in (
-    aten.native_batch_norm, aten.native_batch_norm_backward, aten._native_batch_norm_legit,
-    aten._native_batch_norm_legit_functional, aten._batch_norm_with_update,
-    aten.batch_norm_backward)}
 # ops that allocate or relabel memory without a kernel that reads or writes it
 _NO_KERNEL = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty,
               aten.new_empty_strided, aten.detach, aten.alias, aten.lift_fresh,
@@ -67,6 +59,27 @@ class Kernel:
     flops: float
     bytes: int  # read and written
     dtype: torch.dtype
+    layer: str = ""  # the layer (``workload.layer_of``) it ran in, in forward
+    cost: float = 0.0  # work per byte of output, for a kind ``ops.kept`` names, in a layer
+
+
+@dataclass
+class Layer:
+    """What recomputing a layer below the layer (``core/selective.py``) would keep: its
+    tensor inputs' bytes, and each output of its matrix products, attention and convolutions
+    (bytes, 0 where it is what the layer returns), in the dtype of the largest."""
+
+    input_bytes: int = 0
+    kept: list[int] = field(default_factory=list)
+    costs: list[float] = field(default_factory=list)  # each one's ``ops.work_per_byte``
+    dtype: str = ""
+
+    def kept_bytes(self) -> list[int]:
+        """The bytes of what its recomputation keeps: not what the layer returns, nor what is
+        far cheaper to make than the rest (``ops.dear``)."""
+        left = [(n, c) for n, c in zip(self.kept, self.costs, strict=True) if n]
+        return [n for (n, _), dear in zip(left, ops.dear([c for _, c in left]), strict=True)
+                if dear]
 
 
 @dataclass
@@ -80,6 +93,7 @@ class Trace:
     modules: list[str] = field(default_factory=list)
     calls: dict[str, int] = field(default_factory=dict)  # forward calls per leaf module
     backward_allocated: dict[str, list[int]] = field(default_factory=dict)
+    layers: dict[str, Layer] = field(default_factory=dict)
     start_bytes: int = 0
     peak_bytes: int = 0
 
@@ -147,23 +161,49 @@ class _Ledger(TorchDispatchMode):
     object of a meta tensor lives as long as its memory would), and each kernel's work."""
 
     def __init__(self, trace: Trace, where: Callable[[], tuple[str, bool]],
-                 present: Sequence[torch.Tensor]) -> None:
+                 layer: Callable[[], str], present: Sequence[torch.Tensor]) -> None:
         super().__init__()
         self.trace = trace
         self.where = where  # the leaf module running now, and whether in backward
+        self.layer = layer  # the layer running now in forward ("" outside any)
         storages = {t.untyped_storage()._cdata: t.untyped_storage() for t in present}
         self.alive = set(storages)
         self.now = trace.start_bytes = trace.peak_bytes = sum(
             rounded(s.nbytes()) for s in storages.values())
+        # storages a layer's recomputation below the layer would keep, while they live:
+        # storage -> (layer, index in its kept list)
+        self.kept: dict[int, tuple[str, int]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         for t in _tensors(out):
             self._allocated(t.untyped_storage())
+        layer, cost = self.layer(), 0.0
+        if layer and ops.kept(func):
+            cost = ops.work_per_byte(func, args, kwargs, out)
+            self._keep(layer, out, cost)
         if not (func.is_view or func.overloadpacket in _NO_KERNEL):
-            self._work(func, args, kwargs, out)
+            self._work(func, args, kwargs, out, cost)
         return out
+
+    def _keep(self, layer: str, out, cost: float) -> None:
+        kept = self.trace.layers[layer]
+        for t in _tensors(out):
+            storage = t.untyped_storage()
+            if storage._cdata not in self.kept:
+                self.kept[storage._cdata] = (layer, len(kept.kept))
+                kept.kept.append(storage.nbytes())
+                kept.costs.append(cost)
+                if storage.nbytes() >= max(kept.kept):
+                    kept.dtype = str(t.dtype).removeprefix("torch.")
+
+    def returned(self, layer: str, output) -> None:
+        """A layer returned ``output``: its recomputation keeps none of it (it is rerun)."""
+        for t in _tensors(output):
+            where = self.kept.get(t.untyped_storage()._cdata)
+            if where is not None and where[0] == layer:
+                self.trace.layers[layer].kept[where[1]] = 0
 
     def _allocated(self, storage: torch.UntypedStorage) -> None:
         key = storage._cdata
@@ -177,11 +217,12 @@ class _Ledger(TorchDispatchMode):
 
     def _freed(self, key: int, size: int) -> None:
         self.alive.discard(key)
+        self.kept.pop(key, None)
         self.now -= size
 
-    def _work(self, func, args: tuple, kwargs: dict, out) -> None:
+    def _work(self, func, args: tuple, kwargs: dict, out, cost: float) -> None:
         packet = func.overloadpacket
-        kind = _KIND.get(packet, "memory")
+        kind = ops.kind(func)
         flops = 0.0
         if packet in flop_registry:
             flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
@@ -193,7 +234,8 @@ class _Ledger(TorchDispatchMode):
         touched = sum(t.numel() * t.element_size() for t in (*inputs, *_tensors(out)))
         dtype = inputs[0].dtype if inputs else torch.float32
         module, backward = self.where()
-        self.trace.kernels.append(Kernel(module, backward, kind, flops, touched, dtype))
+        self.trace.kernels.append(Kernel(module, backward, kind, flops, touched, dtype,
+                                         "" if backward else self.layer(), cost))
 
 
 @dataclass
@@ -246,8 +288,14 @@ def trace(model: nn.Module, step: Callable[[], torch.Tensor], batch: Sequence[to
             return backward.module, True
         return (running[-1] if running else ""), False
 
+    layers = [(name, m) for name, m in model.named_modules() if layer_of(name) == name]
+    inside: list[str] = []  # the layers running (one, unless they nest)
+
+    def layer() -> str:
+        return "" if backward.module is not None or not inside else inside[-1]
+
     present = [*model.parameters(), *model.buffers(), *batch]
-    ledger = _Ledger(out, where, present)
+    ledger = _Ledger(out, where, layer, present)
 
     def pack(t: torch.Tensor) -> tuple[int, torch.Tensor]:
         storage = t.untyped_storage()
@@ -280,6 +328,19 @@ def trace(model: nn.Module, step: Callable[[], torch.Tensor], batch: Sequence[to
 
             stack.callback(module.register_forward_pre_hook(pre).remove)
             stack.callback(module.register_forward_hook(post).remove)
+        for name, module in layers:
+            def enter(_m, args, kwargs, name=name):
+                inside.append(name)
+                kept = out.layers.setdefault(name, Layer())
+                kept.input_bytes += sum(t.nbytes for t in (*args, *kwargs.values())
+                                        if isinstance(t, torch.Tensor))  # what checkpoint saves
+
+            def leave(_m, _args, output, name=name):
+                ledger.returned(name, output)
+                inside.pop()
+
+            stack.callback(module.register_forward_pre_hook(enter, with_kwargs=True).remove)
+            stack.callback(module.register_forward_hook(leave).remove)
         stack.enter_context(_no_packed_sequences())
         stack.enter_context(_CudaRoutes(attention))
         stack.enter_context(ledger)

@@ -18,7 +18,9 @@ allocator's bytes when a module's backward began, forward and backward without a
 - **blocks**: what activation checkpointing recomputes: transformer layers (``...h.3``,
   ``...layer.3``), ResNet bottlenecks (``layer2.1``), and the stages of a plain ``Sequential``
   (``features.0`` ...), each ending at a max-pool (the op that saves int64 indices). The ops
-  before, between and after them form blocks that cannot be recomputed.
+  before, between and after them form blocks that cannot be recomputed. Where the profile
+  says (an estimate's ``layers``), a layer also knows what recomputing it below the layer
+  keeps and costs (``Below``; ``Workload.with_below`` weighs it).
 - **the allocator's other bytes**: what it holds beside the step's start (weights, the batch)
   and the saved tensors. In forward, an op's (measured at its saves: outputs not yet saved,
   temporaries). In backward, the weights' gradients made so far, plus the op's activation
@@ -42,10 +44,15 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+# A block recomputed below the layer (``core/selective.py``) is named as the block, and this.
+BELOW = ":elementwise"
+
 
 @dataclass(frozen=True)
 class Saved:
-    """One tensor autograd saved in forward."""
+    """One tensor autograd saved in forward. ``below``: not saved by the plain step, but kept
+    by a recomputation of its block below the layer (its inputs, the outputs of its matrix
+    products, attention and convolutions), which is all that step saves for the block."""
 
     module: str  # the leaf module running when it was saved ("" outside any)
     dtype: str
@@ -54,6 +61,7 @@ class Saved:
     storage: int  # the index of the first saved tensor of its storage
     parameter: bool
     held: bool  # its storage was there before the step (the batch): moving it frees nothing
+    below: bool = False
 
     @property
     def activation(self) -> bool:
@@ -77,14 +85,40 @@ class Op:
 
 
 @dataclass(frozen=True)
+class Below:
+    """What recomputing a block below the layer keeps and costs: the bytes of each tensor it
+    keeps (its inputs, then the outputs of its matrix products, attention and convolutions;
+    ``dtype``: theirs, as far as one is known), and the forward seconds of its other
+    operators, which it runs again."""
+
+    kept: tuple[int, ...]
+    seconds: float
+    dtype: str = "float32"
+
+    def scaled(self, k: float) -> Below:
+        return Below(tuple(round(n * k) for n in self.kept), self.seconds * k, self.dtype)
+
+
+@dataclass(frozen=True)
 class Block:
     """Ops that activation checkpointing recomputes together (``recomputable``), or the ops
-    before, between or after such blocks."""
+    before, between or after such blocks. ``below``: what recomputing it below the layer
+    would keep and cost, where known; ``selective``: recomputed, it runs below the layer
+    (``Workload.with_below``: its last op saves what that keeps)."""
 
     name: str
     ops: range  # indices into Workload.ops
     recomputable: bool
     parent: str = ""  # the unit this block was cut from (``Workload.with_units``), if any
+    below: Below | None = None
+    selective: bool = False
+
+    def recompute_s(self, ops: Sequence[Op]) -> float:
+        """What recomputing it costs: its forward once more, or below the layer, its
+        elementwise part."""
+        if self.selective:
+            return self.below.seconds
+        return sum(op.forward_s for op in ops[self.ops.start:self.ops.stop])
 
 
 @dataclass(frozen=True)
@@ -112,16 +146,50 @@ class Workload:
     def activation_bytes(self) -> int:
         """The saved tensors' bytes the step allocated (each storage once)."""
         return sum(s.storage_nbytes for i, s in enumerate(self.saved)
-                   if s.storage == i and s.activation)
+                   if s.storage == i and s.activation and not s.below)
 
     def block_input(self, block: int) -> int | None:
         """The storage checkpointing keeps for a block: its first saved activation's (the
         block's input, or the batch)."""
         for op in self.ops[self.blocks[block].ops.start:self.blocks[block].ops.stop]:
             for i in op.saves:
-                if not self.saved[i].parameter:
+                if not (self.saved[i].parameter or self.saved[i].below):
                     return self.saved[i].storage
         return None
+
+    def recompute_inputs(self, block: int) -> tuple[int, ...]:
+        """The storages a recomputation of the block keeps: below the layer, what its last op
+        saves; else its input (``block_input``)."""
+        b = self.blocks[block]
+        if b.selective:
+            return tuple(self.saved[i].storage for i in self.ops[b.ops.stop - 1].saves)
+        first = self.block_input(block)
+        return () if first is None else (first,)
+
+    def with_below(self) -> Workload:
+        """The same step with each block that can be recomputed below the layer (``below``
+        known) doing so when recomputed, named ``block:elementwise``: an op after its last
+        saves what that keeps (``Saved.below``: only then), and the block as a whole is its
+        ``parent`` (``merged`` makes it whole again). Itself where no block is known."""
+        if not any(b.below is not None and b.recomputable for b in self.blocks):
+            return self
+        saved, ops, blocks = list(self.saved), [], []
+        for block in self.blocks:
+            start = len(ops)
+            for k in block.ops:
+                ops.append(replace(self.ops[k], block=len(blocks)))
+            if block.below is None or not block.recomputable:
+                blocks.append(replace(block, ops=range(start, len(ops))))
+                continue
+            first = len(saved)
+            saved += [Saved(f"{block.name} (kept)", block.below.dtype, n, n, first + j, False,
+                            False, True)
+                      for j, n in enumerate(block.below.kept)]
+            ops.append(Op(f"{block.name} (kept)", len(blocks), range(first, len(saved)),
+                          0.0, 0.0, 0, 0, 0))
+            blocks.append(replace(block, name=f"{block.name}{BELOW}", ops=range(start, len(ops)),
+                                  parent=block.name, selective=True))
+        return replace(self, saved=tuple(saved), ops=tuple(ops), blocks=tuple(blocks))
 
     def with_units(self, unit: Callable[[Op], bool]) -> Workload:
         """The same step with finer units of recomputation: each op for which ``unit`` holds
@@ -163,7 +231,8 @@ class Workload:
                 last = blocks[-1]
                 blocks[-1] = replace(last, ops=range(last.ops.start, block.ops.stop))
             else:
-                blocks.append(Block(block.parent, block.ops, True) if whole else block)
+                blocks.append(Block(block.parent, block.ops, True, below=block.below)
+                              if whole else block)
             block_of += [len(blocks) - 1] * len(block.ops)
         ops = tuple(replace(op, block=b) for op, b in zip(self.ops, block_of, strict=True))
         return replace(self, ops=ops, blocks=tuple(blocks))
@@ -184,10 +253,13 @@ class Workload:
         ops = tuple(replace(op, forward_s=op.forward_s * k, backward_s=op.backward_s * k,
                             forward_other=size(op.forward_other),
                             backward_grads=size(op.backward_grads)) for op in self.ops)
+        blocks = tuple(b if b.below is None else replace(b, below=b.below.scaled(k))
+                       for b in self.blocks)
         batch_bytes = sum(s.storage_nbytes for i, s in enumerate(self.saved)
                           if s.storage == i and s.held)
         return replace(self, name=f"{self.name} at batch {batch}", batch=batch, saved=saved,
-                       ops=ops, start_bytes=self.start_bytes + size(batch_bytes) - batch_bytes,
+                       ops=ops, blocks=blocks,
+                       start_bytes=self.start_bytes + size(batch_bytes) - batch_bytes,
                        peak_bytes=size(self.peak_bytes - self.start_bytes) + self.start_bytes)
 
 
@@ -195,6 +267,13 @@ class Workload:
 _LAYER = re.compile(r"^((?:.*\.)?(?:h|layer|layers|blocks)\.\d+|layer\d+\.\d+)\.")
 _SEQUENTIAL_CHILD = re.compile(r"^(.+)\.\d+$")
 _INDICES = "int64"  # what a max-pool saves beside its input
+
+
+def layer_of(module: str) -> str | None:
+    """The layer (a block activation checkpointing recomputes: ``...h.3``, ``...layers.3``,
+    ``layer2.1``) a module is, or is inside; None outside every layer."""
+    match = _LAYER.match(f"{module}.")
+    return match.group(1) if match else None
 
 
 def load(path: str | Path) -> Workload:
@@ -235,8 +314,26 @@ def from_profile(data: dict) -> Workload:
                       forward_other[k], output_grad + largest, weight_grads[k]))
     name = data["name"]
     batch = re.search(r"-b(\d+)$", name)
-    return Workload(name, int(batch.group(1)) if batch else 1, saved, tuple(ops), blocks, start,
+    return Workload(name, int(batch.group(1)) if batch else 1, saved, tuple(ops),
+                    _with_layers(blocks, ops, data.get("layers", ())), start,
                     data["peak_allocated"], sum(weight_grads))
+
+
+def _with_layers(blocks: tuple[Block, ...], ops: Sequence[Op], layers: Sequence[dict]
+                 ) -> tuple[Block, ...]:
+    """The blocks, each layer with what recomputing it below the layer keeps and costs where
+    the profile says (an estimate's ``layers``): its elementwise share of its forward."""
+    found = {layer["layer"]: layer for layer in layers}
+    out = []
+    for block in blocks:
+        layer = found.get(block.name) if block.recomputable else None
+        if layer and layer["forward_ms"] > 0:
+            share = layer["elementwise_forward_ms"] / layer["forward_ms"]
+            seconds = share * sum(op.forward_s for op in ops[block.ops.start:block.ops.stop])
+            block = replace(block, below=Below((layer["input_bytes"], *layer["kept"]), seconds,
+                                               layer["kept_dtype"] or "float32"))
+        out.append(block)
+    return tuple(out)
 
 
 def _saved(rows: Sequence[dict], start: int) -> tuple[Saved, ...]:

@@ -1,0 +1,74 @@
+"""What an ATen operator is, by the work its kernel does: a matrix product, attention, a
+convolution (tensor cores where the dtype has them), batch norm, or memory traffic (every
+elementwise operation, reduction, copy).
+
+Two readers: the meta-device trace times each kernel by its kind (``planning/trace.py``), and
+recomputation below the layer (``selective.py``) keeps the outputs of the kinds that cost
+compute (``KEPT_KINDS``), but those far cheaper per byte than the block's dearest (``dear``),
+and runs everything else again.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+aten = torch.ops.aten
+
+KINDS: dict[torch._ops.OpOverloadPacket, str] = {op: "attention" for op in (
+    aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_cudnn_attention_backward,
+    aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_backward,
+    aten._scaled_dot_product_efficient_attention,
+    aten._scaled_dot_product_efficient_attention_backward,
+    aten._scaled_dot_product_flash_attention_for_cpu,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward,
+    aten._scaled_dot_product_fused_attention_overrideable,
+    aten._flash_attention_forward, aten._efficient_attention_forward)}
+KINDS |= {op: "matmul" for op in (aten.mm, aten.addmm, aten.bmm, aten.baddbmm,
+                                  aten._addmm_activation, aten._grouped_mm, aten._scaled_mm,
+                                  aten._int_mm)}
+KINDS |= {op: "conv" for op in (aten.convolution, aten.convolution_backward)}
+KINDS |= {op: "norm" for op in (
+    aten.native_batch_norm, aten.native_batch_norm_backward, aten._native_batch_norm_legit,
+    aten._native_batch_norm_legit_functional, aten._batch_norm_with_update,
+    aten.batch_norm_backward)}
+# What recomputation below the layer keeps: the outputs of the operators that cost compute.
+KEPT_KINDS = ("matmul", "attention", "conv")
+
+
+def kind(func: torch._ops.OpOverload) -> str:
+    """The kind of an operator's kernel (module docstring)."""
+    return KINDS.get(func.overloadpacket, "memory")
+
+
+def kept(func: torch._ops.OpOverload) -> bool:
+    """Whether recomputation below the layer keeps this operator's outputs."""
+    return kind(func) in KEPT_KINDS
+
+
+# An output whose operator did less than this fraction of the work per byte of the dearest
+# kept output of its block is recomputed, not kept: a LoRA adapter's up-projection (rank 16)
+# does 16 multiply-adds per output element where the layer's own projection does 4096.
+CHEAPER = 32
+
+
+def work_per_byte(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out) -> float:
+    """Floating-point operations per byte of output (``torch.utils.flop_counter``'s formulas;
+    infinite for an operator without one: it is kept)."""
+    formula = flop_registry.get(func.overloadpacket)
+    outputs = sum(t.nbytes for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+    if formula is None or not outputs:
+        return math.inf
+    return float(formula(*args, **kwargs, out_val=out)) / outputs
+
+
+def dear(costs: Sequence[float]) -> list[bool]:
+    """Which of a block's kept outputs, of these ``work_per_byte``, stay kept: those within
+    ``CHEAPER`` of the dearest (module docstring)."""
+    finite = [c for c in costs if c != math.inf]
+    top = max(finite, default=0.0)
+    return [c == math.inf or c * CHEAPER >= top for c in costs]

@@ -1,0 +1,38 @@
+"""The script that predicts issue 29's goals (``benchmarks/predict_issue29.py``) runs and
+labels what it writes predictions, each goal with its figure and met or not (``--quick``: two
+layers at a short sequence, not the goals' shapes)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "predict_issue29.py"
+
+
+@pytest.mark.slow
+def test_the_goals_are_predicted_labelled_and_judged(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("predict_issue29", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, script)  # its dataclass looks itself up there
+    spec.loader.exec_module(script)
+    assert script.main(["--quick", "--out", str(tmp_path / "p")]) == 0
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert data["meta"]["kind"].startswith("prediction")
+    cases = data["cases"]
+    assert list(cases) == ["Llama-3-8B LoRA", "Llama-3-8B full fine-tuning", "GPT-2 medium"]
+    for case in cases.values():
+        budgets = {(r["budget"], r["codec"]) for r in case["rows"]}
+        assert ("checkpointing's peak", "lossless") in budgets
+        layer = case["layer"]
+        assert layer["whole_kept_kib_per_token"] < layer["below_kept_kib_per_token"] < layer[
+            "saved_kib_per_token"]
+    goals = script.goals(cases)
+    assert len(goals) == 7 and all(isinstance(met, bool) for *_, met in goals)
+    text = (tmp_path / "p.md").read_text()
+    assert "- kind: prediction" in text and "| goal | predicted | met |" in text
