@@ -90,7 +90,7 @@ def test_a_larger_bound_is_not_taken_where_the_copies_in_flight_pass_the_budget(
     w = two_bursts(20 * MB, 30 * MB)
     bounded = type(ENGINE)(min_bytes=1, prefetch_bytes=1, inflight_bytes=20 * MB)
     wide = type(ENGINE)(min_bytes=1, prefetch_bytes=1, inflight_bytes=80 * MB)
-    swapped = mix.Plan(mix.KEEP, {"b0": mix.Decision("swap"), "b1": mix.Decision("swap")})
+    swapped = mix.Mix(mix.KEEP, {"b0": mix.BlockDecision("swap"), "b1": mix.BlockDecision("swap")})
     held = predict(w, swapped, LINK, wide)
     assert held.peak_bytes == 40 * MB and held.held_peak_bytes == 50 * MB
     chosen = mix.choose(w, 45 * MB, LINK, bounded, inflight_choices=(80 * MB,))

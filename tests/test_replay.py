@@ -13,11 +13,11 @@ from cswap_lightning.planning import profiled as evidence
 from cswap_lightning.planning.replay import (
     RECOMPUTE,
     SWAP,
+    BlockDecision,
     Codec,
-    Decision,
     Engine,
     Link,
-    Plan,
+    Mix,
     checkpoint_all,
     predict,
     swap_all,
@@ -106,7 +106,7 @@ def test_recompute_adds_the_blocks_forward_and_frees_its_bytes_until_its_backwar
     ops = [(0.001, 0.002, [8 * MB]), (0.003, 0.004, [30 * MB, 30 * MB]), (0.005, 0.006, [])]
     w = step(ops, blocks=[("stem", 1, False), ("layer", 1, True), ("head", 1, False)])
     kept = predict(w, engine=ENGINE)
-    p = predict(w, Plan(blocks={"layer": RECOMPUTE}), engine=ENGINE)
+    p = predict(w, Mix(blocks={"layer": RECOMPUTE}), engine=ENGINE)
     assert p.step_s - kept.step_s == pytest.approx(0.003)
     assert p.recompute_s == pytest.approx(0.003)
     # both peak at 8 + 60 MB: in forward while the layer runs; recomputed, the layer keeps its
@@ -117,13 +117,13 @@ def test_recompute_adds_the_blocks_forward_and_frees_its_bytes_until_its_backwar
                    blocks=[("stem", 1, False), ("layer", 1, True), ("head", 1, False)])
     # kept: 8 + 38 + 50 at the head; recomputed, the layer keeps its input (8) only: 8 + 8 + 50
     assert predict(w_input, engine=ENGINE).peak_bytes == 96 * MB
-    assert predict(w_input, Plan(blocks={"layer": RECOMPUTE}), engine=ENGINE).peak_bytes == 66 * MB
+    assert predict(w_input, Mix(blocks={"layer": RECOMPUTE}), engine=ENGINE).peak_bytes == 66 * MB
 
 
 def test_a_recomputed_blocks_swapped_input_comes_back_before_the_recompute():
     w = step([(0.001, 0.001, [20 * MB, 5 * MB]), (0.001, 0.001, [])],
              blocks=[("layer", 1, True), ("head", 1, False)])
-    plan = Plan(blocks={"layer": Decision("recompute", swap_input=True)})
+    plan = Mix(blocks={"layer": BlockDecision("recompute", swap_input=True)})
     p = predict(w, plan, LINK, ENGINE)
     assert (p.d2h_bytes, p.h2d_bytes) == (20 * MB, 20 * MB)  # its input only
     # out 20 ms from 1 ms, back 20 ms: the recompute waits until 41 ms
@@ -179,12 +179,12 @@ def test_a_codec_shrinks_the_link_bytes_and_adds_its_time():
 def test_plans_are_checked():
     w = step([(0.001, 0.001, [MB])], blocks=[("head", 1, False)])
     with pytest.raises(ValueError, match="does not have"):
-        predict(w, Plan(blocks={"nope": SWAP}))
+        predict(w, Mix(blocks={"nope": SWAP}))
     with pytest.raises(ValueError, match="cannot be recomputed"):
-        predict(w, Plan(blocks={"head": RECOMPUTE}))
+        predict(w, Mix(blocks={"head": RECOMPUTE}))
     assert predict(w, checkpoint_all()).recompute_s == 0  # only blocks that can be
     with pytest.raises(ValueError, match="swap_input"):
-        Decision("swap", swap_input=True)
+        BlockDecision("swap", swap_input=True)
     with pytest.raises(ValueError, match="ratio"):
         Codec("bad", ratio=0)
 

@@ -283,16 +283,16 @@ def test_the_replay_recomputes_below_the_layer_from_what_it_kept():
     assert [b.name for b in w.blocks] == ["l:elementwise", "head"]
     assert w.blocks[0].parent == "l" and w.blocks[0].selective
     plain = replay.predict(w, link=LINK, engine=ENGINE)
-    below_ = replay.predict(w, replay.Plan(blocks={"l:elementwise": replay.RECOMPUTE}), LINK,
+    below_ = replay.predict(w, replay.Mix(blocks={"l:elementwise": replay.RECOMPUTE}), LINK,
                             ENGINE)
-    whole = replay.predict(w.merged({"l"}), replay.Plan(blocks={"l": replay.RECOMPUTE}), LINK,
+    whole = replay.predict(w.merged({"l"}), replay.Mix(blocks={"l": replay.RECOMPUTE}), LINK,
                            ENGINE)
     assert plain.peak_bytes == 42 * MB  # at the head: everything
     assert below_.peak_bytes == 26 * MB  # the head beside the 6 MB kept
     assert whole.peak_bytes == 22 * MB  # beside the input alone
     assert below_.recompute_s == pytest.approx(0.0005)
     assert whole.recompute_s == pytest.approx(0.004)
-    swapped = replay.predict(w, replay.Plan(blocks={"l:elementwise": replay.Decision(
+    swapped = replay.predict(w, replay.Mix(blocks={"l:elementwise": replay.BlockDecision(
         "recompute", swap_input=True)}), LINK, ENGINE)
     # what it kept went to host memory: the peak is the layer's own forward, and its 22 MB
     # again in backward

@@ -118,7 +118,7 @@ class Recomputation:
     places the swaps), the mix it comes from, and what it was replayed with."""
 
     names: tuple[str, ...]
-    mix: mix.Mix
+    mix: mix.Choice
     workload: Workload
     link: replay.Link
     engine: replay.Engine

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import product
 
-from .replay import KEEP, RAW, Codec, Decision, Engine, Link, Plan, Prediction, predict
+from .replay import KEEP, RAW, BlockDecision, Codec, Engine, Link, Mix, Prediction, predict
 from .workload import Block, Workload
 
 # How a block of a workload travels when swapped (its inputs, where it is recomputed).
@@ -43,10 +43,10 @@ CodecOf = Callable[[Workload, Block], Codec]
 
 
 @dataclass(frozen=True)
-class Mix:
-    """The chosen plan, its prediction, and the plain step's, for the table."""
+class Choice:
+    """The mix chosen (``plan``), its prediction, and the plain step's, for the table."""
 
-    plan: Plan
+    plan: Mix
     prediction: Prediction
     keep: Prediction  # keeping everything
     budget_bytes: int | None
@@ -68,14 +68,14 @@ class Mix:
             return 0
         return max(self.prediction.peak_bytes - self.budget_bytes, 0)
 
-    def decisions(self, workload: Workload | None = None) -> list[Decision]:
+    def decisions(self, workload: Workload | None = None) -> list[BlockDecision]:
         """A decision per block of the mix's own workload (or of ``workload``)."""
         return self.plan.decisions(workload or self.workload)
 
 
 def choose(workload: Workload, budget_bytes: int | None, link: Link | None = None,
            engine: Engine | None = None, codec_of: CodecOf | None = None,
-           recompute: bool = True, inflight_choices: Sequence[int] = ()) -> Mix:
+           recompute: bool = True, inflight_choices: Sequence[int] = ()) -> Choice:
     """The fastest plan the replay predicts to fit ``budget_bytes`` (the allocator's peak);
     ``codec_of(workload, block)`` is how a swapped block travels (raw by default);
     ``recompute=False``
@@ -99,7 +99,7 @@ def choose_among(workloads: Sequence[Workload], budget_bytes: int | None,
                  link: Link | None = None, engine: Engine | None = None,
                  inflight_choices: Sequence[int] = (),
                  codecs: Sequence[CodecOf | None] = (None,)
-                 ) -> tuple[Workload, Mix]:
+                 ) -> tuple[Workload, Choice]:
     """``choose`` for each of the same step's workloads (its units of recomputation cut
     otherwise, ``Workload.with_units``) and each way of swapping (``codecs``: raw, or a
     codec per block): the fastest mix that fits, else the first's."""
@@ -122,7 +122,7 @@ class _Unit:
 
 def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: Engine,
             codec_of: CodecOf | None, recompute: bool,
-            held: bool = False) -> Mix:
+            held: bool = False) -> Choice:
     """``choose`` at one bound on bytes in flight (``held``: the copies in flight count
     against the budget too)."""
     codec_of = codec_of or (lambda w, block: RAW)
@@ -133,12 +133,12 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
             variants[parents] = workload.merged(parents)
         return variants[parents]
 
-    def run(chosen: tuple[Workload, Plan]) -> Prediction:
+    def run(chosen: tuple[Workload, Mix]) -> Prediction:
         return predict(*chosen, link, engine)
 
-    keep = run((workload, Plan()))
+    keep = run((workload, Mix()))
     if budget_bytes is None or keep.peak_bytes <= budget_bytes:
-        return Mix(Plan(), keep, keep, budget_bytes, True, "keep everything", engine=engine,
+        return Choice(Mix(), keep, keep, budget_bytes, True, "keep everything", engine=engine,
                    workload=workload)
     names = [b.name for b in workload.blocks]
     units = _units(workload) if recompute else []
@@ -147,38 +147,38 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
     rankings = [units] + ([[u for u in units if not u.whole]]
                           if any(u.whole for u in units) else [])
 
-    def fits(chosen: tuple[Workload, Plan]) -> bool:
+    def fits(chosen: tuple[Workload, Mix]) -> bool:
         p = run(chosen)
         return max(p.peak_bytes, p.held_peak_bytes if held else 0) <= budget_bytes
 
     def eligible(ranked: list[_Unit], swapped: int) -> list[_Unit]:
         return [u for u in ranked if min(u.blocks) >= swapped]
 
-    def swap(b: int, below: bool) -> Decision:
+    def swap(b: int, below: bool) -> BlockDecision:
         """Block ``b`` swapped; ``below``: where it can be, recomputed below the layer with
         what that keeps swapped (the link carries less, for its elementwise work again)."""
         block = workload.blocks[b]
         if below and block.selective:
-            return Decision("recompute", codec_of(workload, block), swap_input=True)
-        return Decision("swap", codec_of(workload, block))
+            return BlockDecision("recompute", codec_of(workload, block), swap_input=True)
+        return BlockDecision("swap", codec_of(workload, block))
 
     def mixed(ranked: list[_Unit], swapped: int, recomputed: int,
-              below: bool = False) -> tuple[Workload, Plan]:
+              below: bool = False) -> tuple[Workload, Mix]:
         """The earliest ``swapped`` blocks swapped (``below``: as ``swap`` says), the
         ``recomputed`` best units of the others recomputed (a piece of a parent recomputed
         whole goes with it)."""
         chosen = eligible(ranked, swapped)[:recomputed]
         whole = frozenset(u.name for u in chosen if u.whole)
         decisions = {names[b]: swap(b, below) for b in range(swapped)}
-        decisions |= {u.name: Decision("recompute") for u in chosen
+        decisions |= {u.name: BlockDecision("recompute") for u in chosen
                       if u.whole or workload.blocks[u.blocks[0]].parent not in whole}
-        return merged(whole), Plan(KEEP, decisions)
+        return merged(whole), Mix(KEEP, decisions)
 
     # For each count of earliest blocks swapped (raw or compressed; where blocks can be
     # recomputed below the layer, also so with what they keep swapped), the fewest
     # recomputations that fit.
     ways = (False, True) if any(b.selective for b in workload.blocks) else (False,)
-    candidates: dict[str, tuple[tuple[Workload, Plan], Prediction]] = {}
+    candidates: dict[str, tuple[tuple[Workload, Mix], Prediction]] = {}
     for (n, ranked), below in product(enumerate(rankings), ways):
         for swapped in range(len(names) + 1):
             left = len(eligible(ranked, swapped))
@@ -198,17 +198,17 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
     whole = merged(frozenset(u.name for u in units if u.whole))
     full = [b for b, block in enumerate(whole.blocks) if block.recomputable] if units else []
 
-    def moved(k: int) -> tuple[Workload, Plan]:
+    def moved(k: int) -> tuple[Workload, Mix]:
         decisions = {}
         for b, block in enumerate(whole.blocks):
             recomputed = b in full
             if b < k:
-                decisions[block.name] = Decision(
+                decisions[block.name] = BlockDecision(
                     "recompute" if recomputed else "swap", codec_of(whole, block),
                     swap_input=recomputed)
             elif recomputed:
-                decisions[block.name] = Decision("recompute")
-        return whole, Plan(KEEP, decisions)
+                decisions[block.name] = BlockDecision("recompute")
+        return whole, Mix(KEEP, decisions)
 
     if not candidates and full:
         k = _first(len(whole.blocks) + 1, lambda k: fits(moved(k)))
@@ -217,11 +217,11 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
                 moved(k), run(moved(k)))
     if candidates:
         how, ((w, plan), prediction) = min(candidates.items(), key=lambda kv: kv[1][1].step_s)
-        return Mix(plan, prediction, keep, budget_bytes, True, how,
+        return Choice(plan, prediction, keep, budget_bytes, True, how,
                    {h: p for h, (_, p) in candidates.items()}, engine, w)
     # nothing fits: the plan that comes closest, and how far off it is
     w, plan = moved(len(whole.blocks))
-    return Mix(plan, run((w, plan)), keep, budget_bytes, False, "does not fit",
+    return Choice(plan, run((w, plan)), keep, budget_bytes, False, "does not fit",
                engine=engine, workload=w)
 
 
@@ -266,7 +266,7 @@ def _first(n: int, ok: Callable[[int], bool]) -> int | None:
     return k if k < n else None
 
 
-def table(mix: Mix, workload: Workload | None = None) -> str:
+def table(mix: Choice, workload: Workload | None = None) -> str:
     """A row per block the mix swaps or recomputes (what it saved, what recomputing it costs:
     its forward once more), then the prediction against keeping everything."""
     workload = mix.workload or workload

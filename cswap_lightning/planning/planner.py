@@ -132,8 +132,8 @@ class Planner:
                   for k in movable}
 
         def replayed_with(moved: int, prefetch: int) -> replayed.Prediction:
-            plan = replayed.Plan(replayed.KEEP, {
-                workload.blocks[k].name: replayed.Decision("swap", codecs[k])
+            plan = replayed.Mix(replayed.KEEP, {
+                workload.blocks[k].name: replayed.BlockDecision("swap", codecs[k])
                 for k in movable[:moved]})
             return replayed.predict(workload, plan, link,
                                     replace(self._engine(m, link), prefetch_bytes=prefetch))

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ..config import INFLIGHT_CHOICES
 from . import mix
-from .replay import Engine, Plan, Prediction, checkpoint_all, no_offload, predict, swap_all
+from .replay import Engine, Mix, Prediction, checkpoint_all, no_offload, predict, swap_all
 from .workload import Workload, load
 
 EVIDENCE = Path(__file__).parent / "evidence" / "h100-2026-11-24"
@@ -42,7 +42,7 @@ PROFILES = {
 LABELS = {"gpt2-medium": "GPT-2 medium", "bert-large": "BERT-large", "resnet50": "ResNet-50",
           "vgg16": "VGG-16"}
 # The suite's methods the replay can predict, as plans.
-METHODS: dict[str, Plan] = {
+METHODS: dict[str, Mix] = {
     "no offload": no_offload(),
     "activation checkpointing": checkpoint_all(),
     "cswap raw": swap_all(),

@@ -97,7 +97,7 @@ Action = Literal["keep", "swap", "recompute"]
 
 
 @dataclass(frozen=True)
-class Decision:
+class BlockDecision:
     """What to do with a block's saved tensors. ``codec``: how they (for ``"recompute"``: its
     input, if ``swap_input``) are swapped."""
 
@@ -107,26 +107,27 @@ class Decision:
 
     def __post_init__(self) -> None:
         if self.action not in ("keep", "swap", "recompute"):
-            raise ValueError(f"Decision.action must be 'keep', 'swap' or 'recompute', "
+            raise ValueError(f"BlockDecision.action must be 'keep', 'swap' or 'recompute', "
                              f"got {self.action!r}")
         if self.swap_input and self.action != "recompute":
-            raise ValueError("Decision.swap_input is for action='recompute' (a recomputed "
+            raise ValueError("BlockDecision.swap_input is for action='recompute' (a recomputed "
                              f"block's input), got action={self.action!r}")
 
 
-KEEP = Decision("keep")
-SWAP = Decision("swap")
-RECOMPUTE = Decision("recompute")
+KEEP = BlockDecision("keep")
+SWAP = BlockDecision("swap")
+RECOMPUTE = BlockDecision("recompute")
 
 
 @dataclass(frozen=True)
-class Plan:
-    """A decision per block (by name), ``default`` for the others."""
+class Mix:
+    """A mix the planner weighs: a decision per block (by name), ``default`` for the others.
+    The one it chooses becomes the engine's ``plan.Plan`` (its recomputed blocks and swaps)."""
 
-    default: Decision = KEEP
-    blocks: Mapping[str, Decision] = field(default_factory=dict)
+    default: BlockDecision = KEEP
+    blocks: Mapping[str, BlockDecision] = field(default_factory=dict)
 
-    def decisions(self, workload: Workload) -> list[Decision]:
+    def decisions(self, workload: Workload) -> list[BlockDecision]:
         """Each of the workload's blocks' decision: ``default`` recomputes only the blocks that
         can be recomputed (the others keep); a block named to be recomputed must be one."""
         names = [b.name for b in workload.blocks]
@@ -146,18 +147,18 @@ class Plan:
         return decisions
 
 
-def no_offload() -> Plan:
-    return Plan()
+def no_offload() -> Mix:
+    return Mix()
 
 
-def checkpoint_all() -> Plan:
+def checkpoint_all() -> Mix:
     """Activation checkpointing around every block that can be recomputed, inputs kept."""
-    return Plan(RECOMPUTE)
+    return Mix(RECOMPUTE)
 
 
-def swap_all(codec: Codec = RAW) -> Plan:
+def swap_all(codec: Codec = RAW) -> Mix:
     """Every saved tensor the engine can move, swapped (``plan="raw"`` for ``RAW``)."""
-    return Plan(Decision("swap", codec))
+    return Mix(BlockDecision("swap", codec))
 
 
 @dataclass(frozen=True)
@@ -204,11 +205,11 @@ class Prediction:
     timeline: tuple[Interval, ...] = ()
 
 
-def predict(workload: Workload, plan: Plan | None = None, link: Link | None = None,
+def predict(workload: Workload, plan: Mix | None = None, link: Link | None = None,
             engine: Engine | None = None, timeline: bool = False) -> Prediction:
     """Replay ``workload`` under ``plan`` (default: no offload); ``timeline`` records every
     op and copy."""
-    return _Replay(workload, plan or Plan(), link or Link(), engine or Engine(),
+    return _Replay(workload, plan or Mix(), link or Link(), engine or Engine(),
                    timeline).run()
 
 
@@ -230,7 +231,7 @@ class _Replay:
     """One step replayed: ``run`` goes through forward, then backward, in program order,
     keeping the clocks (host, compute stream, copy streams) and the allocator's bytes."""
 
-    def __init__(self, workload: Workload, plan: Plan, link: Link, engine: Engine,
+    def __init__(self, workload: Workload, plan: Mix, link: Link, engine: Engine,
                  timeline: bool) -> None:
         self.w, self.link, self.engine = workload, link, engine
         self.decisions = plan.decisions(workload)

@@ -20,7 +20,7 @@ from ..config import INFLIGHT_CHOICES
 from . import mix, models, profiled
 from .devices import DEVICES, Device
 from .estimate import Estimate, cached
-from .replay import KEEP, RAW, Codec, Decision, Plan, Prediction, checkpoint_all, predict
+from .replay import KEEP, RAW, BlockDecision, Codec, Mix, Prediction, checkpoint_all, predict
 from .workload import Block, Workload
 
 CONTEXT_BYTES = 1 << 30
@@ -47,11 +47,11 @@ class Way:
         return self.prediction.step_s - self.prediction.optimizer_s
 
 
-def frugal(w: Workload) -> Plan:
+def frugal(w: Workload) -> Mix:
     """The plan that frees the most: every block recomputed from a swapped input, or swapped
     where it cannot be recomputed (the planner's last resort, ``mix``)."""
-    return Plan(KEEP, {b.name: Decision("recompute", RAW, swap_input=True) if b.recomputable
-                       else Decision("swap") for b in w.blocks})
+    return Mix(KEEP, {b.name: BlockDecision("recompute", RAW, swap_input=True) if b.recomputable
+                       else BlockDecision("swap") for b in w.blocks})
 
 
 def baselines(est: Estimate) -> list[Way]:
@@ -152,7 +152,7 @@ def fits(est: Estimate, how: str, workload: Workload | None = None) -> bool:
     if est.optimizer_peak > limit:
         return False
     w = workload or est.workload()
-    plan = {"none": Plan(), "checkpointing": checkpoint_all(), "planner": frugal(w)}[how]
+    plan = {"none": Mix(), "checkpointing": checkpoint_all(), "planner": frugal(w)}[how]
     return predict(w, plan, link=est.device.link).peak_bytes <= limit
 
 
