@@ -69,6 +69,16 @@ def test_plan_says_what_a_layer_keeps_below_the_layer_and_weighs_a_lossy_codec(c
     assert 0 < float(below_ms) < float(whole_ms) and 0 < int(share) < 100
 
 
+def test_a_budget_over_the_device_is_marked_and_planned_for_the_device(config, capsys):
+    """A budget over the device's memory (1000 GiB on a 24 GB card) is planned for the
+    device's, and its row says so; budgets within it are not marked."""
+    assert cli.main(["plan", config, "--seq", "512", "--device", "rtx-4090", "--budgets",
+                     "1000", "--no-search"]) == 0
+    out = capsys.readouterr().out
+    assert "1000 GiB (> device)" in out and "half the peak without help (> device)" not in out
+    assert "(> device): a budget over the device's memory, planned for the device's" in out
+
+
 def test_plan_of_a_cnn_searches_the_batch(capsys):
     assert cli.main(["plan", "resnet50", "--batch", "4", "--device", "l40s",
                      "--dtype", "float16"]) == 0

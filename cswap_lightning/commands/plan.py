@@ -26,6 +26,8 @@ GiB = 1 << 30
 DEFAULT_SEQUENCE = 4096
 CEILING = 262144  # the longest sequence searched
 WIDTH = 100
+# Marks a budget row whose budget is over the device's memory (planned for the device's).
+OVER_DEVICE = "(> device)"
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -92,6 +94,7 @@ def _run(args: argparse.Namespace) -> int:
     budgets += [(f"{b:g} GiB", int(b * GiB)) for b in args.budgets]
     budgets += [("half the peak without help", base[0].prediction.peak_bytes // 2),
                 ("checkpointing's peak", base[1].prediction.peak_bytes)]
+    budgets = [(label if b <= limit else f"{label} {OVER_DEVICE}", b) for label, b in budgets]
     ways = base + sizing.mixes(est, budgets, finer=args.finer, lossy=args.lossy)
     print(header(est, spec))
     print(memory(est, ways[0]))
@@ -164,15 +167,19 @@ def plans(ways: list[sizing.Way]) -> str:
     checkpointing = ways[1]
     title = ("plans (the replay of the estimated step; a step is forward and backward, the "
              "optimizer apart)")
+    labels = [{"no help": "none (no help)", "checkpointing": "none (checkpointing)"}.get(
+        way.label, way.label) for way in ways]
     width = max(42, *(len(way.how) for way in ways))
+    left = max(28, *map(len, labels))
     lines = [title,
-             f"  {'budget':<28} {'plan':<{width}} {'peak GiB':>8} {'step ms':>8} {'vs ckpt':>8}"]
-    for way in ways:
-        label = {"no help": "none (no help)", "checkpointing": "none (checkpointing)"}.get(
-            way.label, way.label)
-        lines.append(f"  {label:<28} {way.how:<{width}} {way.prediction.peak_bytes / GiB:>8.2f} "
-                     f"{1e3 * way.step_s:>8.1f} {checkpointing.step_s / way.step_s:>7.2f}x"
-                     + ("" if way.fits else " OVER"))
+             f"  {'budget':<{left}} {'plan':<{width}} {'peak GiB':>8} {'step ms':>8} {'vs ckpt':>8}"]
+    for label, way in zip(labels, ways):
+        lines.append(f"  {label:<{left}} {way.how:<{width}} "
+                     f"{way.prediction.peak_bytes / GiB:>8.2f} {1e3 * way.step_s:>8.1f} "
+                     f"{checkpointing.step_s / way.step_s:>7.2f}x" + ("" if way.fits else " OVER"))
+    if any(OVER_DEVICE in label for label in labels):
+        lines.append(f"  {OVER_DEVICE}: a budget over the device's memory, planned for the "
+                     "device's")
     return "\n".join(lines) + "\n"
 
 

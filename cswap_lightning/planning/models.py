@@ -9,6 +9,7 @@ weights and trains low-rank adapters on every linear layer but the head.
 from __future__ import annotations
 
 import json
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -133,9 +134,12 @@ def _transformer(name: str, data: dict, dropout: bool, lora: LoRA | None) -> Mod
         if lora is not None:
             from peft import LoraConfig, get_peft_model
 
-            net = get_peft_model(net, LoraConfig(r=lora.rank, lora_alpha=lora.alpha,
-                                                 lora_dropout=lora.dropout,
-                                                 target_modules="all-linear"))
+            with warnings.catch_warnings():  # peft reads transformers' deprecated spelling
+                warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated",
+                                        FutureWarning)
+                net = get_peft_model(net, LoraConfig(r=lora.rank, lora_alpha=lora.alpha,
+                                                     lora_dropout=lora.dropout,
+                                                     target_modules="all-linear"))
         return net
 
     def batch(size: int, sequence: int, _dtype: torch.dtype) -> dict[str, torch.Tensor]:
