@@ -7,13 +7,16 @@
 #      this device's profile, the planner's mixes from it at 85%, 50% and checkpointing's
 #      peak, then no offload, checkpointing, each budget and the default engine measured
 #      interleaved beside the predictions;
-#   2. overhead: host time per saved tensor on CUDA (`cswap bench overhead --device cuda`);
-#   3. codec: zvc, rle and int8 at 16 and 64 MiB against a device-to-device copy;
-#   4. exit-codes: the CUDA cases of tests/test_exit.py (exit status with and without close(),
+#   2. selective: Llama-3-8B's layer shapes (4 layers, s4096 b1) recomputed below the layer
+#      and whole against plain training: step time, the allocator's peak, gradients bitwise
+#      beside plain against plain (`benchmarks/selective.py`);
+#   3. overhead: host time per saved tensor on CUDA (`cswap bench overhead --device cuda`);
+#   4. codec: zvc, rle and int8 at 16 and 64 MiB against a device-to-device copy;
+#   5. exit-codes: the CUDA cases of tests/test_exit.py (exit status with and without close(),
 #      the CUDA codecs; CI runs the CPU ones);
-#   5. llama: the profile of Llama-3-8B's layer shapes, 4 layers, s4096 b1 (LLM fine-tuning);
-#   6. pytest-gpu: `pytest -m gpu` with what time is left (the junit XML names what ran);
-#   7. measure-more: BERT-large and VGG-16, if time remains.
+#   6. llama: the profile of Llama-3-8B's layer shapes, 4 layers, s4096 b1 (LLM fine-tuning);
+#   7. pytest-gpu: `pytest -m gpu` with what time is left (the junit XML names what ran);
+#   8. measure-more: BERT-large and VGG-16, if time remains.
 #
 # How to call it (from a session whose device `status` says a machine is lent):
 #   once, here, in the repository root (the wheels the image lacks, and the codec library built
@@ -97,6 +100,8 @@ fi
 step measure 230 "${ENGINE[@]}" bench measure --models gpt2-medium resnet50 --rounds 12 \
     --out "$WORK/measure-$TAG"
 [[ -f $WORK/measure-$TAG.md ]] && grep "^|" "$WORK/measure-$TAG.md" >>"$SUMMARY"
+step selective 90 python3 benchmarks/selective.py --device cuda --layers 4 --seq 4096 \
+    --repeats 5 --out "$WORK/selective-$TAG"
 step overhead 60 "${ENGINE[@]}" bench overhead --device cuda --rounds 5 --steady-steps 3 \
     --out "$WORK/overhead-$TAG"
 step codec 40 "${ENGINE[@]}" bench codec --sizes 16MiB 64MiB --codecs zvc rle int8 \

@@ -1,18 +1,23 @@
-"""Recomputation below the layer, measured on the CPU with the engine's ledger: what one
-Llama-3-8B layer (hidden 4096, MLP 14336, 32 heads, 8 key/value heads; bf16; SDPA; random
-init) saves per token, what it keeps recomputed below the layer (its input, the outputs of its
-matmuls and attention) and recomputed whole (its input); and the step's time on this CPU each
-way, beside the estimate's figures for an H100 PCIe.
+"""Recomputation below the layer, measured with the engine's ledger (and on CUDA the
+allocator's peak): what one Llama-3-8B layer (hidden 4096, MLP 14336, 32 heads, 8 key/value
+heads; bf16; SDPA; random init) saves per token, what it keeps recomputed below the layer (its
+input, the outputs of its matmuls and attention) and recomputed whole (its input); the step's
+time each way, and whether each way's gradients are bitwise plain training's (beside plain
+against plain, the control); beside the estimate's figures for an H100 PCIe.
 
-    .venv/bin/python benchmarks/selective_cpu.py --out benchmarks/results/selective-cpu-...
+    .venv/bin/python benchmarks/selective.py --out benchmarks/results/selective-cpu-...
+    python3 benchmarks/selective.py --device cuda --layers 4 --seq 4096 --out ...  # a GPU
 
-writes ``OUT.md`` and ``OUT.json``. The CPU's times say what recomputing costs on this CPU
+writes ``OUT.md`` and ``OUT.json``. A CPU's times say what recomputing costs on that CPU
 only (its elementwise kernels are slow beside its matmuls in a different way than a GPU's).
+On CUDA the kernels are made deterministic where torch can (``use_deterministic_algorithms``
+with ``warn_only``), and plain against plain says whether the comparison can hold.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -43,31 +48,52 @@ def own_bytes(stats: cswap.StepStats, first: int, stop: int) -> int:
                if s.decision != "dedup" and s.reason in ("", "plan", "small"))
 
 
-def measure(layers: int, sequence: int, repeats: int) -> dict:
-    model, ids = llama(layers), torch.randint(0, 1024, (1, sequence))
+def measure(layers: int, sequence: int, repeats: int, dev: torch.device) -> dict:
+    model = llama(layers).to(dev)
+    ids = torch.randint(0, 1024, (1, sequence), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(dev)
     off = cswap.Offloader(cswap.CSwapConfig(plan="keep", min_bytes=0, profile_steps=1,
                                             budget=None)).watch(model)
     names = [n for n in units(model) if n.count(".") == 2]  # the layers
 
+    cuda = dev.type == "cuda"
+    grads: list[torch.Tensor] = []
+
     def step() -> tuple[cswap.StepStats, float]:
+        if cuda:
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
         started = time.perf_counter()
         with off:
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
+        if cuda:
+            torch.cuda.synchronize(dev)
+        seconds = time.perf_counter() - started
+        grads[:] = [p.grad.clone() for p in model.parameters()]
         model.zero_grad(set_to_none=True)
-        return off.last_step(), time.perf_counter() - started
+        return off.last_step(), seconds
+
+    def bitwise(reference: list[torch.Tensor]) -> bool:
+        return all(torch.equal(a, b) for a, b in zip(grads, reference, strict=True))
 
     plain, _ = step()  # measured: each layer's call, and what it would keep below the layer
     step()  # its block calls are read as this one starts
+    reference = list(grads)
     calls = [c for c in off.block_calls if c.name in names]
     ways: dict[str, dict] = {}
     for way, chosen in (("plain", []), ("below the layer", list(below(units(model)))),
                         ("whole", names)):
         off.recompute(chosen)
-        stats, _ = step() if chosen else (plain, 0.0)  # (plain: the measured step's rows)
+        stats, _ = step()
+        same = bitwise(reference)  # plain: against its own earlier step (the control)
+        allocated = torch.cuda.max_memory_allocated(dev) if cuda else None
         seconds = statistics.median(step()[1] for _ in range(repeats))
+        if not chosen:
+            stats = plain  # the measured step's rows
         ways[way] = {"sites": len(stats.sites), "peak_resident_bytes": stats.peak_resident_bytes,
-                     "peak_bytes": stats.peak_bytes, "step_s": seconds}
+                     "peak_bytes": stats.peak_bytes, "allocator_peak_bytes": allocated,
+                     "bitwise_with_plain": same, "step_s": seconds}
     off.close()
     tokens = sequence
     call = calls[-1]
@@ -84,20 +110,21 @@ def measure(layers: int, sequence: int, repeats: int) -> dict:
     h100 = {"saves_kib_per_token": layer.saved_kib, "below_keeps_kib_per_token": layer.below_kib,
             "below_ms": 1e3 * layer.below_s, "forward_ms": 1e3 * layer.forward_s}
     return {"layers": layers, "sequence": sequence, "per_layer": per_layer,
-            "ledger_freed_kib_per_token_per_layer": freed, "ways": ways,
+            "ledger_freed_kib_per_token_per_layer": freed, "ways": ways, "device": str(dev),
             "estimate_h100_pcie_s8192": h100}
 
 
-TITLE = "Recomputation below the layer on the CPU: one Llama-3-8B layer"
+TITLE = "Recomputation below the layer: one Llama-3-8B layer"
 
 
 def markdown(r: dict) -> str:
     p, h = r["per_layer"], r["estimate_h100_pcie_s8192"]
     plain = r["ways"]["plain"]["step_s"]
+    where = "CPU" if r["device"] == "cpu" else "GPU"
     lines = [(f"Llama-3-8B's layer shapes, {r['layers']} layers, sequence {r['sequence']}, "
               f"batch 1, bf16, SDPA, random init, transformers {transformers.__version__}, "
               "plan keep (the ledger counts every saved tensor the engine's hooks see)."), "",
-             "| per layer, per token | measured (CPU) | estimated (H100 PCIe, s8192) |",
+             f"| per layer, per token | measured ({where}) | estimated (H100 PCIe, s8192) |",
              "|---|---:|---:|",
              (f"| saved plainly | {p['saves_kib_per_token']:.1f} KiB | "
              f"{h['saves_kib_per_token']:.1f} KiB |"),
@@ -108,22 +135,28 @@ def markdown(r: dict) -> str:
              (f"| ledger's peak, lower per layer below the layer | "
              f"{r['ledger_freed_kib_per_token_per_layer']:.1f} KiB | |"),
              (f"| recomputation's cost below the layer / whole (share of the forward) | "
-             f"{p['elementwise_s'] / p['forward_s']:.0%} (block timer, CPU) | "
+             f"{p['elementwise_s'] / p['forward_s']:.0%} (block timer, {where}) | "
              f"{h['below_ms'] / h['forward_ms']:.0%} ({h['below_ms']:.2f} of "
              f"{h['forward_ms']:.2f} ms) |"), "",
              f"Kept outputs, KiB per token: {p['kept_outputs_kib_per_token']}", "",
              ("| way | sites | ledger's peak (saved tensors) | with what backward holds again "
-              "| step on this CPU | vs plain |"),
-             "|---|---:|---:|---:|---:|---:|"]
+              f"| allocator's peak | step on this {where} | vs plain | gradients bitwise |"),
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
     for way, m in r["ways"].items():
+        allocated = ("-" if m["allocator_peak_bytes"] is None
+                     else f"{m['allocator_peak_bytes'] / 2**20:.1f} MiB")
         lines.append(f"| {way} | {m['sites']} | {m['peak_resident_bytes'] / 2**20:.1f} MiB | "
-                     f"{m['peak_bytes'] / 2**20:.1f} MiB | {m['step_s']:.2f} s | "
-                     f"{m['step_s'] / plain:.3f}x |")
+                     f"{m['peak_bytes'] / 2**20:.1f} MiB | {allocated} | "
+                     f"{1e3 * m['step_s']:.1f} ms | {m['step_s'] / plain:.3f}x | "
+                     f"{'yes' if m['bitwise_with_plain'] else 'NO'} |")
     lines += ["", ("The ledger's peak is the step's saved tensors on the device at once "
               "(`StepStats.peak_resident_bytes`); beside it, with what a recomputed layer "
-              "saves again while backward runs it (`StepStats.peak_bytes`). The step times are "
-              "this shared 2-core CPU's, medians of the repeats, under other load: they say "
-              "what recomputing costs here only.")]
+              "saves again while backward runs it (`StepStats.peak_bytes`); on CUDA the "
+              "allocator's peak of the way's first step. Gradients bitwise: the way's first "
+              "step against plain training's (plain: against its own earlier step, the "
+              "control). Step times are medians of the repeats on this machine"
+              + (", a shared 2-core CPU under other load: they say what recomputing costs "
+                 "here only." if where == "CPU" else "."))]
     return "\n".join(lines) + "\n"
 
 
@@ -133,11 +166,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     args = p.parse_args(argv)
-    r = measure(args.layers, args.seq, args.repeats)
-    meta = result_meta(torch.device("cpu"), command=" ".join(
+    dev = torch.device(args.device)
+    if dev.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
+        torch.backends.cudnn.deterministic = True
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    r = measure(args.layers, args.seq, args.repeats, dev)
+    meta = result_meta(dev, command=" ".join(
         ["python", *sys.argv] if argv is None else ["python", __file__, *argv]),
-        kind="measurement (the engine's ledger; this CPU's times) beside an estimate")
+        kind="measurement (the engine's ledger; this machine's times) beside an estimate")
     table = markdown(r)
     print(table)
     write_results(args.out, TITLE, meta, r, table)

@@ -1,0 +1,34 @@
+"""The benchmark of recomputation below the layer (``benchmarks/selective.py``) runs on the
+CPU at a tiny size and writes what the GPU check reads: each way's ledger peak, its gradients
+against plain training's (all bitwise here), and what a layer keeps each way."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "selective.py"
+
+
+@pytest.mark.slow
+def test_each_way_is_measured_and_bitwise_with_plain_training(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("selective_benchmark", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, script)
+    spec.loader.exec_module(script)
+    assert script.main(["--layers", "1", "--seq", "16", "--repeats", "1",
+                        "--out", str(tmp_path / "s")]) == 0
+    data = json.loads((tmp_path / "s.json").read_text())
+    ways = data["ways"]
+    assert list(ways) == ["plain", "below the layer", "whole"]
+    assert all(w["bitwise_with_plain"] and w["allocator_peak_bytes"] is None
+               for w in ways.values())
+    peaks = [ways[w]["peak_resident_bytes"] for w in ("plain", "below the layer", "whole")]
+    assert peaks[0] > peaks[1] > peaks[2]
+    text = (tmp_path / "s.md").read_text()
+    assert "| gradients bitwise |" in text and "NO" not in text
