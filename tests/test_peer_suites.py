@@ -828,3 +828,41 @@ def test_every_case_inside_one_block_of_a_shared_session(moving, monkeypatch):
                     check(case, g, w, m)
     finally:
         session.close()
+
+
+def test_a_saved_input_detached_in_place_raises_only_where_no_hooks_run():
+    """The half of ``detached_after_saving`` left out above, as the README states it: plain
+    PyTorch raises for a saved input detached in place; PyTorch's pass-through hooks and a
+    step of the session that moves tensors do not (backward reads the saved values, so the
+    gradient is plain PyTorch's of the same forward without the detach); a session whose
+    plan moves nothing raises once its steps run without hooks."""
+
+    def forward_then_detach(hooks: AbstractContextManager) -> torch.Tensor:
+        leaf = _leaf(0, 64, 64).requires_grad_(True)
+        a = leaf * 2
+        with hooks:
+            out = (a * a).sum()  # saves ``a`` (self and other)
+        a.detach_()
+        out.backward()
+        return leaf.grad
+
+    with pytest.raises(RuntimeError, match="saved tensor that has been detached"):
+        forward_then_detach(nullcontext())
+    want = _leaf(0, 64, 64).mul(8)  # d/dleaf of sum((2 leaf)^2)
+    assert torch.equal(forward_then_detach(passthrough()), want)
+    session = Offloader(CSwapConfig(plan="raw", min_bytes=0, profile_steps=1))
+    try:
+        for _ in range(2):  # a measured step, then one under the plan
+            assert torch.equal(forward_then_detach(session), want)
+        assert session.last_step().offloaded_bytes > 0
+    finally:
+        session.close()
+    # A run that fits: measured, checked, then steps without hooks, where PyTorch's check runs.
+    session = Offloader(CSwapConfig(min_bytes=0, profile_steps=1))
+    try:
+        assert torch.equal(forward_then_detach(session), want)  # measured: hooks on
+        with pytest.raises(RuntimeError, match="saved tensor that has been detached"):
+            for _ in range(3):
+                forward_then_detach(session)
+    finally:
+        session.close()
