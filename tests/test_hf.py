@@ -24,8 +24,8 @@ from transformers import (
 
 from cswap_lightning import CSwapConfig
 from cswap_lightning.core.compile import is_compiled
+from cswap_lightning.hf_checkpointing import trainer_checkpointing
 from cswap_lightning.integrations.hf import CSwapCallback
-from cswap_lightning.integrations.hf_checkpointing import trainer_checkpointing
 from cswap_lightning.integrations.metrics import run_summary
 
 LOSSLESS = CSwapConfig(plan="zvc", min_bytes=0)

@@ -461,7 +461,7 @@ def test_compiled_blocks_are_recomputed_too(order):
 
 # what is not recomputed ----------------------------------------------------------------------
 def test_layers_hugging_face_checkpoints_itself_are_skipped():
-    from cswap_lightning.integrations.hf_checkpointing import checkpointing_switch
+    from cswap_lightning.hf_checkpointing import checkpointing_switch
 
     model = copy.deepcopy(case("llama")[0].model).train()
     checkpointing_switch(model)()

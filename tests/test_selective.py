@@ -17,10 +17,10 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 import cswap_lightning as cswap
-from cswap_lightning.core import ops, selective
+from cswap_lightning.core import selective
 from cswap_lightning.core.recompute import BlockCall, below, units
 from cswap_lightning.core.selective import Region
-from cswap_lightning.planning import live, mix, replay
+from cswap_lightning.planning import live, mix, ops, replay
 from cswap_lightning.planning.profiler import SiteProfile
 from cswap_lightning.planning.workload import BELOW, Below, Block, Op, Saved, Workload
 

@@ -41,7 +41,7 @@ from typing_extensions import Self
 
 from ..config import CSwapConfig
 from ..core.engine import Offloader
-from ..integrations.hf_checkpointing import checkpointing_switch, has_offload
+from ..hf_checkpointing import checkpointing_switch, has_offload
 from ..planning import profiled
 from ..records import fmt_bytes
 from .args import number

@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
-from . import ops
+from ..planning import ops
 
 Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
 

@@ -40,8 +40,8 @@ from ..core.compile import blocks, compile_blocks
 from ..core.engine import Offloader
 from ..core.guard import AccuracyGuard
 from ..core.shadow import Shadow
+from ..hf_checkpointing import checkpointing_switch, trainer_checkpointing
 from ..records import StepStats
-from .hf_checkpointing import checkpointing_switch, trainer_checkpointing
 from .metrics import offload_metrics, plan_values, run_summary, step_values, write_summary
 
 logger = logging.get_logger(__name__)

@@ -24,8 +24,7 @@ from functools import cache
 
 import torch
 
-from ..core import ops
-from . import models, trace
+from . import models, ops, trace
 from .devices import Device
 from .workload import Workload, from_profile
 

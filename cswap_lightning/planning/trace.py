@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from ..core import ops
+from . import ops
 from .workload import layer_of
 
 ALLOCATOR_ROUND = 512  # CUDA's caching allocator hands out multiples of 512 bytes

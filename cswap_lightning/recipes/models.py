@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torchmetrics.classification import MulticlassAccuracy
 
-from ..integrations.hf_checkpointing import checkpointing_switch
+from ..hf_checkpointing import checkpointing_switch
 from .nets import build_cnn, resnet50, vgg16
 
 Arch = Literal["cnn", "vgg16", "resnet50"]

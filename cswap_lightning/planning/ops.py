@@ -2,8 +2,8 @@
 convolution (tensor cores where the dtype has them), batch norm, or memory traffic (every
 elementwise operation, reduction, copy).
 
-Two readers: the meta-device trace times each kernel by its kind (``planning/trace.py``), and
-recomputation below the layer (``selective.py``) keeps the outputs of the kinds that cost
+Two readers: the meta-device trace times each kernel by its kind (``trace.py``), and
+recomputation below the layer (``core/selective.py``) keeps the outputs of the kinds that cost
 compute (``KEPT_KINDS``), but those far cheaper per byte than the block's dearest (``dear``),
 and runs everything else again.
 """
