@@ -228,6 +228,38 @@ def test_outputs_changed_in_place_or_returned_are_recomputed_not_kept():
     assert kept == [(8, 16), (8, 16)]  # the input, and the second matmul's output alone
 
 
+class Twice(torch.nn.Module):
+    """Two layers, the first called again after the second (weight sharing), under CPU
+    autocast: the second call finds its weights' bf16 casts cached by the first, its
+    recomputation (a fresh autocast) casts them again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Dropout(0.2),
+                                torch.nn.Linear(64, 32)) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            for layer in (*self.layers, self.layers[0]):
+                x = x + layer(x)
+        return x.float()
+
+
+def test_a_layer_called_twice_under_autocast_is_bitwise_plain_training():
+    """Only the kept operators are matched between the forward and its recomputation: the
+    weight casts the recomputation of the second call runs again (not cached there) were
+    counted as operators its forward never ran."""
+    torch.manual_seed(0)
+    built = Built(Twice(), {"x": torch.randn(2, 6, 32, requires_grad=True)},
+                  lambda model, inputs: model(inputs["x"]).square().mean())
+    plain = train(built, STEPS)
+    for plan in ("keep", "raw"):
+        steps, calls = below_layers(built, plan)
+        assert not differences(plain, steps)
+        assert sum(len(c.kept) for c in calls if c.elementwise_s is not None) > 0
+
+
 # which blocks ---------------------------------------------------------------------------------
 def test_a_block_below_the_layer_is_named_after_it_and_never_beside_it_whole():
     model = case("gpt2")[0].model

@@ -88,8 +88,8 @@ def staying(calls: Sequence[tuple[Iterable[tuple[torch.Tensor, int]], float]], o
 
 
 class Region:
-    """One call of a block recomputed below the layer: what its forward kept, by operator and
-    call count (``None``: run again). ``hooks``: the step's saved-tensor hooks the kept
+    """One call of a block recomputed below the layer: what its forward kept, by kept operator
+    and call count (``None``: run again). ``hooks``: the step's saved-tensor hooks the kept
     outputs go through (None: a step without hooks; they are held as they are)."""
 
     def __init__(self, hooks: Hooks | None, keep: Callable[[Any], bool] = ops.kept) -> None:
@@ -162,11 +162,7 @@ class Keeping(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in SAC_IGNORED_OPS:  # checkpoint runs more of these in one pass than the other
-            return out
-        calls = self.region.calls[func]
-        if not self.region.keep(func):
-            calls.append(None)
+        if func in SAC_IGNORED_OPS or not self.region.keep(func):
             return out
         flat, spec = tree_flatten(out)
         rng = (_rng_states(func, args, kwargs)
@@ -175,7 +171,7 @@ class Keeping(TorchDispatchMode):
         k = _Kept(values, spec, [v._version if isinstance(v, torch.Tensor) else None
                                  for v in values], rng,
                   ops.work_per_byte(func, args, kwargs, out))
-        calls.append(k)
+        self.region.calls[func].append(k)
         self.region.made.append(k)
         return out
 
@@ -191,7 +187,10 @@ class Recomputing(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in SAC_IGNORED_OPS:
+        # Only the kept operators are matched, by call count: the others may run more often
+        # than the first time (autocast casts a weight again that its first run found cached
+        # by an earlier call of the block, in the same forward).
+        if func in SAC_IGNORED_OPS or not self.region.keep(func):
             return func(*args, **kwargs)
         i = self.counts[func]
         self.counts[func] += 1
@@ -199,8 +198,8 @@ class Recomputing(TorchDispatchMode):
         if calls is None or i >= len(calls):
             raise RuntimeError(
                 f"cswap: recomputing a block below the layer ran {func} more often than its "
-                "forward did: the block's forward is not deterministic in the operators it "
-                "runs; recompute it whole instead")
+                "forward did: the block's forward is not deterministic in the matrix products, "
+                "attention and convolutions it runs; recompute it whole instead")
         k = calls[i]
         if k is None:
             return func(*args, **kwargs)
