@@ -228,6 +228,52 @@ def test_outputs_changed_in_place_or_returned_are_recomputed_not_kept():
     assert kept == [(8, 16), (8, 16)]  # the input, and the second matmul's output alone
 
 
+class Projected:
+    """A layer's output of a class of the model's own, which pytree does not know."""
+
+    def __init__(self, h: torch.Tensor, y: torch.Tensor) -> None:
+        self.h, self.y = h, y
+
+
+class Projecting(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> Projected:
+        h = self.linear(x)
+        return Projected(h, (h * 2.0).sin())  # sin saves its input, made from h
+
+
+class Returning(torch.nn.Module):
+    """Two layers, each returning its matmul's output in a ``Projected``, which the caller
+    changes in place; each layer's recomputation needs that output as it was."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Projecting() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            out = layer(x)
+            out.h.add_(1.0)
+            x = out.h * out.y
+        return x
+
+
+def test_an_output_returned_in_an_object_of_the_models_own_is_recomputed_not_kept():
+    """A tensor found only in the attributes of what a block returned is returned too (kept,
+    the caller changed it before the recomputation needed it: the engine's version check
+    raised where plain training runs)."""
+    torch.manual_seed(0)
+    built = Built(Returning(), {"x": torch.randn(2, 6, 32, requires_grad=True)},
+                  lambda model, inputs: model(inputs["x"]).square().mean())
+    plain = train(built, STEPS)
+    for plan in ("keep", "raw"):
+        steps, _ = below_layers(built, plan)
+        assert not differences(plain, steps)
+
+
 class Twice(torch.nn.Module):
     """Two layers, the first called again after the second (weight sharing), under CPU
     autocast: the second call finds its weights' bf16 casts cached by the first, its

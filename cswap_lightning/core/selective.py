@@ -80,7 +80,7 @@ def staying(calls: Sequence[tuple[Iterable[tuple[torch.Tensor, int]], float]], o
     operator's work per byte) stay kept once the block returned ``output``: those none of
     whose outputs was changed in place since or is (a view of) what the block returns, and
     not far cheaper to make than the rest (``ops.dear``)."""
-    returned = {t.untyped_storage()._cdata for t in _tensors(output)}
+    returned = {t.untyped_storage()._cdata for t in _returned(output)}
     fresh = [not any(t._version != v or t.untyped_storage()._cdata in returned
                      for t, v in tensors) for tensors, _ in calls]
     dear = iter(ops.dear([cost for (_, cost), ok in zip(calls, fresh, strict=True) if ok]))
@@ -135,6 +135,26 @@ class Region:
 
 def _tensors(value: Any) -> Iterable[torch.Tensor]:
     return [v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)]
+
+
+def _returned(output: Any) -> list[torch.Tensor]:
+    """The tensors a block returned: in the containers pytree knows, and in the attributes of
+    other objects (an output class of the model's own, which pytree takes for a leaf), but
+    modules' (the caller may change any of these in place)."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+    todo = [output]
+    while todo:
+        value = todo.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        for leaf in tree_flatten(value)[0]:
+            if isinstance(leaf, torch.Tensor):
+                found.append(leaf)
+            elif hasattr(leaf, "__dict__") and not isinstance(leaf, (type, torch.nn.Module)):
+                todo.append(vars(leaf))
+    return found
 
 
 def _rng_states(func: Any, args: tuple, kwargs: dict) -> list[tuple[torch.Generator, torch.Tensor]]:
