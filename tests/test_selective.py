@@ -306,6 +306,36 @@ def test_a_layer_called_twice_under_autocast_is_bitwise_plain_training():
         assert sum(len(c.kept) for c in calls if c.elementwise_s is not None) > 0
 
 
+MOE = dict(LLAMAISH, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.1,
+           output_router_logits=True, router_aux_loss_coef=0.5)
+
+
+@pytest.mark.parametrize("how", ["below", "whole"])
+def test_hugging_faces_output_capturing_hooks_leave_its_layers_recomputable(how):
+    """A Mixtral trained with its router's auxiliary loss: Hugging Face collects the router
+    logits with forward hooks on the layers' modules, inert outside the model's forward.
+    They were taken for hooks a recomputation would run again with effect, and no layer was
+    recomputed, whole or below the layer."""
+    torch.manual_seed(0)
+    built = causal_lm("MixtralConfig", **MOE)("sdpa")
+    plain = train(built, STEPS)
+    offloader = cswap.Offloader(cswap.CSwapConfig(plan="raw", min_bytes=0, profile_steps=1,
+                                                  budget=None))
+    chosen: list[str] = []
+
+    def prepare(model: torch.nn.Module) -> None:
+        names = every_layer_below(model)
+        chosen.extend(names if how == "below" else [n.removesuffix(BELOW) for n in names])
+        assert not offloader.watch(model).recompute(chosen)
+
+    steps = train(built, STEPS, offloader, prepare)
+    recomputed = offloader.recomputed
+    offloader.close()
+    assert not differences(plain, steps)
+    assert recomputed == set(chosen)
+    assert len(steps[1].stats.sites) < len(steps[0].stats.sites)
+
+
 # which blocks ---------------------------------------------------------------------------------
 def test_a_block_below_the_layer_is_named_after_it_and_never_beside_it_whole():
     model = case("gpt2")[0].model
