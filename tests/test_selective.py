@@ -228,6 +228,20 @@ def test_outputs_changed_in_place_or_returned_are_recomputed_not_kept():
     assert kept == [(8, 16), (8, 16)]  # the input, and the second matmul's output alone
 
 
+def bitwise_below(model: torch.nn.Module) -> list[BlockCall]:
+    """Train ``model`` (on one input, its output's mean square the loss) with every layer
+    below the layer, what they keep kept and swapped raw, bitwise as plainly; the measured
+    step's block calls."""
+    torch.manual_seed(0)
+    built = Built(model, {"x": torch.randn(2, 6, 32, requires_grad=True)},
+                  lambda model, inputs: model(inputs["x"]).square().mean())
+    plain = train(built, STEPS)
+    for plan in ("keep", "raw"):
+        steps, calls = below_layers(built, plan)
+        assert not differences(plain, steps), plan
+    return calls
+
+
 class Projected:
     """A layer's output of a class of the model's own, which pytree does not know."""
 
@@ -265,13 +279,7 @@ def test_an_output_returned_in_an_object_of_the_models_own_is_recomputed_not_kep
     """A tensor found only in the attributes of what a block returned is returned too (kept,
     the caller changed it before the recomputation needed it: the engine's version check
     raised where plain training runs)."""
-    torch.manual_seed(0)
-    built = Built(Returning(), {"x": torch.randn(2, 6, 32, requires_grad=True)},
-                  lambda model, inputs: model(inputs["x"]).square().mean())
-    plain = train(built, STEPS)
-    for plan in ("keep", "raw"):
-        steps, _ = below_layers(built, plan)
-        assert not differences(plain, steps)
+    bitwise_below(Returning())
 
 
 class Twice(torch.nn.Module):
@@ -296,14 +304,8 @@ def test_a_layer_called_twice_under_autocast_is_bitwise_plain_training():
     """Only the kept operators are matched between the forward and its recomputation: the
     weight casts the recomputation of the second call runs again (not cached there) were
     counted as operators its forward never ran."""
-    torch.manual_seed(0)
-    built = Built(Twice(), {"x": torch.randn(2, 6, 32, requires_grad=True)},
-                  lambda model, inputs: model(inputs["x"]).square().mean())
-    plain = train(built, STEPS)
-    for plan in ("keep", "raw"):
-        steps, calls = below_layers(built, plan)
-        assert not differences(plain, steps)
-        assert sum(len(c.kept) for c in calls if c.elementwise_s is not None) > 0
+    calls = bitwise_below(Twice())
+    assert sum(len(c.kept) for c in calls if c.elementwise_s is not None) > 0
 
 
 MOE = dict(LLAMAISH, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.1,
