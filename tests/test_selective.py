@@ -228,6 +228,116 @@ def test_outputs_changed_in_place_or_returned_are_recomputed_not_kept():
     assert kept == [(8, 16), (8, 16)]  # the input, and the second matmul's output alone
 
 
+def bitwise_below(model: torch.nn.Module) -> list[BlockCall]:
+    """Train ``model`` (on one input, its output's mean square the loss) with every layer
+    below the layer, what they keep kept and swapped raw, bitwise as plainly; the measured
+    step's block calls."""
+    torch.manual_seed(0)
+    built = Built(model, {"x": torch.randn(2, 6, 32, requires_grad=True)},
+                  lambda model, inputs: model(inputs["x"]).square().mean())
+    plain = train(built, STEPS)
+    for plan in ("keep", "raw"):
+        steps, calls = below_layers(built, plan)
+        assert not differences(plain, steps), plan
+    return calls
+
+
+class Projected:
+    """A layer's output of a class of the model's own, which pytree does not know."""
+
+    def __init__(self, h: torch.Tensor, y: torch.Tensor) -> None:
+        self.h, self.y = h, y
+
+
+class Projecting(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> Projected:
+        h = self.linear(x)
+        return Projected(h, (h * 2.0).sin())  # sin saves its input, made from h
+
+
+class Returning(torch.nn.Module):
+    """Two layers, each returning its matmul's output in a ``Projected``, which the caller
+    changes in place; each layer's recomputation needs that output as it was."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Projecting() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            out = layer(x)
+            out.h.add_(1.0)
+            x = out.h * out.y
+        return x
+
+
+def test_an_output_returned_in_an_object_of_the_models_own_is_recomputed_not_kept():
+    """A tensor found only in the attributes of what a block returned is returned too (kept,
+    the caller changed it before the recomputation needed it: the engine's version check
+    raised where plain training runs)."""
+    bitwise_below(Returning())
+
+
+class Twice(torch.nn.Module):
+    """Two layers, the first called again after the second (weight sharing), under CPU
+    autocast: the second call finds its weights' bf16 casts cached by the first, its
+    recomputation (a fresh autocast) casts them again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Dropout(0.2),
+                                torch.nn.Linear(64, 32)) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            for layer in (*self.layers, self.layers[0]):
+                x = x + layer(x)
+        return x.float()
+
+
+def test_a_layer_called_twice_under_autocast_is_bitwise_plain_training():
+    """Only the kept operators are matched between the forward and its recomputation: the
+    weight casts the recomputation of the second call runs again (not cached there) were
+    counted as operators its forward never ran."""
+    calls = bitwise_below(Twice())
+    assert sum(len(c.kept) for c in calls if c.elementwise_s is not None) > 0
+
+
+MOE = dict(LLAMAISH, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.1,
+           output_router_logits=True, router_aux_loss_coef=0.5)
+
+
+@pytest.mark.parametrize("how", ["below", "whole"])
+def test_hugging_faces_output_capturing_hooks_leave_its_layers_recomputable(how):
+    """A Mixtral trained with its router's auxiliary loss: Hugging Face collects the router
+    logits with forward hooks on the layers' modules, inert outside the model's forward.
+    They were taken for hooks a recomputation would run again with effect, and no layer was
+    recomputed, whole or below the layer."""
+    torch.manual_seed(0)
+    built = causal_lm("MixtralConfig", **MOE)("sdpa")
+    plain = train(built, STEPS)
+    offloader = cswap.Offloader(cswap.CSwapConfig(plan="raw", min_bytes=0, profile_steps=1,
+                                                  budget=None))
+    chosen: list[str] = []
+
+    def prepare(model: torch.nn.Module) -> None:
+        names = every_layer_below(model)
+        chosen.extend(names if how == "below" else [n.removesuffix(BELOW) for n in names])
+        assert not offloader.watch(model).recompute(chosen)
+
+    steps = train(built, STEPS, offloader, prepare)
+    recomputed = offloader.recomputed
+    offloader.close()
+    assert not differences(plain, steps)
+    assert recomputed == set(chosen)
+    assert len(steps[1].stats.sites) < len(steps[0].stats.sites)
+
+
 # which blocks ---------------------------------------------------------------------------------
 def test_a_block_below_the_layer_is_named_after_it_and_never_beside_it_whole():
     model = case("gpt2")[0].model

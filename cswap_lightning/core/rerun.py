@@ -140,9 +140,17 @@ def reruns(module: nn.Module) -> bool:
     if not (module._forward_pre_hooks or module._forward_hooks):
         return False
     hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
-    return any(not (isinstance(h, _PURE_HOOKS)
+    return any(not (isinstance(h, _PURE_HOOKS) or _capturing(h)
                     or getattr(h, "__qualname__", "").startswith("BlockTimer._watch."))
                for h in hooks)
+
+
+def _capturing(hook: Any) -> bool:
+    """A hook Hugging Face installs to collect outputs (``output_hidden_states``,
+    ``output_router_logits``...): it does nothing but while the model's forward collects, in a
+    context variable set around it, so never in backward."""
+    return (getattr(hook, "__module__", "") == "transformers.utils.output_capturing"
+            and getattr(hook, "__qualname__", "").endswith(".output_capturing_hook"))
 
 
 class CacheStates:

@@ -80,7 +80,7 @@ def staying(calls: Sequence[tuple[Iterable[tuple[torch.Tensor, int]], float]], o
     operator's work per byte) stay kept once the block returned ``output``: those none of
     whose outputs was changed in place since or is (a view of) what the block returns, and
     not far cheaper to make than the rest (``ops.dear``)."""
-    returned = {t.untyped_storage()._cdata for t in _tensors(output)}
+    returned = {t.untyped_storage()._cdata for t in _returned(output)}
     fresh = [not any(t._version != v or t.untyped_storage()._cdata in returned
                      for t, v in tensors) for tensors, _ in calls]
     dear = iter(ops.dear([cost for (_, cost), ok in zip(calls, fresh, strict=True) if ok]))
@@ -88,8 +88,8 @@ def staying(calls: Sequence[tuple[Iterable[tuple[torch.Tensor, int]], float]], o
 
 
 class Region:
-    """One call of a block recomputed below the layer: what its forward kept, by operator and
-    call count (``None``: run again). ``hooks``: the step's saved-tensor hooks the kept
+    """One call of a block recomputed below the layer: what its forward kept, by kept operator
+    and call count (``None``: run again). ``hooks``: the step's saved-tensor hooks the kept
     outputs go through (None: a step without hooks; they are held as they are)."""
 
     def __init__(self, hooks: Hooks | None, keep: Callable[[Any], bool] = ops.kept) -> None:
@@ -137,6 +137,26 @@ def _tensors(value: Any) -> Iterable[torch.Tensor]:
     return [v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)]
 
 
+def _returned(output: Any) -> list[torch.Tensor]:
+    """The tensors a block returned: in the containers pytree knows, and in the attributes of
+    other objects (an output class of the model's own, which pytree takes for a leaf), but
+    modules' (the caller may change any of these in place)."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+    todo = [output]
+    while todo:
+        value = todo.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        for leaf in tree_flatten(value)[0]:
+            if isinstance(leaf, torch.Tensor):
+                found.append(leaf)
+            elif hasattr(leaf, "__dict__") and not isinstance(leaf, (type, torch.nn.Module)):
+                todo.append(vars(leaf))
+    return found
+
+
 def _rng_states(func: Any, args: tuple, kwargs: dict) -> list[tuple[torch.Generator, torch.Tensor]]:
     """The states of the generators a random operator drew from: the one it was given, else
     the default generators of the CPU and of its device."""
@@ -162,11 +182,7 @@ class Keeping(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in SAC_IGNORED_OPS:  # checkpoint runs more of these in one pass than the other
-            return out
-        calls = self.region.calls[func]
-        if not self.region.keep(func):
-            calls.append(None)
+        if func in SAC_IGNORED_OPS or not self.region.keep(func):
             return out
         flat, spec = tree_flatten(out)
         rng = (_rng_states(func, args, kwargs)
@@ -175,7 +191,7 @@ class Keeping(TorchDispatchMode):
         k = _Kept(values, spec, [v._version if isinstance(v, torch.Tensor) else None
                                  for v in values], rng,
                   ops.work_per_byte(func, args, kwargs, out))
-        calls.append(k)
+        self.region.calls[func].append(k)
         self.region.made.append(k)
         return out
 
@@ -191,7 +207,10 @@ class Recomputing(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in SAC_IGNORED_OPS:
+        # Only the kept operators are matched, by call count: the others may run more often
+        # than the first time (autocast casts a weight again that its first run found cached
+        # by an earlier call of the block, in the same forward).
+        if func in SAC_IGNORED_OPS or not self.region.keep(func):
             return func(*args, **kwargs)
         i = self.counts[func]
         self.counts[func] += 1
@@ -199,8 +218,8 @@ class Recomputing(TorchDispatchMode):
         if calls is None or i >= len(calls):
             raise RuntimeError(
                 f"cswap: recomputing a block below the layer ran {func} more often than its "
-                "forward did: the block's forward is not deterministic in the operators it "
-                "runs; recompute it whole instead")
+                "forward did: the block's forward is not deterministic in the matrix products, "
+                "attention and convolutions it runs; recompute it whole instead")
         k = calls[i]
         if k is None:
             return func(*args, **kwargs)
