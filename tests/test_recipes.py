@@ -402,20 +402,22 @@ def test_sigterm_stops_cswap_fit_after_the_step_with_a_checkpoint(tmp_path):
     import signal
     import time
 
+    root = tmp_path / "run"
     run = subprocess.Popen(
         [sys.executable, "-m", "cswap_lightning", "fit", "--config", "cnn",
          "--trainer.max_epochs", "100000", "--trainer.limit_train_batches", "2",
          "--trainer.limit_val_batches", "1", "--trainer.enable_progress_bar", "false",
-         "--trainer.default_root_dir", str(tmp_path), "--data.cache_dir", str(tmp_path / "data")],
+         "--trainer.default_root_dir", str(root), "--data.cache_dir", str(tmp_path / "data")],
         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 300  # trained a while: an epoch's checkpoint is there
-    while not list(tmp_path.rglob("epoch=*.ckpt")) and time.monotonic() < deadline:
+    # (only the run's folder is searched: the data's is being written and renamed meanwhile)
+    while not list(root.rglob("epoch=*.ckpt")) and time.monotonic() < deadline:
         time.sleep(0.5)
     run.send_signal(signal.SIGTERM)
     text = run.stdout.read()
     assert run.wait(timeout=300) == 143, text[-3000:]
-    checkpoint = next(tmp_path.rglob("sigterm.ckpt"))
+    checkpoint = next(root.rglob("sigterm.ckpt"))
     assert "cswap fit: stopped by SIGTERM at global step" in text
     assert f"checkpoint saved to {checkpoint}; resume with the same command and --ckpt_path" in text
     assert "cswap fit: SIGTERM: stopping after the step under way" in text
