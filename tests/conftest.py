@@ -1,7 +1,9 @@
+import importlib.util
 import itertools
 import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,6 +56,17 @@ def deterministic():
     yield
     cudnn.deterministic, cudnn.benchmark = before[:2]
     torch.use_deterministic_algorithms(before[2], warn_only=before[3])
+
+
+def load_benchmark(name: str, monkeypatch: pytest.MonkeyPatch):
+    """``benchmarks/NAME.py`` as a module, registered while the test runs (a dataclass of
+    the script looks its module up in ``sys.modules``)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", path)
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, script)
+    spec.loader.exec_module(script)
+    return script
 
 
 def spy_on_moves(session: Offloader, monkeypatch: pytest.MonkeyPatch) -> list[int]:

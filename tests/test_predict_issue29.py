@@ -4,23 +4,17 @@ layers at a short sequence, not the goals' shapes)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from conftest import load_benchmark
 
 pytest.importorskip("transformers")
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "predict_issue29.py"
 
 
 @pytest.mark.slow
 def test_the_goals_are_predicted_labelled_and_judged(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("predict_issue29", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, script)  # its dataclass looks itself up there
-    spec.loader.exec_module(script)
+    script = load_benchmark("predict_issue29", monkeypatch)
     assert script.main(["--quick", "--out", str(tmp_path / "p")]) == 0
     data = json.loads((tmp_path / "p.json").read_text())
     assert data["meta"]["kind"].startswith("prediction")

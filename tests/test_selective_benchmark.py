@@ -4,23 +4,17 @@ against plain training's (all bitwise here), and what a layer keeps each way."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from conftest import load_benchmark
 
 pytest.importorskip("transformers")
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "selective.py"
 
 
 @pytest.mark.slow
 def test_each_way_is_measured_and_bitwise_with_plain_training(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("selective_benchmark", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, script)
-    spec.loader.exec_module(script)
+    script = load_benchmark("selective", monkeypatch)
     assert script.main(["--layers", "1", "--seq", "16", "--repeats", "1",
                         "--out", str(tmp_path / "s")]) == 0
     data = json.loads((tmp_path / "s.json").read_text())
