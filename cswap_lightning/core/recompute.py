@@ -55,7 +55,7 @@ from .rerun import (
     rerun_hooks,
     reruns,
 )
-from .selective import Observer, Region
+from .selective import Observer, Region, top_hooks
 from .tensors import of_a_leaf, version_probe
 
 _STAGE_ENDS = (_MaxPoolNd, _AdaptiveMaxPoolNd)  # as the replay cuts a Sequential's stages
@@ -143,17 +143,6 @@ def _activation(module: nn.Module) -> bool:
     return ((kind == "torch.nn.modules.activation" or kind.startswith("transformers.activations"))
             and next(module.children(), None) is None and not getattr(module, "inplace", False))
 
-
-# The innermost saved-tensor hooks (pack, unpack), or None: where a block runs under hooks
-# other than the step's (an outer checkpoint, save_on_cpu), recomputing it would only add work.
-try:
-    from torch._C._autograd import _top_saved_tensors_default_hooks
-
-    def top_hooks() -> tuple[Callable, Callable] | None:
-        return _top_saved_tensors_default_hooks(False)
-except ImportError:  # a torch without it: every armed block is recomputed
-    def top_hooks() -> None:
-        return None
 
 
 class Recompute:
@@ -660,6 +649,11 @@ class BlockTimer:
                 self.recompute.unfit.setdefault(name, "its input is changed in place after "
                                                       "it returns (checkpoint keeps it)")
             self._learn(name, state, " after it returns")
+
+    def saw(self, t: torch.Tensor) -> None:
+        """Autograd saved ``t`` (the step's pack hook): the blocks observed now are told."""
+        for observer in self.observing:
+            observer.saw(t)
 
     def _stop(self, observer: Observer) -> None:
         """Take an observer off, and those entered after it (a call that raised)."""

@@ -11,13 +11,23 @@ layer* runs under non-reentrant ``torch.utils.checkpoint`` with two dispatch mod
 that matters here:
 
 - in forward, ``Keeping`` records the outputs of every operator ``ops.kept`` names (``mm``,
-  ``addmm``, ``bmm``, the fused attention kernels, ``convolution``), each once, in order;
+  ``addmm``, ``bmm``, the fused attention kernels, ``convolution``) and of reductions
+  (``ops.reduces``), each once, in order;
   everything else the block saves goes to checkpoint's own hooks and is dropped. When the
   block returns, its kept outputs go through the step's saved-tensor hooks, one site each
   (torch's policy keeps them in a cache of its own, out of any hook's reach): the planner can
   swap them like any saved tensor, and the engine's ledger counts them;
 - in backward, ``Recomputing`` runs the block's forward again and, for each kept operator,
   gives back its output through the step's unpack hook instead of running it.
+
+Nothing runs again that nothing saved needs (``planning/dataflow.py``): the forward's
+dataflow and what autograd saved in it (seen through checkpoint's pack hook, wrapped) say
+which calls backward's tensors depend on. The outputs of reductions are kept too (one value a
+row: RMSNorm's mean of squares), so the square before it is not run again; a kept output that
+only makes what the block returns (its last projection) is not kept at all. Where a call is
+not run, its outputs are placeholders: empty tensors of their shapes and strides. Should a
+recomputation run differently than its forward, so that an operator reads a placeholder or a
+placeholder is saved, it raises rather than give wrong gradients.
 
 Bitwise: a kept output is the very value the operator gave; everything recomputed runs on
 the same inputs in the same order as the first time (checkpoint puts the RNG state back). An
@@ -31,6 +41,7 @@ graph (``retain_graph=True``) recomputes again from the same kept outputs.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -42,8 +53,19 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from ..planning import ops
+from ..planning.dataflow import CASTS, Dataflow, storage_key
 
 Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
+
+# The innermost saved-tensor hooks (pack, unpack), or None.
+try:
+    from torch._C._autograd import _top_saved_tensors_default_hooks
+
+    def top_hooks() -> Hooks | None:
+        return _top_saved_tensors_default_hooks(False)
+except ImportError:  # a torch without it: every armed block is recomputed
+    def top_hooks() -> None:
+        return None
 
 
 def _detached(x: Any) -> Any:
@@ -59,19 +81,74 @@ def _detached(x: Any) -> Any:
 @dataclass
 class _Kept:
     """One kept operator call: its outputs (flattened: tensors, then their handles once
-    packed) and their structure, each tensor's version when made (None where no tensor), and
-    the RNG states after it (where it draws random numbers)."""
+    packed) and their structure, each tensor's version when made (None where no tensor), the
+    RNG states after it (where it draws random numbers), and its call in the block's
+    ``Dataflow``."""
 
     values: list[Any]
     spec: Any
     versions: list[int | None]
     rng: list[tuple[torch.Generator, torch.Tensor]] | None
     cost: float  # its operator's work per byte of output (``ops.work_per_byte``)
+    index: int
 
     def tensors(self) -> list[tuple[torch.Tensor, int]]:
         """Its output tensors, each with its version when made."""
         return [(v, version) for v, version in zip(self.values, self.versions, strict=True)
                 if version is not None]
+
+
+@dataclass(frozen=True)
+class _Empty:
+    """A tensor's size, strides, dtype and device."""
+
+    size: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass
+class _Dead:
+    """An operator call the recomputation does not run (``dataflow.py``): its outputs'
+    structure, and each tensor as ``_Empty`` (other values as they were)."""
+
+    spec: Any
+    leaves: list[Any]
+
+    @classmethod
+    def of(cls, out: Any) -> _Dead:
+        flat, spec = tree_flatten(out)
+        return cls(spec, [_Empty(v.size(), v.stride(), v.dtype, v.device)
+                          if isinstance(v, torch.Tensor) else v for v in flat])
+
+    def placeholder(self, tainted: Tainted) -> Any:
+        """Empty tensors in place of its outputs, tainted."""
+        flat = [torch.empty_strided(v.size, v.stride, dtype=v.dtype, device=v.device)
+                if isinstance(v, _Empty) else v for v in self.leaves]
+        for v in flat:
+            if isinstance(v, torch.Tensor):
+                tainted.add(v)
+        return tree_unflatten(flat, self.spec)
+
+
+class Tainted:
+    """The storages of a recomputation's placeholders, while they live: an operator that
+    computes from one, or a tensor saved from one, means its forward ran differently than
+    the first time, and raises rather than give wrong gradients."""
+
+    def __init__(self) -> None:
+        self.keys: set[int] = set()
+
+    def add(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key not in self.keys:
+            self.keys.add(key)
+            weakref.finalize(storage, self.keys.discard, key)
+
+    def among(self, tensors: Iterable[torch.Tensor]) -> bool:
+        return bool(self.keys) and any(storage_key(t) in self.keys for t in tensors)
 
 
 def staying(calls: Sequence[tuple[Iterable[tuple[torch.Tensor, int]], float]], output: Any
@@ -87,16 +164,33 @@ def staying(calls: Sequence[tuple[Iterable[tuple[torch.Tensor, int]], float]], o
     return [ok and next(dear) for ok in fresh]
 
 
+def settle(flow: Dataflow, kept: Sequence[tuple[int, Iterable[tuple[torch.Tensor, int]], float]],
+           output: Any) -> tuple[list[bool], list[bool]]:
+    """Once a block returned ``output``, for its kept calls (each: its call in ``flow``, its
+    outputs with their versions, its work per byte), which stay kept (``staying``, and
+    needed); and for every call of ``flow``, whether its recomputation runs it."""
+    stay = staying([(tensors, cost) for _, tensors, cost in kept], output)
+    need = flow.needed(i for (i, _, _), ok in zip(kept, stay, strict=True) if not ok)
+    given = {i for (i, _, _), ok in zip(kept, stay, strict=True) if ok}
+    runs = [i not in given and (need[i] or c.always) for i, c in enumerate(flow.calls)]
+    return [ok and need[i] for (i, _, _), ok in zip(kept, stay, strict=True)], runs
+
+
 class Region:
-    """One call of a block recomputed below the layer: what its forward kept, by kept operator
-    and call count (``None``: run again). ``hooks``: the step's saved-tensor hooks the kept
-    outputs go through (None: a step without hooks; they are held as they are)."""
+    """One call of a block recomputed below the layer: what its forward kept, and what its
+    recomputation need not run, by operator and call count (``None``: run again). ``hooks``:
+    the step's saved-tensor hooks the kept outputs go through (None: a step without hooks;
+    they are held as they are)."""
 
     def __init__(self, hooks: Hooks | None, keep: Callable[[Any], bool] = ops.kept) -> None:
         self.hooks = hooks
         self.keep = keep  # which operators' outputs are kept (tests choose others)
-        self.calls: dict[Any, list[_Kept | None]] = defaultdict(list)
+        self.flow = Dataflow()
+        # each operator's calls in order: kept, not run (after ``close``), run (None), or
+        # while the block runs, the index of a call not kept
+        self.calls: dict[Any, list[_Kept | _Dead | int | None]] = defaultdict(list)
         self.made: list[_Kept] = []  # in the order made
+        self.dead: dict[int, _Dead] = {}  # every call's, by index, until the block returns
 
     def contexts(self) -> tuple[TorchDispatchMode, contextlib.AbstractContextManager]:
         """checkpoint's ``context_fn``: the forward's mode, and nothing for the
@@ -111,12 +205,20 @@ class Region:
     def close(self, output: Any) -> None:
         """After the block's forward: recompute what was changed in place since it was kept,
         or is (a view of) what the block returns, or was far cheaper to make than the rest
-        (``ops.dear``); pass the rest through the step's pack hook, in the order made."""
-        keep = staying([(k.tensors(), k.cost) for k in self.made], output)
-        dropped = {id(k) for k, ok in zip(self.made, keep, strict=True) if not ok}
+        (``ops.dear``); do not run again, nor keep, what nothing saved needs
+        (``dataflow.py``); pass the rest through the step's pack hook, in the order made."""
+        stay, runs = settle(self.flow, [(k.index, k.tensors(), k.cost) for k in self.made],
+                            output)
+        staying_ids = {id(k) for k, ok in zip(self.made, stay, strict=True) if ok}
         for calls in self.calls.values():
-            calls[:] = [None if k is None or id(k) in dropped else k for k in calls]
-        self.made = [k for k in self.made if id(k) not in dropped]
+            for j, entry in enumerate(calls):
+                if isinstance(entry, _Kept):
+                    if id(entry) in staying_ids:
+                        continue
+                    entry = entry.index
+                calls[j] = None if runs[entry] else self.dead[entry]
+        self.made = [k for k, ok in zip(self.made, stay, strict=True) if ok]
+        self.dead = {}
         if self.hooks is not None:
             pack = self.hooks[0]
             for k in self.made:
@@ -171,18 +273,89 @@ def _rng_states(func: Any, args: tuple, kwargs: dict) -> list[tuple[torch.Genera
     return [(g, g.get_state()) for g in generators]
 
 
-class Keeping(TorchDispatchMode):
+def _kept(keep: Callable[[Any], bool], func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
+    """Whether recomputation below the layer keeps this call's outputs: an operator ``keep``
+    names, or a reduction (``ops.reduces``)."""
+    return keep(func) or ops.reduces(func, args, kwargs, out)
+
+
+class _SeeingSaves(TorchDispatchMode):
+    """A dispatch mode that also sees, through the innermost saved-tensor hooks it finds as
+    it is entered, each tensor autograd saves, for a ``Dataflow`` (``saw``). Where other hooks
+    are pushed inside (a checkpoint within the block), it cannot see what they save, and says
+    so (``blind``): then everything runs again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blind = False
+        self._hooks: contextlib.AbstractContextManager | None = None
+        self._ours: Any = None
+
+    def saw(self, t: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        found = top_hooks()
+        if found is None:
+            self.blind = True
+        else:
+            pack, unpack = found
+
+            def seeing(t: torch.Tensor) -> Any:
+                self.saw(t)
+                return pack(t)
+
+            self._ours = seeing
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(seeing, unpack)
+            self._hooks.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        if self._hooks is not None:
+            self._hooks.__exit__(*exc)
+            self._hooks = None
+        return out
+
+    def seen(self) -> bool:
+        """Whether what autograd saves now goes through :meth:`saw` (else: ``blind``)."""
+        found = top_hooks()
+        if found is None or found[0] is not self._ours:
+            self.blind = True
+        return not self.blind
+
+
+class Keeping(_SeeingSaves):
     """The forward of a block recomputed below the layer: keeps the kept operators'
-    outputs (module docstring)."""
+    outputs, and records its dataflow (module docstring)."""
 
     def __init__(self, region: Region) -> None:
         super().__init__()
         self.region = region
 
+    def saw(self, t: torch.Tensor) -> None:
+        self.region.flow.saved(t)
+
+    def __exit__(self, *exc):
+        if self.blind:
+            self.region.flow.blind = True
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in SAC_IGNORED_OPS or not self.region.keep(func):
+        if func in SAC_IGNORED_OPS:
+            return out
+        region = self.region
+        if torch.is_grad_enabled():
+            self.seen()
+        kept = _kept(region.keep, func, args, kwargs, out)
+        index = region.flow.call(func, args, kwargs, out, kept)
+        if func.overloadpacket in CASTS:
+            return out
+        if not kept:
+            region.calls[func].append(index)
+            region.dead[index] = _Dead.of(out)
             return out
         flat, spec = tree_flatten(out)
         rng = (_rng_states(func, args, kwargs)
@@ -190,87 +363,125 @@ class Keeping(TorchDispatchMode):
         values = [_detached(v) for v in flat]
         k = _Kept(values, spec, [v._version if isinstance(v, torch.Tensor) else None
                                  for v in values], rng,
-                  ops.work_per_byte(func, args, kwargs, out))
-        self.region.calls[func].append(k)
-        self.region.made.append(k)
+                  ops.work_per_byte(func, args, kwargs, out), index)
+        region.dead[index] = _Dead.of(out)
+        region.calls[func].append(k)
+        region.made.append(k)
         return out
 
 
-class Recomputing(TorchDispatchMode):
-    """The recomputation of a block below the layer: runs what was not kept, gives back what
-    was (module docstring)."""
+class Recomputing(_SeeingSaves):
+    """The recomputation of a block below the layer: runs what was not kept and is needed,
+    gives back what was kept, puts placeholders where nothing needs an output (module
+    docstring); an operator that reads a placeholder, or a save of one, raises."""
 
     def __init__(self, region: Region) -> None:
         super().__init__()
         self.region = region
         self.counts: dict[Any, int] = defaultdict(int)
+        self.tainted = Tainted()
+
+    def saw(self, t: torch.Tensor) -> None:
+        if self.tainted.among((t,)):
+            raise RuntimeError(_DIFFERENT)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        # Only the kept operators are matched, by call count: the others may run more often
-        # than the first time (autocast casts a weight again that its first run found cached
-        # by an earlier call of the block, in the same forward).
-        if func in SAC_IGNORED_OPS or not self.region.keep(func):
+        if func in SAC_IGNORED_OPS:
             return func(*args, **kwargs)
+        if func.overloadpacket in CASTS:
+            return self._run(func, args, kwargs)
+        # Matched by operator and call count: casts may run more often than the first time
+        # (autocast casts a weight again that its first run found cached by an earlier call
+        # of the block, in the same forward).
         i = self.counts[func]
         self.counts[func] += 1
-        calls = self.region.calls.get(func)
-        if calls is None or i >= len(calls):
-            raise RuntimeError(
-                f"cswap: recomputing a block below the layer ran {func} more often than its "
-                "forward did: the block's forward is not deterministic in the matrix products, "
-                "attention and convolutions it runs; recompute it whole instead")
-        k = calls[i]
-        if k is None:
-            return func(*args, **kwargs)
-        out = self.region.given_back(k)
-        for generator, state in k.rng or ():
+        calls = self.region.calls.get(func, ())
+        if i >= len(calls):
+            if self.region.keep(func):
+                raise RuntimeError(
+                    f"cswap: recomputing a block below the layer ran {func} more often than "
+                    "its forward did: the block's forward is not deterministic in the matrix "
+                    "products, attention and convolutions it runs; recompute it whole instead")
+            return self._run(func, args, kwargs)
+        entry = calls[i]
+        if entry is None:
+            return self._run(func, args, kwargs)
+        if isinstance(entry, _Dead):
+            return entry.placeholder(self.tainted)
+        out = self.region.given_back(entry)
+        for generator, state in entry.rng or ():
             generator.set_state(state)
         return out
+
+    def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        out = func(*args, **kwargs)
+        if self.tainted.among(_tensors((args, kwargs))):
+            read = {storage_key(t) for t in _tensors((args, kwargs))}
+            made = [t for t in _tensors(out) if storage_key(t) not in read]
+            if made and func.overloadpacket not in CASTS:
+                raise RuntimeError(_DIFFERENT)
+            for t in made:
+                self.tainted.add(t)
+        return out
+
+
+_DIFFERENT = ("cswap: recomputing a block below the layer, its forward ran differently than "
+              "the first time (an operator read an output the first run found nothing needed); "
+              "recompute the block whole instead")
 
 
 class Observer(TorchDispatchMode):
     """What recomputing a block below the layer would keep and cost, seen while it runs
-    plainly (the engine's measured steps): each kept operator's outputs (held until
-    :meth:`finish`, so that no storage is counted twice at a reused address), its work per
-    byte, and clock stamps before and after it; the rest of the block's time is what its
-    recomputation costs. Operators on another device than the block's (the engine's copies
-    to host memory) are not the block's."""
+    plainly (the engine's measured steps): its dataflow (the step's pack hook tells it what
+    autograd saves: :meth:`saw`), each kept operator's outputs (held until :meth:`finish`, so
+    that no storage is counted twice at a reused address) and work per byte, and clock stamps
+    before and after each operator; the block's time but that of what its recomputation
+    would not run is what the recomputation costs. Operators on another device than the
+    block's (the engine's copies to host memory) are not the block's."""
 
     def __init__(self, clock: Any, device: torch.device,
                  keep: Callable[[Any], bool] = ops.kept) -> None:
         super().__init__()
         self.clock, self.device, self.keep = clock, device, keep
         self.start = clock.now()
-        # each kept operator: its outputs with their versions, work per byte, stamps
-        self.calls: list[tuple[list[tuple[torch.Tensor, int]], float, Any, Any]] = []
+        self.flow = Dataflow()
+        # each kept call: its index in the flow, its outputs with their versions, work per byte
+        self.kept: list[tuple[int, list[tuple[torch.Tensor, int]], float]] = []
+        self.stamps: list[tuple[Any, Any]] = []  # each call's, before and after it
+
+    def saw(self, t: torch.Tensor) -> None:
+        """Autograd saved ``t``."""
+        self.flow.saved(t)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if (func in SAC_IGNORED_OPS or not self.keep(func)
+        if (func in SAC_IGNORED_OPS
                 or any(t.device != self.device for t in _tensors((args, kwargs)))):
             return func(*args, **kwargs)
         before = self.clock.now()
         out = func(*args, **kwargs)
-        self.calls.append(([(t, t._version) for t in _tensors(out)],
-                           ops.work_per_byte(func, args, kwargs, out), before,
-                           self.clock.now()))
+        self.stamps.append((before, self.clock.now()))
+        kept = _kept(self.keep, func, args, kwargs, out)
+        index = self.flow.call(func, args, kwargs, out, kept)
+        if kept:
+            self.kept.append((index, [(t, t._version) for t in _tensors(out)],
+                              ops.work_per_byte(func, args, kwargs, out)))
         return out
 
     def finish(self, output: Any) -> tuple[tuple[int, ...], str, list[tuple[Any, Any]], Any]:
         """After the block returned ``output``: the bytes of each storage its recomputation
-        would keep (each once; not what it returns, changed in place, or was far cheaper to
-        make, as ``Region.close``), the dtype of the largest, the (start, end) stamps of the
-        operators kept, and the block's start stamp: its recomputation costs its time but
-        theirs."""
-        calls = [c for c, ok in zip(self.calls, staying([c[:2] for c in self.calls], output),
-                                    strict=True) if ok]
-        self.calls = []
+        would keep (each once; as ``Region.close`` keeps), the dtype of the largest, the
+        (start, end) stamps of the operators it would not run, and the block's start stamp:
+        its recomputation costs its time but theirs."""
+        stay, runs = settle(self.flow, self.kept, output)
         kept: dict[int, torch.Tensor] = {}
-        for outputs, *_ in calls:
-            for t, _ in outputs:
+        for (_, outputs, _), ok in zip(self.kept, stay, strict=True):
+            for t, _ in outputs if ok else ():
                 kept.setdefault(t.untyped_storage()._cdata, t)
+        stamps = [stamp for stamp, run in zip(self.stamps, runs, strict=True) if not run]
+        self.kept, self.stamps, self.flow = [], [], Dataflow()
         largest = max(kept.values(), key=lambda t: t.untyped_storage().nbytes(), default=None)
         dtype = "" if largest is None else str(largest.dtype).removeprefix("torch.")
-        return (tuple(t.untyped_storage().nbytes() for t in kept.values()), dtype,
-                [(before, after) for *_, before, after in calls], self.start)
+        return (tuple(t.untyped_storage().nbytes() for t in kept.values()), dtype, stamps,
+                self.start)

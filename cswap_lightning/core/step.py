@@ -247,6 +247,8 @@ class Step:
     # forward ----------------------------------------------------------------------------
     def pack(self, saved: torch.Tensor) -> tuple | _Entry | _View:
         plain = type(saved) is torch.Tensor
+        if self.blocks is not None and self.blocks.observing:
+            self.blocks.saw(saved)
         if self.idle and plain:
             counted = self._count(saved, saved)
             if counted is not None:

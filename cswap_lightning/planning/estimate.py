@@ -24,7 +24,7 @@ from functools import cache
 
 import torch
 
-from . import models, ops, trace
+from . import models, trace
 from .devices import Device
 from .workload import Workload, from_profile
 
@@ -164,20 +164,14 @@ def _profile(traced: trace.Trace, device: Device, setup: Setup, spec: models.Mod
         times[kernel.module] = times.get(kernel.module, 0.0) + device.kernel_s(kernel)
     forward_ms, backward_ms = 1e3 * sum(forward.values()), 1e3 * sum(backward.values())
     # each layer's forward seconds, and those of what recomputing it below the layer runs
-    # again: all but the kernels whose outputs it keeps (``ops.dear``)
+    # again (``trace.Kernel.again``)
     layers: dict[str, list[float]] = {}
-    costs: dict[str, list[float]] = {}
-    for kernel in traced.kernels:
-        if kernel.layer and kernel.kind in ops.KEPT_KINDS:
-            costs.setdefault(kernel.layer, []).append(kernel.cost)
     for kernel in traced.kernels:
         if kernel.layer:
             times = layers.setdefault(kernel.layer, [0.0, 0.0])
             seconds = device.kernel_s(kernel)
             times[0] += seconds
-            kept = kernel.kind in ops.KEPT_KINDS and ops.dear(
-                [kernel.cost, *costs[kernel.layer]])[0]
-            times[1] += 0.0 if kept else seconds
+            times[1] += seconds if kernel.again else 0.0
     shape = f"-s{setup.sequence}" if spec.sequence else ""
     return {
         "name": f"{spec.name}{shape}-b{setup.batch}", "estimate": True,

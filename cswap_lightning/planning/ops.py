@@ -72,3 +72,17 @@ def dear(costs: Sequence[float]) -> list[bool]:
     finite = [c for c in costs if c != math.inf]
     top = max(finite, default=0.0)
     return [c == math.inf or c * CHEAPER >= top for c in costs]
+
+
+# A memory operator whose output has at most this fraction of its largest input's elements
+# (a reduction: RMSNorm's mean of squares) is kept too: it costs almost nothing to hold, and
+# what made it need not run again (``dataflow.py``).
+REDUCES = 64
+
+
+def reduces(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out) -> bool:
+    """Whether this call is a reduction whose output recomputation below the layer keeps."""
+    if kind(func) != "memory" or not isinstance(out, torch.Tensor) or func.is_view:
+        return False
+    inputs = [t.numel() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    return bool(inputs) and out.numel() * REDUCES <= max(inputs)

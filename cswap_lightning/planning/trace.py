@@ -14,7 +14,9 @@ Beside the saved tensors (the rows of ``planning/capture.py``'s schema), the tra
   ``memory_allocated``), from the step's start (weights, the batch) to its peak;
 - **each kernel's work**: its floating-point operations (``torch.utils.flop_counter``'s
   formulas; a causal attention does half) and the bytes it reads and writes, with the leaf
-  module it ran in. In backward, an op belongs to the module whose saved tensor autograd
+  module it ran in, and in a layer's forward whether recomputing the layer below the layer
+  runs it again (its dataflow, ``dataflow.py``: not what it keeps, nor what nothing saved
+  needs). In backward, an op belongs to the module whose saved tensor autograd
   unpacked last (a node unpacks its saved tensors before it runs), which needs no backward
   hooks (those break modules that change their input in place).
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from . import ops
+from .dataflow import Dataflow
 from .workload import layer_of
 
 ALLOCATOR_ROUND = 512  # CUDA's caching allocator hands out multiples of 512 bytes
@@ -60,26 +63,35 @@ class Kernel:
     bytes: int  # read and written
     dtype: torch.dtype
     layer: str = ""  # the layer (``workload.layer_of``) it ran in, in forward
-    cost: float = 0.0  # work per byte of output, for a kind ``ops.kept`` names, in a layer
+    again: bool = False  # recomputing its layer below the layer runs it again
 
 
 @dataclass
 class Layer:
     """What recomputing a layer below the layer (``core/selective.py``) would keep: its
-    tensor inputs' bytes, and each output of its matrix products, attention and convolutions
-    (bytes, 0 where it is what the layer returns), in the dtype of the largest."""
+    tensor inputs' bytes, and each output of its matrix products, attention, convolutions and
+    reductions that its recomputation needs (bytes, 0 where not: what the layer returns, what
+    is far cheaper to make than the rest, what nothing saved needs), in the dtype of the
+    largest."""
 
     input_bytes: int = 0
     kept: list[int] = field(default_factory=list)
-    costs: list[float] = field(default_factory=list)  # each one's ``ops.work_per_byte``
     dtype: str = ""
 
     def kept_bytes(self) -> list[int]:
-        """The bytes of what its recomputation keeps: not what the layer returns, nor what is
-        far cheaper to make than the rest (``ops.dear``)."""
-        left = [(n, c) for n, c in zip(self.kept, self.costs, strict=True) if n]
-        return [n for (n, _), dear in zip(left, ops.dear([c for _, c in left]), strict=True)
-                if dear]
+        """The bytes of what its recomputation keeps."""
+        return [n for n in self.kept if n]
+
+
+@dataclass
+class _Forward:
+    """A layer's forward as it runs: its dataflow, and per call the kernel it ran (None: no
+    kernel) and, where kept, its outputs' places in the layer's ``kept`` list, and its work
+    per byte."""
+
+    flow: Dataflow = field(default_factory=Dataflow)
+    kernels: list[int | None] = field(default_factory=list)
+    kept: dict[int, tuple[list[int], float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -173,37 +185,69 @@ class _Ledger(TorchDispatchMode):
         # storages a layer's recomputation below the layer would keep, while they live:
         # storage -> (layer, index in its kept list)
         self.kept: dict[int, tuple[str, int]] = {}
+        self.forwards: dict[str, _Forward] = {}  # the layers running their forward
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         for t in _tensors(out):
             self._allocated(t.untyped_storage())
-        layer, cost = self.layer(), 0.0
-        if layer and ops.kept(func):
-            cost = ops.work_per_byte(func, args, kwargs, out)
-            self._keep(layer, out, cost)
+        kernel = None
         if not (func.is_view or func.overloadpacket in _NO_KERNEL):
-            self._work(func, args, kwargs, out, cost)
+            kernel = self._work(func, args, kwargs, out)
+        layer = self.layer()
+        if layer:
+            forward = self.forwards.setdefault(layer, _Forward())
+            kept = ops.kept(func) or ops.reduces(func, args, kwargs, out)
+            index = forward.flow.call(func, args, kwargs, out, kept)
+            forward.kernels.append(kernel)
+            if kept:
+                forward.kept[index] = (self._keep(layer, out),
+                                       ops.work_per_byte(func, args, kwargs, out))
         return out
 
-    def _keep(self, layer: str, out, cost: float) -> None:
+    def saved(self, t: torch.Tensor) -> None:
+        """Autograd saved ``t``: the layer running now (in forward) needs what wrote it."""
+        layer = self.layer()
+        if layer:
+            self.forwards.setdefault(layer, _Forward()).flow.saved(t)
+
+    def _keep(self, layer: str, out) -> list[int]:
         kept = self.trace.layers[layer]
+        places = []
         for t in _tensors(out):
             storage = t.untyped_storage()
             if storage._cdata not in self.kept:
                 self.kept[storage._cdata] = (layer, len(kept.kept))
+                places.append(len(kept.kept))
                 kept.kept.append(storage.nbytes())
-                kept.costs.append(cost)
                 if storage.nbytes() >= max(kept.kept):
                     kept.dtype = str(t.dtype).removeprefix("torch.")
+        return places
 
     def returned(self, layer: str, output) -> None:
-        """A layer returned ``output``: its recomputation keeps none of it (it is rerun)."""
+        """A layer returned ``output``: its recomputation keeps none of it (it is rerun), nor
+        what is far cheaper to make than the rest (``ops.dear``), nor what nothing saved
+        needs; the kernels it runs again are marked (``Kernel.again``)."""
+        kept = self.trace.layers[layer]
         for t in _tensors(output):
             where = self.kept.get(t.untyped_storage()._cdata)
             if where is not None and where[0] == layer:
-                self.trace.layers[layer].kept[where[1]] = 0
+                kept.kept[where[1]] = 0
+        forward = self.forwards.pop(layer, _Forward())
+        calls = [(i, places, cost) for i, (places, cost) in forward.kept.items()
+                 if all(kept.kept[p] for p in places)]
+        dear = ops.dear([cost for _, _, cost in calls])
+        given = {i for (i, _, _), ok in zip(calls, dear, strict=True) if ok}
+        need = forward.flow.needed(set(forward.kept) - given)
+        for i, (places, _) in forward.kept.items():
+            if i not in given or not need[i]:
+                for p in places:
+                    kept.kept[p] = 0
+        for i, (call, kernel) in enumerate(zip(forward.flow.calls, forward.kernels,
+                                                strict=True)):
+            if kernel is not None and i not in given and (need[i] or call.always):
+                self.trace.kernels[kernel] = replace(self.trace.kernels[kernel], again=True)
 
     def _allocated(self, storage: torch.UntypedStorage) -> None:
         key = storage._cdata
@@ -220,7 +264,8 @@ class _Ledger(TorchDispatchMode):
         self.kept.pop(key, None)
         self.now -= size
 
-    def _work(self, func, args: tuple, kwargs: dict, out, cost: float) -> None:
+    def _work(self, func, args: tuple, kwargs: dict, out) -> int:
+        """Record the kernel of a call; its index."""
         packet = func.overloadpacket
         kind = ops.kind(func)
         flops = 0.0
@@ -235,7 +280,8 @@ class _Ledger(TorchDispatchMode):
         dtype = inputs[0].dtype if inputs else torch.float32
         module, backward = self.where()
         self.trace.kernels.append(Kernel(module, backward, kind, flops, touched, dtype,
-                                         "" if backward else self.layer(), cost))
+                                         "" if backward else self.layer()))
+        return len(self.trace.kernels) - 1
 
 
 @dataclass
@@ -307,6 +353,7 @@ def trace(model: nn.Module, step: Callable[[], torch.Tensor], batch: Sequence[to
             "parameter": key in params, "requires_grad": t.requires_grad,
             "allocated": ledger.now, "first_of_storage": key not in seen})
         seen.add(key)
+        ledger.saved(t)
         return len(out.saved) - 1, t
 
     def unpack(packed: tuple[int, torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,221 @@
+"""Dead code in a recomputation below the layer (``planning/dataflow.py``): what a block's
+recomputation need not run, found from its forward's dataflow and what autograd saved; and
+the engine's guard when a recomputation runs differently than its forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from cswap_lightning.core import selective
+from cswap_lightning.core.selective import Region
+from cswap_lightning.planning import ops
+from cswap_lightning.planning.dataflow import Dataflow
+from cswap_lightning.planning.trace import trace
+
+aten = torch.ops.aten
+
+
+class Recorded(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records a function's calls into a Dataflow, and what autograd saves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flow = Dataflow()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        kept = ops.kept(func) or ops.reduces(func, args, kwargs, out)
+        self.flow.call(func, args, kwargs, out, kept)
+        return out
+
+
+def flow_of(f, *inputs: torch.Tensor) -> list[tuple[str, bool]]:
+    """Each call of ``f(*inputs)`` (by operator name) and whether a recomputation needs it."""
+    mode = Recorded()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        mode.flow.saved(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
+        f(*inputs)
+    need = mode.flow.needed()
+    return [(c.func.overloadpacket.__name__, n) for c, n in zip(mode.flow.calls, need)]
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # Hugging Face's, as written
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + 1e-6)
+    return w * h.to(x.dtype)
+
+
+X = torch.randn(4, 8, 64, dtype=torch.bfloat16, requires_grad=True)
+W = torch.randn(64, dtype=torch.bfloat16, requires_grad=True)
+M = torch.randn(64, 64, dtype=torch.bfloat16, requires_grad=True)
+
+
+def test_rms_norms_square_is_dead_once_its_mean_is_kept():
+    assert flow_of(rms_norm, X, W) == [
+        ("_to_copy", True), ("pow", False),  # only the mean reads the square: it is kept
+        ("mean", True), ("add", True), ("rsqrt", True), ("mul", True), ("_to_copy", True),
+        ("mul", False)]  # what the function returns, nothing saved
+
+
+def test_a_kept_output_that_only_makes_what_the_block_returns_is_not_needed():
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return x + (rms_norm(x, W) @ M)  # the residual sum is returned, the product not saved
+
+    calls = flow_of(layer, X)
+    assert calls[-1] == ("add", False)
+    assert ("mm", False) in calls  # kept, but nothing saved needs it
+
+
+def test_in_place_updates_random_draws_and_views_are_followed():
+    def f(x: torch.Tensor) -> torch.Tensor:
+        h = x * 2  # changed in place below, then read through a view
+        h.add_(1)
+        unused = torch.nn.functional.dropout(x, 0.5)  # draws: the generator must advance
+        del unused
+        return h.view(-1).sin()  # sin saves its input: the view of h
+
+    calls = flow_of(f, X)
+    assert calls[:2] == [("mul", True), ("add_", True)]  # sin saved a view of their storage
+    assert calls[-1] == ("sin", False)  # returned
+    drawn = [n for name, n in calls if name in ("native_dropout", "bernoulli_")]
+    assert drawn == [True]  # though nothing reads the dropout's output
+    assert ("mul", False) in calls[2:]  # the dropout's product: nothing saved reads it
+
+
+def llama_layer() -> tuple[torch.nn.Module, torch.Tensor, tuple]:
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=224,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   num_hidden_layers=1, vocab_size=100)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    return model, cfg
+
+
+def test_the_trace_runs_again_what_the_engine_runs_again():
+    """The same Llama layer: the kernels the meta-device trace marks as run again by a
+    recomputation below the layer are, operator for operator, those the engine runs."""
+    model, cfg = llama_layer()
+    layer = model.model.layers[0]
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+    position = model.model.rotary_emb(x, torch.arange(16)[None])
+    ran: list[str] = []
+    real = selective.Recomputing._run
+
+    def run(self, func, args, kwargs):
+        if not func.is_view and func.overloadpacket not in (aten._unsafe_view, aten.detach):
+            ran.append(func.overloadpacket.__name__)
+        return real(self, func, args, kwargs)
+
+    region = Region(None)
+    runs: list[int] = []
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        runs.append(1)
+        if len(runs) == 1:
+            return layer(x, position_embeddings=position, attention_mask=None)
+        with region.recomputing():
+            return layer(x, position_embeddings=position, attention_mask=None)
+
+    selective.Recomputing._run = run
+    try:
+        y = checkpoint(body, x, use_reentrant=False, context_fn=region.contexts)
+        y = y[0] if isinstance(y, tuple) else y
+        region.close(y)
+        y.float().sum().backward()
+    finally:
+        selective.Recomputing._run = real
+    assert "pow" not in ran and "mm" not in ran
+
+    with torch.device("meta"):
+        meta = type(model)(cfg).to(torch.bfloat16)
+    ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    traced = trace(meta, lambda: meta(input_ids=ids, labels=ids, use_cache=False).loss, [ids])
+    again = [k for k in traced.kernels if k.layer == "model.layers.0" and k.again]
+    assert len(again) == len(ran) and all(k.kind == "memory" for k in again)
+
+
+class Flaky(torch.nn.Module):
+    """A block whose forward reads a flag the caller flips before backward: its
+    recomputation takes another branch, which reads an output found not needed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.other = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        doubled = x * 2  # needed by nothing saved in the first run
+        y = x.sin()
+        return (doubled.cos() if self.other else y.cos())
+
+
+def test_a_recomputation_that_reads_what_its_forward_found_dead_raises():
+    block = Flaky()
+    region = Region(None)
+    runs: list[int] = []
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        runs.append(1)
+        if len(runs) == 1:
+            return block(x)
+        with region.recomputing():
+            return block(x)
+
+    x = torch.randn(8, 8, requires_grad=True)
+    y = checkpoint(body, x, use_reentrant=False, context_fn=region.contexts)
+    region.close(y)
+    block.other = True
+    with pytest.raises(Exception, match="ran differently than the first time"):
+        y.sum().backward()
+
+
+def test_dead_calls_get_placeholders_and_the_gradients_stay_plain():
+    placed: list[str] = []
+    real = selective._Dead.placeholder
+
+    def counting(self, tainted):
+        out = real(self, tainted)
+        placed.append("x")
+        return out
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return x + (rms_norm(x, W) @ M).relu()
+
+    def grads(region: Region | None) -> list[torch.Tensor]:
+        for t in (X, W, M):
+            t.grad = None
+        if region is None:
+            y = layer(X)
+        else:
+            runs: list[int] = []
+
+            def body(x: torch.Tensor) -> torch.Tensor:
+                runs.append(1)
+                if len(runs) == 1:
+                    return layer(x)
+                with region.recomputing():
+                    return layer(x)
+
+            y = checkpoint(body, X, use_reentrant=False, context_fn=region.contexts)
+            region.close(y)
+        y.float().square().sum().backward()
+        return [t.grad.clone() for t in (X, W, M)]
+
+    plain = grads(None)
+    selective._Dead.placeholder = counting
+    try:
+        got = grads(Region(None))
+    finally:
+        selective._Dead.placeholder = real
+    assert all(torch.equal(a, b) for a, b in zip(plain, got, strict=True))
+    assert placed  # the square, at least, was not run again
