@@ -90,6 +90,23 @@ def test_in_place_updates_random_draws_and_views_are_followed():
     assert ("mul", False) in calls[2:]  # the dropout's product: nothing saved reads it
 
 
+def below(f, region: Region, x: torch.Tensor):
+    """``f(x)`` recomputed below the layer through ``region``, as ``recompute.checkpointed``
+    runs a block: the first run plainly, the recomputation under the region's mode."""
+    runs: list[int] = []
+
+    def body(x: torch.Tensor):
+        runs.append(1)
+        if len(runs) == 1:
+            return f(x)
+        with region.recomputing():
+            return f(x)
+
+    y = checkpoint(body, x, use_reentrant=False, context_fn=region.contexts)
+    region.close(y)
+    return y
+
+
 def llama_layer() -> tuple[torch.nn.Module, torch.Tensor, tuple]:
     import transformers
 
@@ -117,21 +134,11 @@ def test_the_trace_runs_again_what_the_engine_runs_again():
             ran.append(func.overloadpacket.__name__)
         return real(self, func, args, kwargs)
 
-    region = Region(None)
-    runs: list[int] = []
-
-    def body(x: torch.Tensor) -> torch.Tensor:
-        runs.append(1)
-        if len(runs) == 1:
-            return layer(x, position_embeddings=position, attention_mask=None)
-        with region.recomputing():
-            return layer(x, position_embeddings=position, attention_mask=None)
-
     selective.Recomputing._run = run
     try:
-        y = checkpoint(body, x, use_reentrant=False, context_fn=region.contexts)
+        y = below(lambda x: layer(x, position_embeddings=position, attention_mask=None),
+                  Region(None), x)
         y = y[0] if isinstance(y, tuple) else y
-        region.close(y)
         y.float().sum().backward()
     finally:
         selective.Recomputing._run = real
@@ -161,19 +168,7 @@ class Flaky(torch.nn.Module):
 
 def test_a_recomputation_that_reads_what_its_forward_found_dead_raises():
     block = Flaky()
-    region = Region(None)
-    runs: list[int] = []
-
-    def body(x: torch.Tensor) -> torch.Tensor:
-        runs.append(1)
-        if len(runs) == 1:
-            return block(x)
-        with region.recomputing():
-            return block(x)
-
-    x = torch.randn(8, 8, requires_grad=True)
-    y = checkpoint(body, x, use_reentrant=False, context_fn=region.contexts)
-    region.close(y)
+    y = below(block, Region(None), torch.randn(8, 8, requires_grad=True))
     block.other = True
     with pytest.raises(Exception, match="ran differently than the first time"):
         y.sum().backward()
@@ -194,20 +189,7 @@ def test_dead_calls_get_placeholders_and_the_gradients_stay_plain():
     def grads(region: Region | None) -> list[torch.Tensor]:
         for t in (X, W, M):
             t.grad = None
-        if region is None:
-            y = layer(X)
-        else:
-            runs: list[int] = []
-
-            def body(x: torch.Tensor) -> torch.Tensor:
-                runs.append(1)
-                if len(runs) == 1:
-                    return layer(x)
-                with region.recomputing():
-                    return layer(x)
-
-            y = checkpoint(body, X, use_reentrant=False, context_fn=region.contexts)
-            region.close(y)
+        y = layer(X) if region is None else below(layer, region, X)
         y.float().square().sum().backward()
         return [t.grad.clone() for t in (X, W, M)]
 

@@ -12,9 +12,9 @@ import pytest
 import test_recompute
 import torch
 from test_conformance import LLAMAISH, Built, causal_lm, differences, train
+from test_dataflow import below as below_through
 from test_recompute import GPT2, STEPS
 from torch.nn import functional as F
-from torch.utils.checkpoint import checkpoint
 
 import cswap_lightning as cswap
 from cswap_lightning.core import selective
@@ -168,17 +168,7 @@ def grads_of(f, keep=None, hooks=None) -> tuple[list[torch.Tensor], list[tuple[i
         if keep is None:
             y = f(X)
         else:
-            region, runs = Region((pack, lambda t: t), keep), []
-
-            def body(x: torch.Tensor) -> torch.Tensor:  # as recompute.checkpointed runs it
-                runs.append(x)
-                if len(runs) == 1:
-                    return f(x)
-                with region.recomputing():
-                    return f(x)
-
-            y = checkpoint(body, X, use_reentrant=False, context_fn=region.contexts)
-            region.close(y)
+            y = below_through(f, Region((pack, lambda t: t), keep), X)
     y.square().sum().backward()
     out = [t.grad.clone() for t in (W1, W2, X)]
     for t in (W1, W2, X):
