@@ -201,3 +201,11 @@ def test_dead_calls_get_placeholders_and_the_gradients_stay_plain():
         selective._Dead.placeholder = real
     assert all(torch.equal(a, b) for a, b in zip(plain, got, strict=True))
     assert placed  # the square, at least, was not run again
+
+
+def test_a_reduction_is_kept_and_an_empty_output_is_not_one():
+    x = torch.randn(4, 256)
+    assert ops.reduces(aten.mean.dim, (x, [-1], True), {}, x.mean(-1, keepdim=True))
+    assert not ops.reduces(aten.mul.Tensor, (x, x), {}, x * x)
+    empty = torch.empty(0)  # batch norm's reserve on the CPU: nothing to keep
+    assert not ops.reduces(aten.new_empty.default, (x, [0]), {}, empty)

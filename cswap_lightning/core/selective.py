@@ -436,9 +436,11 @@ class Observer(TorchDispatchMode):
     plainly (the engine's measured steps): its dataflow (the step's pack hook tells it what
     autograd saves: :meth:`saw`), each kept operator's outputs (held until :meth:`finish`, so
     that no storage is counted twice at a reused address) and work per byte, and clock stamps
-    before and after each operator; the block's time but that of what its recomputation
-    would not run is what the recomputation costs. Operators on another device than the
-    block's (the engine's copies to host memory) are not the block's."""
+    before and after each matrix product, attention and convolution; the block's time but
+    theirs is what its recomputation costs (counting the small reductions it keeps and the
+    few operators nothing needs: a stamp around every operator would cost more than it
+    tells). Operators on another device than the block's (the engine's copies to host memory)
+    are not the block's."""
 
     def __init__(self, clock: Any, device: torch.device,
                  keep: Callable[[Any], bool] = ops.kept) -> None:
@@ -448,7 +450,8 @@ class Observer(TorchDispatchMode):
         self.flow = Dataflow()
         # each kept call: its index in the flow, its outputs with their versions, work per byte
         self.kept: list[tuple[int, list[tuple[torch.Tensor, int]], float]] = []
-        self.stamps: list[tuple[Any, Any]] = []  # each call's, before and after it
+        # the stamps before and after each kept matrix product, attention or convolution
+        self.stamps: dict[int, tuple[Any, Any]] = {}
 
     def saw(self, t: torch.Tensor) -> None:
         """Autograd saved ``t``."""
@@ -459,11 +462,13 @@ class Observer(TorchDispatchMode):
         if (func in SAC_IGNORED_OPS
                 or any(t.device != self.device for t in _tensors((args, kwargs)))):
             return func(*args, **kwargs)
-        before = self.clock.now()
+        timed = self.keep(func)
+        before = self.clock.now() if timed else None
         out = func(*args, **kwargs)
-        self.stamps.append((before, self.clock.now()))
-        kept = _kept(self.keep, func, args, kwargs, out)
+        kept = timed or ops.reduces(func, args, kwargs, out)
         index = self.flow.call(func, args, kwargs, out, kept)
+        if timed:
+            self.stamps[index] = (before, self.clock.now())
         if kept:
             self.kept.append((index, [(t, t._version) for t in _tensors(out)],
                               ops.work_per_byte(func, args, kwargs, out)))
@@ -472,15 +477,15 @@ class Observer(TorchDispatchMode):
     def finish(self, output: Any) -> tuple[tuple[int, ...], str, list[tuple[Any, Any]], Any]:
         """After the block returned ``output``: the bytes of each storage its recomputation
         would keep (each once; as ``Region.close`` keeps), the dtype of the largest, the
-        (start, end) stamps of the operators it would not run, and the block's start stamp:
-        its recomputation costs its time but theirs."""
+        (start, end) stamps of the timed operators it would not run, and the block's start
+        stamp: its recomputation costs its time but theirs."""
         stay, runs = settle(self.flow, self.kept, output)
         kept: dict[int, torch.Tensor] = {}
         for (_, outputs, _), ok in zip(self.kept, stay, strict=True):
             for t, _ in outputs if ok else ():
                 kept.setdefault(t.untyped_storage()._cdata, t)
-        stamps = [stamp for stamp, run in zip(self.stamps, runs, strict=True) if not run]
-        self.kept, self.stamps, self.flow = [], [], Dataflow()
+        stamps = [stamp for i, stamp in self.stamps.items() if not runs[i]]
+        self.kept, self.stamps, self.flow = [], {}, Dataflow()
         largest = max(kept.values(), key=lambda t: t.untyped_storage().nbytes(), default=None)
         dtype = "" if largest is None else str(largest.dtype).removeprefix("torch.")
         return (tuple(t.untyped_storage().nbytes() for t in kept.values()), dtype, stamps,

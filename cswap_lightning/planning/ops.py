@@ -85,4 +85,4 @@ def reduces(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out) -> bool
     if kind(func) != "memory" or not isinstance(out, torch.Tensor) or func.is_view:
         return False
     inputs = [t.numel() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-    return bool(inputs) and out.numel() * REDUCES <= max(inputs)
+    return bool(inputs) and 0 < out.numel() * REDUCES <= max(inputs)
