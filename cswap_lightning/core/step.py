@@ -247,8 +247,6 @@ class Step:
     # forward ----------------------------------------------------------------------------
     def pack(self, saved: torch.Tensor) -> tuple | _Entry | _View:
         plain = type(saved) is torch.Tensor
-        if self.blocks is not None and self.blocks.observing:
-            self.blocks.saw(saved)
         if self.idle and plain:
             counted = self._count(saved, saved)
             if counted is not None:
@@ -314,6 +312,8 @@ class Step:
             stats.module = self.offloader.modules.current()
         if self.timer is not None:
             self.timer.packed(site)
+        if self.blocks is not None and self.blocks.observing:  # a measured step
+            self.blocks.saw(t)
         stats.reason = skip_reason(t, self.min_bytes)
         if stats.reason:
             if stats.reason in ("small", "view of larger storage"):
