@@ -186,11 +186,11 @@ class Region:
         self.hooks = hooks
         self.keep = keep  # which operators' outputs are kept (tests choose others)
         self.flow = Dataflow()
-        # each operator's calls in order: kept, not run (after ``close``), run (None), or
-        # while the block runs, the index of a call not kept
-        self.calls: dict[Any, list[_Kept | _Dead | int | None]] = defaultdict(list)
         self.made: list[_Kept] = []  # in the order made
-        self.dead: dict[int, _Dead] = {}  # every call's, by index, until the block returns
+        # each operator's calls, by index in the flow, in order (while the block runs); after
+        # it returned, each: kept, not run, or run (None)
+        self.calls: dict[Any, list[Any]] = defaultdict(list)
+        self.dead: dict[int, _Dead] = {}  # every call's placeholder, until the block returns
 
     def contexts(self) -> tuple[TorchDispatchMode, contextlib.AbstractContextManager]:
         """checkpoint's ``context_fn``: the forward's mode, and nothing for the
@@ -209,14 +209,9 @@ class Region:
         (``dataflow.py``); pass the rest through the step's pack hook, in the order made."""
         stay, runs = settle(self.flow, [(k.index, k.tensors(), k.cost) for k in self.made],
                             output)
-        staying_ids = {id(k) for k, ok in zip(self.made, stay, strict=True) if ok}
+        given = {k.index: k for k, ok in zip(self.made, stay, strict=True) if ok}
         for calls in self.calls.values():
-            for j, entry in enumerate(calls):
-                if isinstance(entry, _Kept):
-                    if id(entry) in staying_ids:
-                        continue
-                    entry = entry.index
-                calls[j] = None if runs[entry] else self.dead[entry]
+            calls[:] = [given.get(i) or (None if runs[i] else self.dead[i]) for i in calls]
         self.made = [k for k, ok in zip(self.made, stay, strict=True) if ok]
         self.dead = {}
         if self.hooks is not None:
@@ -271,12 +266,6 @@ def _rng_states(func: Any, args: tuple, kwargs: dict) -> list[tuple[torch.Genera
         index = torch.cuda.current_device() if device.index is None else device.index
         generators.append(torch.cuda.default_generators[index])
     return [(g, g.get_state()) for g in generators]
-
-
-def _kept(keep: Callable[[Any], bool], func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
-    """Whether recomputation below the layer keeps this call's outputs: an operator ``keep``
-    names, or a reduction (``ops.reduces``)."""
-    return keep(func) or ops.reduces(func, args, kwargs, out)
 
 
 class _SeeingSaves(TorchDispatchMode):
@@ -349,24 +338,21 @@ class Keeping(_SeeingSaves):
         region = self.region
         if torch.is_grad_enabled():
             self.seen()
-        kept = _kept(region.keep, func, args, kwargs, out)
+        kept = region.keep(func) or ops.reduces(func, args, kwargs, out)
         index = region.flow.call(func, args, kwargs, out, kept)
-        if func.overloadpacket in CASTS:
+        if func.overloadpacket in CASTS:  # run again in any case (``dataflow.py``)
             return out
-        if not kept:
-            region.calls[func].append(index)
-            region.dead[index] = _Dead.of(out)
-            return out
-        flat, spec = tree_flatten(out)
-        rng = (_rng_states(func, args, kwargs)
-               if torch.Tag.nondeterministic_seeded in func.tags else None)
-        values = [_detached(v) for v in flat]
-        k = _Kept(values, spec, [v._version if isinstance(v, torch.Tensor) else None
-                                 for v in values], rng,
-                  ops.work_per_byte(func, args, kwargs, out), index)
+        region.calls[func].append(index)
         region.dead[index] = _Dead.of(out)
-        region.calls[func].append(k)
-        region.made.append(k)
+        if kept:
+            flat, spec = tree_flatten(out)
+            rng = (_rng_states(func, args, kwargs)
+                   if torch.Tag.nondeterministic_seeded in func.tags else None)
+            values = [_detached(v) for v in flat]
+            region.made.append(_Kept(
+                values, spec, [v._version if isinstance(v, torch.Tensor) else None
+                               for v in values], rng,
+                ops.work_per_byte(func, args, kwargs, out), index))
         return out
 
 
@@ -416,13 +402,15 @@ class Recomputing(_SeeingSaves):
 
     def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
         out = func(*args, **kwargs)
-        if self.tainted.among(_tensors((args, kwargs))):
-            read = {storage_key(t) for t in _tensors((args, kwargs))}
-            made = [t for t in _tensors(out) if storage_key(t) not in read]
-            if made and func.overloadpacket not in CASTS:
-                raise RuntimeError(_DIFFERENT)
-            for t in made:
-                self.tainted.add(t)
+        if self.tainted.keys:
+            inputs = _tensors((args, kwargs))
+            if self.tainted.among(inputs):  # views share the taint; casts pass it on
+                read = {storage_key(t) for t in inputs}
+                made = [t for t in _tensors(out) if storage_key(t) not in read]
+                if made and func.overloadpacket not in CASTS:
+                    raise RuntimeError(_DIFFERENT)
+                for t in made:
+                    self.tainted.add(t)
         return out
 
 

@@ -71,9 +71,8 @@ class Dataflow:
         aliases = bool(outputs) and all(storage_key(t) in read for t in outputs)
         moved = any(t.device != i.device for t in outputs for i in inputs)
         random = torch.Tag.nondeterministic_seeded in func.tags
-        given_back = [v for v in tree_flatten(out)[0] if v is not None]
-        root = (mutable or random or moved or not outputs
-                or len(outputs) < len(given_back))
+        values = [v for v in tree_flatten(out)[0] if v is not None]
+        root = mutable or random or moved or not outputs or len(outputs) < len(values)
         always = not root and (func.is_view or aliases or func.overloadpacket in CASTS)
         for t in outputs:
             key = storage_key(t)
