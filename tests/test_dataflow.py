@@ -209,3 +209,16 @@ def test_a_reduction_is_kept_and_an_empty_output_is_not_one():
     assert not ops.reduces(aten.mul.Tensor, (x, x), {}, x * x)
     empty = torch.empty(0)  # batch norm's reserve on the CPU: nothing to keep
     assert not ops.reduces(aten.new_empty.default, (x, [0]), {}, empty)
+
+
+@pytest.mark.parametrize("func", [torch.ops.aten._scaled_dot_product_efficient_attention.default,
+                                  torch.ops.aten._scaled_dot_product_flash_attention.default])
+def test_grouped_query_attention_counts_the_work_of_the_querys_heads(func):
+    """Llama on CUDA calls attention with 8 key heads for 32 query heads (``enable_gqa``);
+    flop_counter's formulas reject that (the GPU check of 2026-11-26 failed there)."""
+    def meta(heads):
+        return torch.empty(1, heads, 128, 64, device="meta", dtype=torch.bfloat16)
+
+    query = meta(32)
+    grouped = ops.flops(func, (query, meta(8), meta(8)), {}, (query,))
+    assert grouped == ops.flops(func, (query, meta(32), meta(32)), {}, (query,)) > 0

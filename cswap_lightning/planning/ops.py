@@ -56,14 +56,44 @@ def kept(func: torch._ops.OpOverload) -> bool:
 CHEAPER = 32
 
 
-def work_per_byte(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out) -> float:
-    """Floating-point operations per byte of output (``torch.utils.flop_counter``'s formulas;
-    infinite for an operator without one: it is kept)."""
+def flops(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out) -> float | None:
+    """Floating-point operations of a call by ``torch.utils.flop_counter``'s formulas (None
+    for an operator without one). Grouped-query attention (fewer key and value heads than
+    query heads, as Llama's on CUDA) counts as attention with the query's heads: the formulas
+    reject it, and its kernels do that work."""
     formula = flop_registry.get(func.overloadpacket)
+    if formula is None:
+        return None
+    if kind(func) == "attention":
+        args = _query_heads(args)
+    return float(formula(*args, **kwargs, out_val=out))
+
+
+def _query_heads(args: tuple) -> tuple:
+    """Key and value (and in backward the query) shaped with the heads of the first argument
+    (the query, or in backward the output's gradient), as meta tensors: the formulas read
+    shapes only."""
+    first = args[0] if args else None
+    if not isinstance(first, torch.Tensor) or first.dim() != 4:
+        return args
+    heads = first.shape[1]
+
+    def widened(t: object) -> object:
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[1] == heads:
+            return t
+        return torch.empty((t.shape[0], heads, *t.shape[2:]), dtype=t.dtype, device="meta")
+
+    return tuple(widened(a) if i < 4 else a for i, a in enumerate(args))
+
+
+def work_per_byte(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out) -> float:
+    """Floating-point operations per byte of output (``flops``; infinite for an operator
+    without a formula: it is kept)."""
     outputs = sum(t.nbytes for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
-    if formula is None or not outputs:
+    work = flops(func, args, kwargs, out)
+    if work is None or not outputs:
         return math.inf
-    return float(formula(*args, **kwargs, out_val=out)) / outputs
+    return work / outputs
 
 
 def dear(costs: Sequence[float]) -> list[bool]:

@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
 from . import ops
 from .dataflow import Dataflow
@@ -266,11 +265,8 @@ class _Ledger(TorchDispatchMode):
 
     def _work(self, func, args: tuple, kwargs: dict, out) -> int:
         """Record the kernel of a call; its index."""
-        packet = func.overloadpacket
         kind = ops.kind(func)
-        flops = 0.0
-        if packet in flop_registry:
-            flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
+        flops = ops.flops(func, args, kwargs, out) or 0.0
         if kind == "attention":
             named = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
             if named.get("is_causal"):
