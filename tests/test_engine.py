@@ -753,6 +753,83 @@ def test_with_room_every_measured_step_after_a_swapping_one_keeps_all_and_plans_
     assert rows[4:6] == [True, False], rows  # after new_epoch: the plan, then keeping
 
 
+def test_measured_forward_times_are_scaled_to_a_step_timed_without_hooks(monkeypatch):
+    """On a GPU the measured steps' hooks leave the device idle between kernels (GPT-2
+    medium's measured forward took 5x the plain one on an H100, and the plans moved what
+    the link could not hide). With room, one step runs without hooks, its forward timed,
+    and the measured steps' windows and block times the planner is given are scaled to it.
+    The device's answers are injected (the CPU has no allocator, and its hooks' time is the
+    step's)."""
+    from cswap_lightning.core import learning
+
+    monkeypatch.setattr(learning, "room_to_keep", lambda stats, device: True)
+    monkeypatch.setattr(learning, "hooks_idle", lambda device: True)
+    given = []
+    choose = learning.Learning._plan_recompute
+
+    def planning(self, step):
+        given.append((self.plain_forward_s, sum(p.forward_s for p in self.profiler.profile()),
+                      [c.forward_s for c in self.block_calls]))
+        return choose(self, step)
+
+    monkeypatch.setattr(learning.Learning, "_plan_recompute", planning)
+    model, x, y = model_and_batch("transformer")
+    off = Offloader(CSwapConfig(budget=MIN_BUDGET, min_bytes=0, profile_steps=2))
+    off.watch(model)
+    hooks_off = []
+    for _ in range(4):
+        grads(model, x, y, off)
+        hooks_off.append(off.last_step().hooks_off)
+    assert hooks_off[:3] == [False, True, False], hooks_off  # swapping, plain, keeping
+    plain, windows, blocks = given[0]
+    assert plain is not None and plain > 0
+    assert 0 < windows <= plain * (1 + 1e-9)  # the keeping step's, scaled to the plain one
+    assert blocks and 0 < sum(blocks) <= plain * (1 + 1e-9)
+    off.new_epoch()  # measured again: timed again
+    assert off.learning.plain_forward_s is None
+    off.close()
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_plans_step_time_is_the_plain_steps_not_the_hooked_ones():
+    """GPT-2's measured steps run far slower than plain ones on a GPU (the hooks leave it
+    idle); the engine's prediction for a plan that keeps everything is the plain step's."""
+    import time
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=512, n_head=8)).cuda()
+    ids = torch.randint(0, 1000, (4, 512), device="cuda")
+
+    def step(off=None):
+        model.zero_grad(set_to_none=True)
+        if off is None:
+            model(ids, labels=ids).loss.backward()
+            return
+        with off:
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    plain_s = (time.perf_counter() - began) / 5
+    off = Offloader(CSwapConfig(budget=1 << 40))
+    off.watch(model)
+    for _ in range(6):
+        step(off)
+    assert off.learning.plain_forward_s is not None
+    prediction = off.recomputation.mix.prediction
+    predicted = prediction.step_s - prediction.optimizer_s
+    assert predicted < 1.5 * plain_s, (predicted, plain_s)
+    off.close()
+
+
 def _said(run) -> list[str]:
     """The messages of the warnings ``run()`` gives."""
     with warnings.catch_warnings(record=True) as caught:

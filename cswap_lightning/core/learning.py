@@ -26,7 +26,7 @@ from ..planning import mix
 from ..planning.plan import HELD_ELSEWHERE, Plan
 from ..planning.planner import OVER_BUDGET, TIGHTENINGS, Measured, Planner, room_to_keep
 from ..planning.predictor import CodecTimeModel
-from ..planning.profiler import Link, Profiler
+from ..planning.profiler import Link, Profiler, StepTimer
 from ..records import Recomputed, StepStats, fmt_bytes
 from .recompute import BlockCall, Recompute, left_out_rows
 from .step import Checked, Move, Step
@@ -80,6 +80,13 @@ class Learning:
         # Measured steps keep every saved tensor where the device has room for them (CUDA):
         # their times have no copies in them and their allocator peak is keeping all's.
         self.measure_keeping = self.measured_keeping = False
+        # On CUDA the measured steps' hooks (and the blocks' observers) leave the device idle
+        # between kernels, so their windows and block times are the host's: one step with room
+        # for every tensor runs without hooks, its forward timed (``plain_forward_s``), and
+        # the measured times are scaled to it (``_forward_scale``).
+        self.plain_forward_s: float | None = None
+        self.timing_plain = False  # that step runs, or its figures are owed
+        self.measure_device: torch.device | None = None
         self.order: list[int] | None = None  # backward's order of sites, learned
         self.held_elsewhere: set[int] = set()  # sites whose moving freed nothing (measured)
         # each block call of the latest measured step that ran them plainly (what it saved,
@@ -115,11 +122,19 @@ class Learning:
     def finished(self, step: Step) -> None:
         """What a closed step teaches: the plan it checked, backward's order, its
         measurements (a plan from them), the host arena planned from its payloads."""
+        if step.dormant:  # the plain step, timed
+            self.timing_plain = False
+            if step.epoch == self.epoch:
+                self.plain_forward_s = step.timer.forward_s()
+            return
         if step.device is not None:
             self.owner.transfer.poll()  # its compressed payloads settled
             step.close()
+        scale = self._forward_scale(step)
         if step.blocks is not None:
-            self.block_calls = step.blocks.calls()
+            self.block_calls = [replace(c, forward_s=c.forward_s * scale, elementwise_s=(
+                None if c.elementwise_s is None else c.elementwise_s * scale))
+                for c in step.blocks.calls()]
             self.plain_stats = step.stats
         if not step.sizes:  # it saved nothing: it says nothing of the graph
             return
@@ -165,9 +180,12 @@ class Learning:
             return
         if step.measure:
             timer = step.timer
-            self.profiler.observe(step.stats, timer.windows() if timer else {},
-                                  timer.unpack_order() if timer else None)
+            windows = timer.windows() if timer else {}
+            self.profiler.observe(
+                step.stats, {site: (f * scale, b) for site, (f, b) in windows.items()},
+                timer.unpack_order() if timer else None)
             self.measured_keeping |= step.keeping
+            self.measure_device = step.device
             if not self.measure_keeping:
                 self.measure_keeping = room_to_keep(step.stats, step.device)
             if self.measure_left == 0 and self.measure_keeping and not self.measured_keeping:
@@ -217,12 +235,44 @@ class Learning:
                    else None)
         auto = self.config.plan == "auto"
         limits = self.plan.site_bytes if checked is not None and auto else None
+        if measure and self._time_plain():
+            return self._plain_step(index)
         step = Step(self.owner, index, self.order, measure, checked, limits)
         step.epoch = self.epoch
+        if measure and self.measure_device is not None:  # timed from its start, as plain
+            step.timer = StepTimer(self.measure_device)
+            step.timer.begin()
         if auto:
             step.stats.budget_bytes = self.budget_bytes
         step.keeping = measure and self.measure_keeping
         return step
+
+    def _time_plain(self) -> bool:
+        """Whether the next step runs without hooks, its forward timed: while measuring for
+        the advisor's plan on CUDA, once a measured step showed room for every saved tensor,
+        and no such step was timed since ``new_epoch``."""
+        device = self.measure_device
+        return (self.config.plan == "auto" and self.measure_keeping and device is not None
+                and hooks_idle(device) and self.plain_forward_s is None
+                and not self.timing_plain)
+
+    def _plain_step(self, index: int) -> Step:
+        """A step without hooks (autograd keeps every saved tensor), its forward timed."""
+        step = Step(self.owner, index, self.order, False)
+        step.epoch = self.epoch
+        self.timing_plain = step.dormant = step.stats.hooks_off = True
+        step.device = self.measure_device
+        step.timer = StepTimer(step.device)
+        step.timer.begin()
+        return step
+
+    def _forward_scale(self, step: Step) -> float:
+        """What a measured step's forward times are scaled by: the plain step's forward
+        seconds over its own (at most 1; 1 where no plain step was timed)."""
+        if self.plain_forward_s is None or step.timer is None or not step.measure:
+            return 1.0
+        measured = step.timer.forward_s()
+        return min(1.0, self.plain_forward_s / measured) if measured > 0 else 1.0
 
     def near_budget(self) -> bool:
         """On CUDA, whether the allocator's peak since the last step came near the plan's
@@ -452,6 +502,7 @@ class Learning:
         self.profiler = Profiler()
         self.measure_left = self.config.profile_steps
         self.measure_keeping = self.measured_keeping = False
+        self.plain_forward_s = None
         self.held_elsewhere = set()
         self.checked = None
         self.graphs = {}
@@ -498,6 +549,12 @@ class Learning:
             return Recomputed(blocks)
         forward_s = sum(call.forward_s for call in self.block_calls if call.name in blocks)
         return Recomputed(blocks, plain.step, plain.keep_all_bytes, forward_s)
+
+
+def hooks_idle(device: torch.device) -> bool:
+    """Whether a step with hooks leaves ``device`` idle between its kernels, so that its
+    times are the host's: a GPU's (on the CPU the host's time is the step's)."""
+    return device.type == "cuda"
 
 
 def _site_list(value: object) -> bool:

@@ -415,11 +415,13 @@ class Step:
         self.stats.device = device.type
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        if self.measure:
+        if self.measure and (self.timer is None or self.timer.clock.device != device):
             self.timer = StepTimer(device)
 
     def end_forward(self) -> None:
         if self.dormant:
+            if self.timer is not None:  # the engine's plain step, timed
+                self.timer.forward_done()
             return
         self._by_storage.clear()
         self._kept.clear()

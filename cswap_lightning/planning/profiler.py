@@ -122,9 +122,13 @@ class StepTimer:
 
     def __init__(self, device: torch.device) -> None:
         self.clock = Clock(device)
+        self.began: object | None = None  # a step without hooks: when its forward began
         self.packs: list[tuple[int, object]] = []
         self.unpacks: list[tuple[int, object]] = []
         self.forward_end: object | None = None
+
+    def begin(self) -> None:
+        self.began = self.clock.now()
 
     def packed(self, site: int) -> None:
         self.packs.append((site, self.clock.now()))
@@ -134,6 +138,14 @@ class StepTimer:
 
     def unpacked(self, site: int) -> None:
         self.unpacks.append((site, self.clock.now()))
+
+    def forward_s(self) -> float:
+        """Seconds from the forward's start (its first pack where not stamped) to its end."""
+        start = self.began if self.began is not None else (
+            self.packs[0][1] if self.packs else None)
+        if start is None or self.forward_end is None:
+            return 0.0
+        return self.clock.seconds(start, self.forward_end)
 
     def unpack_order(self) -> list[int]:
         """The sites in the order backward first needed them, kept ones included."""
