@@ -130,11 +130,12 @@ class Offloader:
         return self
 
     def _push_hooks(self, step: Step) -> None:
-        if step.dormant:
+        if step.dormant and step.timer is None:
             self._hooks.append(None)
             return
         hide_from_dynamo()
-        hooks = torch.autograd.graph.saved_tensors_hooks(step.pack, step.unpack)
+        hooks = (step.plain_hooks() if step.dormant  # the plain step the engine times
+                 else torch.autograd.graph.saved_tensors_hooks(step.pack, step.unpack))
         hooks.__enter__()
         self._hooks.append(hooks)
 

@@ -85,6 +85,7 @@ class Learning:
         # for every tensor runs without hooks, its forward timed (``plain_forward_s``), and
         # the measured times are scaled to it (``_forward_scale``).
         self.plain_forward_s: float | None = None
+        self.plain_peak: int | None = None  # its allocator peak (CUDA)
         self.timing_plain = False  # that step runs, or its figures are owed
         self.measure_device: torch.device | None = None
         self.order: list[int] | None = None  # backward's order of sites, learned
@@ -126,6 +127,7 @@ class Learning:
             self.timing_plain = False
             if step.epoch == self.epoch:
                 self.plain_forward_s = step.timer.forward_s()
+                self.plain_peak = step.backward_peak
             return
         if step.device is not None:
             self.owner.transfer.poll()  # its compressed payloads settled
@@ -257,12 +259,15 @@ class Learning:
                 and not self.timing_plain)
 
     def _plain_step(self, index: int) -> Step:
-        """A step without hooks (autograd keeps every saved tensor), its forward timed."""
+        """A step that keeps every saved tensor as autograd does (``Step.plain_hooks``), its
+        forward timed and its allocator peak read."""
         step = Step(self.owner, index, self.order, False)
         step.epoch = self.epoch
         self.timing_plain = step.dormant = step.stats.hooks_off = True
-        step.device = self.measure_device
-        step.timer = StepTimer(step.device)
+        step.device = device = self.measure_device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        step.timer = StepTimer(device)
         step.timer.begin()
         return step
 
@@ -492,7 +497,7 @@ class Learning:
         profiles = [replace(p, offloadable=False, reason=HELD_ELSEWHERE)
                     if p.site in self.held_elsewhere else p for p in self.profiler.profile()]
         return Measured(profiles, list(calls), self.profiler.order or None, step.stats,
-                        step.device)
+                        step.device, self.plain_peak if step.keeping else None)
 
 
 
@@ -502,7 +507,7 @@ class Learning:
         self.profiler = Profiler()
         self.measure_left = self.config.profile_steps
         self.measure_keeping = self.measured_keeping = False
-        self.plain_forward_s = None
+        self.plain_forward_s = self.plain_peak = None
         self.held_elsewhere = set()
         self.checked = None
         self.graphs = {}

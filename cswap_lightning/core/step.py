@@ -480,6 +480,16 @@ class Step:
             base = base.as_strided(size, stride, offset)
         return base if rebuild is None else rebuild(base)
 
+    def plain_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """Hooks of a step that keeps every tensor as autograd would, but for a callback at
+        its backward's end, which reads the allocator's peak (``backward_peak``)."""
+        return torch.autograd.graph.saved_tensors_hooks(_same, self.unpack_plain)
+
+    def unpack_plain(self, t: torch.Tensor) -> torch.Tensor:
+        if not self._backward_begun:
+            self._begin_backward()
+        return t
+
     def _begin_backward(self) -> None:
         """At backward's first unpack, on CUDA: have autograd read the allocator's peak when
         this backward ends (``backward_peak``)."""
@@ -662,6 +672,10 @@ except ImportError:  # a torch without Dynamo
         return None
 
 
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def hide_from_dynamo() -> None:
     """Mark the hooks' frames never to compile, once Dynamo is loaded (importing it just for
     this would cost every user a second)."""
@@ -674,6 +688,8 @@ def hide_from_dynamo() -> None:
     skip_code(Step._count.__code__)
     skip_code(of_a_leaf.__code__)  # which _count calls
     skip_code(Step.unpack.__code__)
+    skip_code(Step.unpack_plain.__code__)
+    skip_code(_same.__code__)
     _hidden = True
 
 

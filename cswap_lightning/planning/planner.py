@@ -57,13 +57,17 @@ class Measured:
     order: list[int] | None
     stats: StepStats
     device: torch.device
+    # the allocator's peak of a step without the engine's hooks that kept what ``stats``'s
+    # step kept (all): the measured steps' own peak is not a plain step's
+    plain_peak: int | None = None
 
     @property
     def beside_bytes(self) -> int:
         """What the step held beside its saved tensors at its peak (CUDA: the allocator's
         peak less theirs; the CPU knows nothing of it)."""
         stats = self.stats
-        return max((stats.peak_allocated_bytes or 0) - stats.peak_resident_bytes, 0)
+        peak = self.plain_peak if self.plain_peak is not None else stats.peak_allocated_bytes
+        return max((peak or 0) - stats.peak_resident_bytes, 0)
 
 
 class Planner:
