@@ -15,7 +15,8 @@
 #   5. exit-codes: the CUDA cases of tests/test_exit.py (exit status with and without close(),
 #      the CUDA codecs; CI runs the CPU ones);
 #   6. llama: the profile of Llama-3-8B's layer shapes, 4 layers, s4096 b1 (LLM fine-tuning);
-#   7. pytest-gpu: `pytest -m gpu` with what time is left (the junit XML names what ran);
+#   7. pytest-gpu: `pytest -m gpu -v` with what time is left (each test named in the log as it
+#      ends, so a step cut short still says which failed);
 #   8. measure-more: BERT-large and VGG-16, if time remains.
 #
 # How to call it (from a session whose device `status` says a machine is lent):
@@ -34,8 +35,9 @@
 #   benchmarks/results/ and the profiles under cswap_lightning/planning/evidence/.
 #
 # Environment: OUT (set by the device machine), BUDGET_S (seconds for the whole call, default
-# 450), ONLY (space-separated step names to run instead of all), TESTS (pytest node ids to
-# run before the measure step, as the step "tests"), DRY=1 (list each step with
+# 450), ONLY (space-separated step names to run instead of all), MODELS (the measure step's,
+# default "gpt2-medium resnet50"), TESTS (pytest node ids to run before the measure step, as
+# the step "tests"), DRY=1 (list each step with
 # its limit and command, run nothing: `DRY=1 bash benchmarks/gpu_check.sh`).
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -108,7 +110,7 @@ step codec 40 "${ENGINE[@]}" bench codec --sizes 16MiB 64MiB --codecs zvc rle in
     --sparsities 0 50 90 --no-relu --no-nvcomp --out "$WORK/codec-$TAG"
 step exit-codes 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_exit.py
 step llama 60 "${CSWAP[@]}" bench measure --models llama --out "$WORK/llama-$TAG"
-step pytest-gpu 150 python3 -m pytest -q -p no:cacheprovider -m gpu --timeout 60 \
+step pytest-gpu 150 python3 -m pytest -v -p no:cacheprovider -m gpu --timeout 60 \
     --junitxml="$WORK/pytest-gpu.xml"
 step measure-more 200 "${ENGINE[@]}" bench measure --models bert-large vgg16 --rounds 10 \
     --out "$WORK/measure-more-$TAG"
