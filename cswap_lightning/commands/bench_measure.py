@@ -9,8 +9,9 @@ For each model, in one process:
    the measured no-offload peak and at checkpointing's measured peak.
 3. **Measure**, interleaved (one step of each method per round, the order rotated each round):
    no offload, checkpointing, the engine at each budget (``plan="auto"``, recomputation on,
-   the model watched: the engine measures, plans and checks on its own, and its own prediction
-   from its measured step is shown too), and the default engine on a run that fits.
+   the model watched: the engine measures, plans and checks on its own; its rows are
+   predicted by its own replay of its measured step, for the plan it ran, and the planner's
+   mix from the captured profile is shown beside), and the default engine on a run that fits.
 
 Every method trains its own copy of the model (the engine's recomputation wraps a model's
 blocks, one engine a model), so the allocator holds the other copies' weights beside each step:
@@ -307,8 +308,12 @@ def run_model(key: str, dev: torch.device, out_dir: Path, rounds: int, small: bo
         row["time_vs_no_offload"] = row["step_s"] / base_row["step_s"]
         row["peak_vs_no_offload"] = row["peak_bytes"] / max(base_row["peak_bytes"], 1)
         row["throughput_vs_checkpointing"] = ck_row.get("step_s", float("nan")) / row["step_s"]
-        row["step_error"] = row["predicted_step_s"] / row["step_s"] - 1
-        row["peak_error"] = row["predicted_peak"] / max(row["peak_bytes"], 1) - 1
+        # the prediction of what ran: the engine's own replay of its measured step for the
+        # plan it chose, where it chose one; else the replay of the captured profile
+        row["step_error"] = row.get("engine_predicted_step_s",
+                                    row["predicted_step_s"]) / row["step_s"] - 1
+        row["peak_error"] = row.get("engine_predicted_peak",
+                                    row["predicted_peak"]) / max(row["peak_bytes"], 1) - 1
         b = row.get("budget_bytes")
         if b:
             row["within_budget"] = row["peak_bytes"] <= 1.03 * b
@@ -395,38 +400,43 @@ def run_llama(dev: torch.device, out_dir: Path, small: bool,
 
 
 def markdown(results: list[dict], dev: torch.device) -> str:
-    """One table: predicted beside measured, the error of each."""
-    head = ("| model | method | budget | step (ms) predicted / measured | error | "
+    """One table: predicted beside measured, the error of each, and what the planner chose
+    from the captured profile."""
+    head = ("| model | method | budget | what ran | step (ms) predicted / measured | error | "
             "peak (GiB) predicted / measured | error | time vs no offload | "
-            "peak vs no offload | throughput vs checkpointing | engine's own prediction |")
-    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+            "peak vs no offload | throughput vs checkpointing | the planner on the profile |")
+    lines = [head, "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for result in results:
         for r in result["rows"]:
             if "failed" in r:
                 lines.append(f"| {result['label']} | {r['method']} | | FAILED: "
-                             f"{r['failed'][:120]} | | | | | | | |")
+                             f"{r['failed'][:120]} | | | | | | | | |")
                 continue
             b = r.get("budget_bytes")
             budget = "" if not b else f"{b / 2**30:.2f} GiB" + (
                 "" if r.get("within_budget", True) else " (OVER)")
-            own = ""
+            ran, step, peak, profiled = r["method"], r["predicted_step_s"], r["predicted_peak"], ""
             if "engine_predicted_step_s" in r:
-                own = (f"{1e3 * r['engine_predicted_step_s']:.0f} ms, "
-                       f"{r['engine_predicted_peak'] / 2**30:.2f} GiB ({r['engine_how']})")
-            elif r.get("hooks_off"):
-                own = "moves nothing, hooks off"
+                ran = r["engine_how"] + (", hooks off" if r.get("hooks_off") else "")
+                step, peak = r["engine_predicted_step_s"], r["engine_predicted_peak"]
+                profiled = (f"{r['planner_how']}: {1e3 * r['predicted_step_s']:.1f} ms, "
+                            f"{r['predicted_peak'] / 2**30:.2f} GiB" if "planner_how" in r
+                            else "")
             lines.append(
-                f"| {result['label']} | {r['method']} | {budget} | "
-                f"{1e3 * r['predicted_step_s']:.1f} / {1e3 * r['step_s']:.1f} | "
+                f"| {result['label']} | {r['method']} | {budget} | {ran} | "
+                f"{1e3 * step:.1f} / {1e3 * r['step_s']:.1f} | "
                 f"{100 * r['step_error']:+.0f}% | "
-                f"{r['predicted_peak'] / 2**30:.2f} / {r['peak_bytes'] / 2**30:.2f} | "
+                f"{peak / 2**30:.2f} / {r['peak_bytes'] / 2**30:.2f} | "
                 f"{100 * r['peak_error']:+.0f}% | {r['time_vs_no_offload']:.3f}x | "
                 f"{r['peak_vs_no_offload']:.0%} | {r['throughput_vs_checkpointing']:.2f}x | "
-                f"{own} |")
+                f"{profiled} |")
     kind = ("measurement" if dev.type == "cuda" else
             "DRY RUN on the CPU: the figures mean nothing (no allocator, small models)")
-    return (f"Kind: {kind}. Predicted: the replay of this device's profile (captured in the "
-            "same process) with this device's measured link; measured: median device time of "
+    return (f"Kind: {kind}. Predicted: for no offload and checkpointing, the replay of this "
+            "device's profile (captured in the same process) with this device's measured "
+            "link; for the engine's rows, its own replay of its measured step for the plan it "
+            "ran (`offloader.recomputation`), and in the last column what the planner chose "
+            "from the captured profile at the same budget. Measured: median device time of "
             "forward and backward over the interleaved rounds, and the allocator's peak as one "
             "model's (see `cswap_lightning/commands/bench_measure.py`).\n\n" + "\n".join(lines))
 
