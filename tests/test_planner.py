@@ -216,6 +216,37 @@ def test_a_checked_step_over_its_budget_makes_the_next_plan_tighter():
     off.close()
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("ticking_clock")
+def test_an_allocator_peak_under_its_prediction_makes_the_next_plan_looser_once():
+    """The model of the peak can count too much (2.7 GiB on GPT-2 medium on an H100: every
+    budget moved more than it needed). Where the allocator's peak of the step that checked
+    a plan came under the plan's prediction of it by more than 3% of the budget, the plan is
+    made once more for a budget that much looser; the budget a step is held to stays the
+    configured one. (The CPU has no allocator: its figure is injected.)"""
+    model, ids = gpt2()
+    budget = int(0.4 * keep_peak(model, ids))
+    off = Offloader(CSwapConfig(budget=budget, profile_steps=1), link=SLOW_LINK)
+    off.watch(model)
+    train(off, model, ids, steps=3)
+    plan, planner = off.plan, off.learning.planner
+    assert plan.fits and off.recomputation is not None
+    predicted = plan.predicted_peak + plan.base_bytes
+    error = budget // 5
+    under = StepStats(99, peak_resident_bytes=plan.predicted_peak,
+                      peak_allocated_bytes=predicted - error)
+    off.learning.check(plan, under)
+    assert planner.loosened == error
+    assert off.learning.measure_left == off.config.profile_steps  # measured again
+    assert off.recomputation.mix.budget_bytes == budget + error
+    train(off, model, ids, steps=3)
+    assert off.learning.budget_bytes == budget
+    assert planner.over_budget(off.plan, int(1.1 * budget)) > 0  # held to the configured one
+    off.learning.check(off.plan, under)
+    assert planner.loosened == error  # once
+    off.close()
+
+
 class _InstantCodecs:
     """Codec times for the planner: a terabyte a second, whatever the codec."""
 

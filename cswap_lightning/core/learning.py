@@ -2,9 +2,9 @@
 
 A closed step's figures go in (:meth:`Learning.finished`): a measured step's profile (then
 the planner's plan from them, ``planning/planner.py``), the check of a new plan on the first
-step that runs it (a peak over the budget makes the next plan tighter), the order backward
-needs sites in, the sites whose moving freed nothing, a graph or sizes other than the plan's
-(measured or planned again). Each new step then asks what it runs: measured or not, under
+step that runs it (a peak over the budget makes the next plan tighter; an allocator peak
+under its prediction, once, looser), the order backward needs sites in, the sites whose
+moving freed nothing, a graph or sizes other than the plan's (measured or planned again). Each new step then asks what it runs: measured or not, under
 the checked plan, without hooks (:meth:`watched`). The engine (``engine.py``) keeps the hooks'
 life cycle and hands each step to a ``Step``; this keeps what lasts across them.
 """
@@ -22,7 +22,7 @@ import torch
 
 from ..codecs import get_codec
 from ..config import CSwapConfig
-from ..planning import mix
+from ..planning import live, mix
 from ..planning.plan import HELD_ELSEWHERE, Plan
 from ..planning.planner import OVER_BUDGET, TIGHTENINGS, Measured, Planner, room_to_keep
 from ..planning.predictor import CodecTimeModel
@@ -302,7 +302,8 @@ class Learning:
         self.plan = self.unchecked = plan
         self.checked = None
         if plan.budget_bytes is not None:  # made for the configured one, less the tightenings
-            self.budget_bytes = plan.budget_bytes + self.planner.tightened
+            self.budget_bytes = (plan.budget_bytes + self.planner.tightened
+                                 - self.planner.loosened)
         moved = [d for d in plan.decisions.values() if d.decision != "keep"]
         if plan.budget_bytes is not None and (moved or not plan.fits):
             self._say_unwatched()
@@ -370,8 +371,13 @@ class Learning:
         peak = (stats.peak_allocated_bytes if stats.peak_allocated_bytes is not None
                 else stats.peak_resident_bytes + plan.base_bytes)
         over = self.planner.over_budget(plan, peak)
+        under = self.planner.over_predicted(plan, stats.peak_allocated_bytes)
         if over:
             self._tighten(over)
+        elif under:
+            _log.info("cswap: the allocator's peak came %s under the plan's prediction of it: "
+                      "planning once for a budget that much looser", fmt_bytes(under))
+            self._replan(self.planner.looser(under))
         elif self.planner.tightenings >= TIGHTENINGS and peak > (1 + OVER_BUDGET) * (
                 self.budget_bytes or peak):
             self._say_over_budget(peak, (f"after {TIGHTENINGS} plans made tighter, step "
@@ -383,7 +389,10 @@ class Learning:
         from the plain step replayed (no plain step is run again), and measure with them."""
         _log.info("cswap: the measured peak passed the budget by %s: planning for a budget "
                   "that much tighter", fmt_bytes(over))
-        choice = self.planner.tighter(over)
+        self._replan(self.planner.tighter(over))
+
+    def _replan(self, choice: live.Recomputation | None) -> None:
+        """Recompute the blocks of a choice made again, and measure with them."""
         if choice is not None and self.owner.recomputer is not None:
             self.owner.transfer.inflight_limit = self.planner.inflight_bytes
             self.owner.recompute(choice.names)

@@ -84,6 +84,8 @@ class Planner:
         # the blocks chosen to recompute, with the replayed step they were chosen on
         self.recomputation: live.Recomputation | None = None
         self.tightened = self.tightenings = 0
+        # what a checked step's allocator peak showed the replay over-predicts it by (once)
+        self.loosened = 0
         self._measured: tuple[Link, CodecTimeModel] | None = None
 
     # -- what is planned -----------------------------------------------------------------
@@ -184,14 +186,41 @@ class Planner:
         self.inflight_bytes = self.recomputation.inflight_bytes
         return self.recomputation
 
+    def looser(self, by: int) -> live.Recomputation | None:
+        """After a checked step's allocator peak came ``by`` bytes under the plan's predicted
+        one (a model of the peak that counts too much, which only moves more than needed):
+        plan once for a budget that much looser, from the same replayed step."""
+        self.loosened = by
+        if self.recomputation is None:
+            return None
+        self.recomputation = self.recomputation.tighter(-by)
+        self.inflight_bytes = self.recomputation.inflight_bytes
+        return self.recomputation
+
     def over_budget(self, plan: Plan, peak: int) -> int:
-        """Bytes a checked step's peak passed a plan's budget by, where the plan was predicted
-        to fit and that is more than ``OVER_BUDGET`` (and tightening is left); else 0."""
-        if (self.config.plan != "auto" or plan.budget_bytes is None or not plan.fits
-                or peak <= (1 + OVER_BUDGET) * plan.budget_bytes
+        """Bytes a checked step's peak passed a plan's budget (the configured one, less the
+        tightenings) by, where the plan was predicted to fit and that is more than
+        ``OVER_BUDGET`` (and tightening is left); else 0."""
+        if plan.budget_bytes is None:
+            return 0
+        budget = plan.budget_bytes - self.loosened
+        if (self.config.plan != "auto" or not plan.fits or peak <= (1 + OVER_BUDGET) * budget
                 or self.tightenings >= TIGHTENINGS):
             return 0
-        return peak - plan.budget_bytes
+        return peak - budget
+
+    def over_predicted(self, plan: Plan, allocated: int | None) -> int:
+        """Bytes the allocator's peak of the step that checked ``plan`` came under the
+        plan's prediction of it, where that is more than ``OVER_BUDGET`` of the budget, the
+        plan had to move or recompute to fit, and no plan was made looser yet; else 0."""
+        if (self.config.plan != "auto" or plan.budget_bytes is None or allocated is None
+                or not plan.fits or self.loosened or self.recomputation is None):
+            return 0
+        moves = any(d.decision != "keep" for d in plan.decisions.values())
+        if not (moves or self.recomputation.names):
+            return 0
+        error = plan.predicted_peak + plan.base_bytes - allocated
+        return error if error > OVER_BUDGET * plan.budget_bytes else 0
 
     # -- what it plans with --------------------------------------------------------------
     def measure(self, device: torch.device, fresh: bool = True
@@ -209,7 +238,7 @@ class Planner:
     def budget(self, device: torch.device) -> int | None:
         """The configured budget in bytes, less what checked steps showed it lacked."""
         budget = resolve_budget(self.config.budget, device)
-        return None if budget is None else max(budget - self.tightened, 0)
+        return None if budget is None else max(budget - self.tightened + self.loosened, 0)
 
     def _window(self, m: Measured, link: Link) -> int:
         """The prefetch window to plan with: ``prefetch_bytes``, or for ``"auto"`` what hides
