@@ -10,6 +10,7 @@ import textwrap
 import threading
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -788,6 +789,21 @@ def test_measured_forward_times_are_scaled_to_a_step_timed_without_hooks(monkeyp
     off.new_epoch()  # measured again: timed again
     assert off.learning.plain_forward_s is None
     off.close()
+
+
+def test_a_scaled_block_call_keeps_the_host_time_of_its_recomputation_below_the_layer():
+    """A block's forward is scaled to the plain step's; recomputing it below the layer runs
+    under dispatch modes, host-bound as the measured step was (an H100 measured it slower than
+    recomputing whole): its cost stays what was measured, plus the forward's extra host time
+    under them."""
+    from cswap_lightning.core.learning import _scaled
+    from cswap_lightning.core.recompute import BlockCall
+
+    call = BlockCall("layers.0", 0, 5, 1, 64, forward_s=0.010, elementwise_s=0.004)
+    scaled = _scaled(call, 0.2)
+    assert scaled.forward_s == pytest.approx(0.002)
+    assert scaled.elementwise_s == pytest.approx(0.004 + 0.008)
+    assert _scaled(replace(call, elementwise_s=None), 0.2).elementwise_s is None
 
 
 @pytest.mark.gpu
