@@ -10,18 +10,20 @@ against plain, the control); beside the estimate's figures for an H100 PCIe.
 
 writes ``OUT.md`` and ``OUT.json``. A CPU's times say what recomputing costs on that CPU
 only (its elementwise kernels are slow beside its matmuls in a different way than a GPU's).
-On CUDA the kernels are made deterministic (``use_deterministic_algorithms``, strict: with
-``warn_only`` cuDNN's attention stayed non-deterministic and plain against plain differed on
-an H100), and plain against plain says whether the comparison can hold.
+On CUDA the steps compared bit for bit run deterministic kernels (``deterministic``), the
+timed ones the default kernels, and plain against plain says whether the comparison can
+hold.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 
 import torch
 import transformers
@@ -47,6 +49,23 @@ def own_bytes(stats: cswap.StepStats, first: int, stop: int) -> int:
     """The saved activations of sites ``first`` to ``stop``, each storage once."""
     return sum(s.nbytes for s in stats.sites[first:stop]
                if s.decision != "dedup" and s.reason in ("", "plan", "small"))
+
+
+@contextlib.contextmanager
+def deterministic(dev: torch.device) -> Iterator[None]:
+    """On CUDA, deterministic kernels for the steps compared bit for bit (strict: with
+    ``warn_only`` cuDNN's attention backward stayed non-deterministic on an H100); the timed
+    steps run the default kernels, as training does."""
+    if dev.type != "cuda":
+        yield
+        return
+    torch.backends.cudnn.deterministic = True
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.deterministic = False
+        torch.use_deterministic_algorithms(False)
 
 
 def measure(layers: int, sequence: int, repeats: int, dev: torch.device) -> dict:
@@ -78,18 +97,20 @@ def measure(layers: int, sequence: int, repeats: int, dev: torch.device) -> dict
     def bitwise(reference: list[torch.Tensor]) -> bool:
         return all(torch.equal(a, b) for a, b in zip(grads, reference, strict=True))
 
-    plain, _ = step()  # measured: each layer's call, and what it would keep below the layer
-    step()  # its block calls are read as this one starts
+    with deterministic(dev):
+        plain, _ = step()  # measured: each layer's call, and what it would keep below it
+        step()  # its block calls are read as this one starts
     reference = list(grads)
     calls = [c for c in off.block_calls if c.name in names]
     ways: dict[str, dict] = {}
     for way, chosen in (("plain", []), ("below the layer", list(below(units(model)))),
                         ("whole", names)):
         off.recompute(chosen)
-        stats, _ = step()
+        with deterministic(dev):
+            stats, _ = step()
         same = bitwise(reference)  # plain: against its own earlier step (the control)
-        allocated = torch.cuda.max_memory_allocated(dev) if cuda else None
         seconds = statistics.median(step()[1] for _ in range(repeats))
+        allocated = torch.cuda.max_memory_allocated(dev) if cuda else None  # the last step's
         if not chosen:
             stats = plain  # the measured step's rows
         ways[way] = {"sites": len(stats.sites), "peak_resident_bytes": stats.peak_resident_bytes,
@@ -153,7 +174,7 @@ def markdown(r: dict) -> str:
     lines += ["", ("The ledger's peak is the step's saved tensors on the device at once "
               "(`StepStats.peak_resident_bytes`); beside it, with what a recomputed layer "
               "saves again while backward runs it (`StepStats.peak_bytes`); on CUDA the "
-              "allocator's peak of the way's first step. Gradients bitwise: the way's first "
+              "allocator's peak of the way's last timed step. Gradients bitwise: the way's first "
               "step against plain training's (plain: against its own earlier step, the "
               "control). Step times are medians of the repeats on this machine"
               + (", a shared 2-core CPU under other load: they say what recomputing costs "
@@ -172,8 +193,6 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device(args.device)
     if dev.type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
-        torch.backends.cudnn.deterministic = True
-        torch.use_deterministic_algorithms(True)  # strict: cuDNN attention too
     r = measure(args.layers, args.seq, args.repeats, dev)
     meta = result_meta(dev, command=" ".join(
         ["python", *sys.argv] if argv is None else ["python", __file__, *argv]),
