@@ -32,14 +32,16 @@ import gc
 import statistics
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable
 
 import torch
 import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
-                                    create_selective_checkpoint_contexts)
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from cswap_lightning.commands.bench_step import result_meta, write_results
 from cswap_lightning.core.selective import Observer, Region
@@ -248,12 +250,12 @@ def markdown(rows: list[dict], layer_ops: int) -> str:
         v = r.get(f"{key}_vs_sac")
         return "" if v is None else f" ({v:.2f}x)"
 
-    lines = ["Medians, CPU time of the thread; (Nx): against torch's selective checkpointing "
-             f"(sac). Extra: over plain training, per operator of the layers' forward "
-             f"({layer_ops}).", "",
-             "| method | forward µs | ops | µs/op | extra µs/layer op | backward µs | ops "
-             "| µs/op | extra µs/layer op | grads bitwise plain |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    note = ("Medians, CPU time of the thread; (Nx): against torch's selective checkpointing "
+            "(sac). Extra: over plain training, per operator of the layers' forward "
+            f"({layer_ops}).")
+    head = ("| method | forward µs | ops | µs/op | extra µs/layer op | backward µs | ops "
+            "| µs/op | extra µs/layer op | grads bitwise plain |")
+    lines = [note, "", head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         cells = [r["method"]]
         for phase in ("forward", "backward"):

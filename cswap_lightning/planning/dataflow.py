@@ -23,18 +23,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import tree_flatten
 
-aten = torch.ops.aten
-CASTS = {aten._to_copy}
+from . import ops
 
 
 def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    return [v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)]
 
 
 @dataclass
@@ -62,25 +56,33 @@ class Dataflow:
     def call(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, out,
              kept: bool = False) -> int:
         """Record one call (made in this order); its index."""
-        inputs = _tensors((args, kwargs))
-        outputs = _tensors(out)
+        return self.record(func, ops.tensors((args, kwargs)), ops.leaves(out), kept)
+
+    def record(self, func: torch._ops.OpOverload, inputs: list[torch.Tensor],
+               values: list, kept: bool = False) -> int:
+        """:meth:`call`, given the tensors among its arguments and its outputs' ``leaves``
+        (a dispatch mode has them already)."""
+        f = ops.facts(func)
+        writers = self._writers
         read = {storage_key(t) for t in inputs}
-        deps = frozenset(w for s in read for w in self._writers.get(s, ()))
+        deps = frozenset(w for s in read for w in writers.get(s, ()))
         index = len(self.calls)
-        mutable = func._schema.is_mutable
-        aliases = bool(outputs) and all(storage_key(t) in read for t in outputs)
-        moved = any(t.device != i.device for t in outputs for i in inputs)
-        random = torch.Tag.nondeterministic_seeded in func.tags
-        values = [v for v in tree_flatten(out)[0] if v is not None]
-        root = mutable or random or moved or not outputs or len(outputs) < len(values)
-        always = not root and (func.is_view or aliases or func.overloadpacket in CASTS)
-        for t in outputs:
-            key = storage_key(t)
+        outputs = [v for v in values if isinstance(v, torch.Tensor)]
+        made = [storage_key(t) for t in outputs]
+        aliases = bool(made) and all(key in read for key in made)
+        moved = False
+        if inputs and outputs:
+            device = inputs[0].device
+            moved = any(t.device != device for t in (*inputs, *outputs))
+        returned = sum(v is not None for v in values)
+        root = f.mutable or f.random or moved or not outputs or len(outputs) < returned
+        always = not root and (f.view or aliases or f.cast)
+        for key in made:
             if key in read:
-                if mutable:
-                    self._writers[key] = (*self._writers.get(key, ()), index)
+                if f.mutable:
+                    writers[key] = (*writers.get(key, ()), index)
             else:
-                self._writers[key] = (index,)
+                writers[key] = (index,)
         self.calls.append(Call(func, deps, always, root, kept))
         return index
 
