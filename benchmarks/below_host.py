@@ -8,7 +8,9 @@ fp32, random init) on one CPU thread, so a step is almost all Python and dispatc
 a GPU waits for where the kernels are short. Each layer runs under the method (the
 embeddings, final norm and head plainly); "below" is ``core/selective.py`` as the engine runs
 it, without the step's hooks (``Region(None)``); "observed" is a plain step with the
-``Observer`` the engine's measured steps run over each layer.
+``Observer`` the engine's measured steps run over each layer; "floor" is the whole layer
+checkpointed with a dispatch mode that does nothing in forward and in the recomputation:
+what any design built on dispatch modes pays before doing anything.
 
 Methods run interleaved (one step of each per round, after a garbage collection), timed in
 CPU time of the thread (other processes disturb it far less than wall time); medians of the
@@ -49,7 +51,7 @@ from cswap_lightning.planning import ops
 from cswap_lightning.planning.profiler import Clock
 
 aten = torch.ops.aten
-METHODS = ("plain", "whole", "sac", "below", "observed")
+METHODS = ("plain", "whole", "sac", "below", "observed", "floor")
 
 
 def llama(layers: int) -> transformers.PreTrainedModel:
@@ -122,9 +124,19 @@ def wrap(model: transformers.PreTrainedModel, method: str, observing: Observing)
                 functools.partial(create_selective_checkpoint_contexts, sac_policy)))
         elif method == "below":
             run = functools.partial(below_call, forward)
+        elif method == "floor":
+            run = functools.partial(checkpoint, forward, use_reentrant=False, context_fn=lambda: (
+                Passing(), Passing()))
         else:
             run = functools.partial(observing.call, forward)
         layer.forward = run
+
+
+class Passing(TorchDispatchMode):
+    """A dispatch mode that does nothing: what any mode costs an operator."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
 
 
 class Counting(TorchDispatchMode):

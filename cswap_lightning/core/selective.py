@@ -77,10 +77,10 @@ def _detached(x: Any) -> Any:
         return x.detach()
 
 
-@dataclass
+@dataclass(slots=True)
 class _Kept:
     """One kept operator call: its outputs (flattened: tensors, then their handles once
-    packed) and their structure, each tensor's version when made (None where no tensor), the
+    packed) and their structure (None: one tensor), each tensor's version when made (None where no tensor), the
     RNG states after it (where it draws random numbers), and its call in the block's
     ``Dataflow``."""
 
@@ -126,7 +126,7 @@ def _each(value: Any, kind: type, f: Callable[[Any], Any]) -> Any:
     return value
 
 
-@dataclass
+@dataclass(slots=True)
 class _Dead:
     """An operator call the recomputation does not run (``dataflow.py``): its outputs, each
     tensor as ``_Empty`` (other values as they were)."""
@@ -135,6 +135,8 @@ class _Dead:
 
     @classmethod
     def of(cls, out: Any) -> _Dead:
+        if isinstance(out, torch.Tensor):  # most calls: no walk
+            return cls(_Empty(out.size(), out.stride(), out.dtype, out.device))
         return cls(_each(out, torch.Tensor, _Empty.of))
 
     def placeholder(self, tainted: Tainted) -> Any:
@@ -237,7 +239,8 @@ class Region:
             unpack = self.hooks[1]
             values = [v if version is None else unpack(v)
                       for v, version in zip(values, k.versions, strict=True)]
-        return tree_unflatten([_detached(v) for v in values], k.spec)
+        values = [_detached(v) for v in values]
+        return values[0] if k.spec is None else tree_unflatten(values, k.spec)
 
 
 def _returned(output: Any) -> list[torch.Tensor]:
@@ -353,7 +356,7 @@ class Keeping(_SeeingSaves):
         region.calls[func].append(index)
         region.dead[index] = _Dead.of(out)
         if kept:
-            flat, spec = tree_flatten(out)
+            flat, spec = ([out], None) if isinstance(out, torch.Tensor) else tree_flatten(out)
             rng = _rng_states(func, args, kwargs) if facts.random else None
             values = [_detached(v) for v in flat]
             region.made.append(_Kept(

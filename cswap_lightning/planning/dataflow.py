@@ -31,7 +31,7 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-@dataclass
+@dataclass(slots=True)
 class Call:
     """One operator call of a block's forward: the calls it depends on, and how it runs again
     (``always``: whatever is needed; ``root``: needed whatever reads it; ``kept``: given back)."""
@@ -64,18 +64,22 @@ class Dataflow:
         (a dispatch mode has them already)."""
         f = ops.facts(func)
         writers = self._writers
-        read = {storage_key(t) for t in inputs}
-        deps = frozenset(w for s in read for w in writers.get(s, ()))
+        read = {t.untyped_storage()._cdata for t in inputs}  # storage_key, inlined: hot
+        deps: set[int] = set()
+        for key in read:
+            deps.update(writers.get(key, ()))
         index = len(self.calls)
         outputs = [v for v in values if isinstance(v, torch.Tensor)]
-        made = [storage_key(t) for t in outputs]
+        made = [t.untyped_storage()._cdata for t in outputs]
         aliases = bool(made) and all(key in read for key in made)
         moved = False
         if inputs and outputs:
             device = inputs[0].device
-            moved = any(t.device != device for t in (*inputs, *outputs))
-        returned = sum(v is not None for v in values)
-        root = f.mutable or f.random or moved or not outputs or len(outputs) < returned
+            moved = any(t.device != device for t in inputs) or any(
+                t.device != device for t in outputs)
+        others = len(outputs) < len(values) and any(  # values beside its tensors
+            v is not None and not isinstance(v, torch.Tensor) for v in values)
+        root = f.mutable or f.random or moved or not outputs or others
         always = not root and (f.view or aliases or f.cast)
         for key in made:
             if key in read:
@@ -83,7 +87,7 @@ class Dataflow:
                     writers[key] = (*writers.get(key, ()), index)
             else:
                 writers[key] = (index,)
-        self.calls.append(Call(func, deps, always, root, kept))
+        self.calls.append(Call(func, frozenset(deps), always, root, kept))
         return index
 
     def saved(self, t: torch.Tensor) -> None:

@@ -83,20 +83,19 @@ def leaves(value: Any) -> list[Any]:
     """The values in an operator's arguments (a tuple, keyword arguments: a dict) or outputs,
     in order, as ``tree_flatten`` finds them: ATen nests them in tuples and lists only, and
     walking those is many times faster than pytree, on every operator call."""
+    if type(value) is not tuple and type(value) is not list and type(value) is not dict:
+        return [value]
     found: list[Any] = []
     _gather(value, found)
     return found
 
 
-def _gather(value: Any, found: list[Any]) -> None:
-    if type(value) is tuple or type(value) is list:
-        for v in value:
+def _gather(value: tuple | list | dict, found: list[Any]) -> None:
+    for v in value.values() if type(value) is dict else value:
+        if type(v) is tuple or type(v) is list or type(v) is dict:
             _gather(v, found)
-    elif type(value) is dict:
-        for v in value.values():
-            _gather(v, found)
-    else:
-        found.append(value)
+        else:
+            found.append(v)
 
 
 def tensors(value: Any) -> list[torch.Tensor]:
@@ -144,12 +143,44 @@ def _query_heads(args: tuple) -> tuple:
 
 def work_per_byte(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out) -> float:
     """Floating-point operations per byte of output (``flops``; infinite for an operator
-    without a formula: it is kept)."""
+    without a formula: it is kept). Remembered by operator and by the shapes, dtypes and
+    other values of its arguments and outputs, all a formula reads: the formulas walk their
+    arguments with pytree, which costs more than the host time of a matrix product."""
+    if flop_registry.get(func.overloadpacket) is None:
+        return math.inf
+    key = (func, _signature(args), _signature(kwargs), _signature(out))
+    try:
+        cost = _COSTS.get(key)
+    except TypeError:  # symbolic shapes: not hashable
+        return _work_per_byte(func, args, kwargs, out)
+    if cost is None:
+        if len(_COSTS) >= _COSTS_HELD:
+            _COSTS.clear()
+        cost = _COSTS[key] = _work_per_byte(func, args, kwargs, out)
+    return cost
+
+
+_COSTS: dict[tuple, float] = {}
+_COSTS_HELD = 4096  # calls of different shapes remembered, at most
+
+
+def _work_per_byte(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out) -> float:
     outputs = sum(t.nbytes for t in tensors(out))
     work = flops(func, args, kwargs, out)
     if work is None or not outputs:
         return math.inf
     return work / outputs
+
+
+def _signature(value: Any) -> Any:
+    """``value`` with each tensor as its shape and dtype, in tuples (hashable)."""
+    if isinstance(value, torch.Tensor):
+        return (torch.Tensor, value.shape, value.dtype)
+    if type(value) is tuple or type(value) is list:
+        return tuple(_signature(v) for v in value)
+    if type(value) is dict:
+        return tuple((k, _signature(v)) for k, v in value.items())
+    return value
 
 
 def dear(costs: Sequence[float]) -> list[bool]:
