@@ -270,7 +270,7 @@ def _rng_states(func: Any, args: tuple, kwargs: dict) -> list[tuple[torch.Genera
     if isinstance(given, torch.Generator):
         return [(given, given.get_state())]
     generators = [torch.default_generator]
-    device = next((t.device for t in ops.tensors((args, kwargs)) if t.device.type != "cpu"), None)
+    device = next((t.device for t in ops.arguments(args, kwargs) if t.device.type != "cpu"), None)
     if device is not None and device.type == "cuda":
         index = torch.cuda.current_device() if device.index is None else device.index
         generators.append(torch.cuda.default_generators[index])
@@ -348,7 +348,7 @@ class Keeping(_SeeingSaves):
         region = self.region
         if torch.is_grad_enabled():
             self.seen()
-        inputs = ops.tensors((args, kwargs))
+        inputs = ops.arguments(args, kwargs)
         kept = region.keep(func) or ops.reduction(func, inputs, out)
         index = region.flow.record(func, inputs, ops.leaves(out), kept)
         if facts.cast:  # run again in any case (``dataflow.py``)
@@ -414,7 +414,7 @@ class Recomputing(_SeeingSaves):
     def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
         out = func(*args, **kwargs)
         if self.tainted.keys:
-            read = {storage_key(t) for t in ops.tensors((args, kwargs))}
+            read = {storage_key(t) for t in ops.arguments(args, kwargs)}
             if not self.tainted.keys.isdisjoint(read):  # views share the taint; casts pass it on
                 made = [t for t in ops.tensors(out) if storage_key(t) not in read]
                 if made and not ops.facts(func).cast:
@@ -459,7 +459,7 @@ class Observer(TorchDispatchMode):
         kwargs = kwargs or {}
         if ops.facts(func).ignored:
             return func(*args, **kwargs)
-        inputs = ops.tensors((args, kwargs))
+        inputs = ops.arguments(args, kwargs)
         device = self.device
         if any(t.device != device for t in inputs):
             return func(*args, **kwargs)

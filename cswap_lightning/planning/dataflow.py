@@ -56,7 +56,7 @@ class Dataflow:
     def call(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, out,
              kept: bool = False) -> int:
         """Record one call (made in this order); its index."""
-        return self.record(func, ops.tensors((args, kwargs)), ops.leaves(out), kept)
+        return self.record(func, ops.arguments(args, kwargs), ops.leaves(out), kept)
 
     def record(self, func: torch._ops.OpOverload, inputs: list[torch.Tensor],
                values: list, kept: bool = False) -> int:
@@ -67,26 +67,26 @@ class Dataflow:
         read = {t.untyped_storage()._cdata for t in inputs}  # storage_key, inlined: hot
         deps: set[int] = set()
         for key in read:
-            deps.update(writers.get(key, ()))
+            if key in writers:
+                deps.update(writers[key])
         index = len(self.calls)
         outputs = [v for v in values if isinstance(v, torch.Tensor)]
         made = [t.untyped_storage()._cdata for t in outputs]
-        aliases = bool(made) and all(key in read for key in made)
+        aliases = bool(made) and read.issuperset(made)
         moved = False
         if inputs and outputs:
-            device = inputs[0].device
-            moved = any(t.device != device for t in inputs) or any(
-                t.device != device for t in outputs)
+            devices = {t.device for t in inputs}
+            devices.update(t.device for t in outputs)
+            moved = len(devices) > 1
         others = len(outputs) < len(values) and any(  # values beside its tensors
             v is not None and not isinstance(v, torch.Tensor) for v in values)
         root = f.mutable or f.random or moved or not outputs or others
         always = not root and (f.view or aliases or f.cast)
         for key in made:
-            if key in read:
-                if f.mutable:
-                    writers[key] = (*writers.get(key, ()), index)
-            else:
+            if key not in read:
                 writers[key] = (index,)
+            elif f.mutable:
+                writers[key] = (*writers.get(key, ()), index)
         self.calls.append(Call(func, frozenset(deps), always, root, kept))
         return index
 

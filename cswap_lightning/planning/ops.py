@@ -105,6 +105,18 @@ def tensors(value: Any) -> list[torch.Tensor]:
     return [v for v in leaves(value) if isinstance(v, torch.Tensor)]
 
 
+def arguments(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """``tensors((args, kwargs))``: the tensors among an operator's arguments, on every call."""
+    found = []
+    for values in (args, kwargs.values()) if kwargs else (args,):
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                found.append(v)
+            elif type(v) is tuple or type(v) is list:
+                found.extend(tensors(v))
+    return found
+
+
 # An output whose operator did less than this fraction of the work per byte of the dearest
 # kept output of its block is recomputed, not kept: a LoRA adapter's up-projection (rank 16)
 # does 16 multiply-adds per output element where the layer's own projection does 4096.
@@ -199,7 +211,7 @@ REDUCES = 64
 
 def reduces(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out) -> bool:
     """Whether this call is a reduction whose output recomputation below the layer keeps."""
-    return reduction(func, tensors((args, kwargs)), out)
+    return reduction(func, arguments(args, kwargs), out)
 
 
 def reduction(func: torch._ops.OpOverload, inputs: list[torch.Tensor], out) -> bool:
