@@ -80,9 +80,9 @@ def _detached(x: Any) -> Any:
 @dataclass(slots=True)
 class _Kept:
     """One kept operator call: its outputs (flattened: tensors, then their handles once
-    packed) and their structure (None: one tensor), each tensor's version when made (None where no tensor), the
-    RNG states after it (where it draws random numbers), and its call in the block's
-    ``Dataflow``."""
+    packed) and their structure (None: one tensor), each tensor's version when made (None
+    where no tensor), the RNG states after it (where it draws random numbers), and its call
+    in the block's ``Dataflow``."""
 
     values: list[Any]
     spec: Any
