@@ -45,15 +45,14 @@ import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from ..planning import ops
-from ..planning.dataflow import CASTS, Dataflow, storage_key
+from ..planning.dataflow import Dataflow, storage_key
 
 Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
 
@@ -78,12 +77,12 @@ def _detached(x: Any) -> Any:
         return x.detach()
 
 
-@dataclass
+@dataclass(slots=True)
 class _Kept:
     """One kept operator call: its outputs (flattened: tensors, then their handles once
-    packed) and their structure, each tensor's version when made (None where no tensor), the
-    RNG states after it (where it draws random numbers), and its call in the block's
-    ``Dataflow``."""
+    packed) and their structure (None: one tensor), each tensor's version when made (None
+    where no tensor), the RNG states after it (where it draws random numbers), and its call
+    in the block's ``Dataflow``."""
 
     values: list[Any]
     spec: Any
@@ -98,8 +97,7 @@ class _Kept:
                 if version is not None]
 
 
-@dataclass(frozen=True)
-class _Empty:
+class _Empty(NamedTuple):
     """A tensor's size, strides, dtype and device."""
 
     size: torch.Size
@@ -107,29 +105,43 @@ class _Empty:
     dtype: torch.dtype
     device: torch.device
 
+    @classmethod
+    def of(cls, t: torch.Tensor) -> _Empty:
+        return cls(t.size(), t.stride(), t.dtype, t.device)
 
-@dataclass
+    def tainted(self, tainted: Tainted) -> torch.Tensor:
+        """An empty tensor of this shape, tainted."""
+        t = torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
+        tainted.add(t)
+        return t
+
+
+def _each(value: Any, kind: type, f: Callable[[Any], Any]) -> Any:
+    """``value`` with ``f`` applied to each ``kind`` in it, in the tuples and lists ATen
+    returns (one walk costs less than pytree's, made for every operator call)."""
+    if isinstance(value, kind):
+        return f(value)
+    if type(value) is tuple or type(value) is list:
+        return type(value)(_each(v, kind, f) for v in value)
+    return value
+
+
+@dataclass(slots=True)
 class _Dead:
-    """An operator call the recomputation does not run (``dataflow.py``): its outputs'
-    structure, and each tensor as ``_Empty`` (other values as they were)."""
+    """An operator call the recomputation does not run (``dataflow.py``): its outputs, each
+    tensor as ``_Empty`` (other values as they were)."""
 
-    spec: Any
-    leaves: list[Any]
+    outputs: Any
 
     @classmethod
     def of(cls, out: Any) -> _Dead:
-        flat, spec = tree_flatten(out)
-        return cls(spec, [_Empty(v.size(), v.stride(), v.dtype, v.device)
-                          if isinstance(v, torch.Tensor) else v for v in flat])
+        if isinstance(out, torch.Tensor):  # most calls: no walk
+            return cls(_Empty(out.size(), out.stride(), out.dtype, out.device))
+        return cls(_each(out, torch.Tensor, _Empty.of))
 
     def placeholder(self, tainted: Tainted) -> Any:
         """Empty tensors in place of its outputs, tainted."""
-        flat = [torch.empty_strided(v.size, v.stride, dtype=v.dtype, device=v.device)
-                if isinstance(v, _Empty) else v for v in self.leaves]
-        for v in flat:
-            if isinstance(v, torch.Tensor):
-                tainted.add(v)
-        return tree_unflatten(flat, self.spec)
+        return _each(self.outputs, _Empty, lambda e: e.tainted(tainted))
 
 
 class Tainted:
@@ -227,11 +239,8 @@ class Region:
             unpack = self.hooks[1]
             values = [v if version is None else unpack(v)
                       for v, version in zip(values, k.versions, strict=True)]
-        return tree_unflatten([_detached(v) for v in values], k.spec)
-
-
-def _tensors(value: Any) -> Iterable[torch.Tensor]:
-    return [v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)]
+        values = [_detached(v) for v in values]
+        return values[0] if k.spec is None else tree_unflatten(values, k.spec)
 
 
 def _returned(output: Any) -> list[torch.Tensor]:
@@ -261,7 +270,7 @@ def _rng_states(func: Any, args: tuple, kwargs: dict) -> list[tuple[torch.Genera
     if isinstance(given, torch.Generator):
         return [(given, given.get_state())]
     generators = [torch.default_generator]
-    device = next((t.device for t in _tensors((args, kwargs)) if t.device.type != "cpu"), None)
+    device = next((t.device for t in ops.arguments(args, kwargs) if t.device.type != "cpu"), None)
     if device is not None and device.type == "cuda":
         index = torch.cuda.current_device() if device.index is None else device.index
         generators.append(torch.cuda.default_generators[index])
@@ -333,21 +342,22 @@ class Keeping(_SeeingSaves):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in SAC_IGNORED_OPS:
+        facts = ops.facts(func)
+        if facts.ignored:
             return out
         region = self.region
         if torch.is_grad_enabled():
             self.seen()
-        kept = region.keep(func) or ops.reduces(func, args, kwargs, out)
-        index = region.flow.call(func, args, kwargs, out, kept)
-        if func.overloadpacket in CASTS:  # run again in any case (``dataflow.py``)
+        inputs = ops.arguments(args, kwargs)
+        kept = region.keep(func) or ops.reduction(func, inputs, out)
+        index = region.flow.record(func, inputs, ops.leaves(out), kept)
+        if facts.cast:  # run again in any case (``dataflow.py``)
             return out
         region.calls[func].append(index)
         region.dead[index] = _Dead.of(out)
         if kept:
-            flat, spec = tree_flatten(out)
-            rng = (_rng_states(func, args, kwargs)
-                   if torch.Tag.nondeterministic_seeded in func.tags else None)
+            flat, spec = ([out], None) if isinstance(out, torch.Tensor) else tree_flatten(out)
+            rng = _rng_states(func, args, kwargs) if facts.random else None
             values = [_detached(v) for v in flat]
             region.made.append(_Kept(
                 values, spec, [v._version if isinstance(v, torch.Tensor) else None
@@ -373,15 +383,16 @@ class Recomputing(_SeeingSaves):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in SAC_IGNORED_OPS:
+        facts = ops.facts(func)
+        if facts.ignored:
             return func(*args, **kwargs)
-        if func.overloadpacket in CASTS:
+        if facts.cast:
             return self._run(func, args, kwargs)
         # Matched by operator and call count: casts may run more often than the first time
         # (autocast casts a weight again that its first run found cached by an earlier call
         # of the block, in the same forward).
         i = self.counts[func]
-        self.counts[func] += 1
+        self.counts[func] = i + 1
         calls = self.region.calls.get(func, ())
         if i >= len(calls):
             if self.region.keep(func):
@@ -403,11 +414,10 @@ class Recomputing(_SeeingSaves):
     def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
         out = func(*args, **kwargs)
         if self.tainted.keys:
-            inputs = _tensors((args, kwargs))
-            if self.tainted.among(inputs):  # views share the taint; casts pass it on
-                read = {storage_key(t) for t in inputs}
-                made = [t for t in _tensors(out) if storage_key(t) not in read]
-                if made and func.overloadpacket not in CASTS:
+            read = {storage_key(t) for t in ops.arguments(args, kwargs)}
+            if not self.tainted.keys.isdisjoint(read):  # views share the taint; casts pass it on
+                made = [t for t in ops.tensors(out) if storage_key(t) not in read]
+                if made and not ops.facts(func).cast:
                     raise RuntimeError(_DIFFERENT)
                 for t in made:
                     self.tainted.add(t)
@@ -447,18 +457,23 @@ class Observer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if (func in SAC_IGNORED_OPS
-                or any(t.device != self.device for t in _tensors((args, kwargs)))):
+        if ops.facts(func).ignored:
+            return func(*args, **kwargs)
+        inputs = ops.arguments(args, kwargs)
+        device = self.device
+        if any(t.device != device for t in inputs):
             return func(*args, **kwargs)
         timed = self.keep(func)
         before = self.clock.now() if timed else None
         out = func(*args, **kwargs)
-        kept = timed or ops.reduces(func, args, kwargs, out)
-        index = self.flow.call(func, args, kwargs, out, kept)
+        kept = timed or ops.reduction(func, inputs, out)
+        values = ops.leaves(out)
+        index = self.flow.record(func, inputs, values, kept)
         if timed:
             self.stamps[index] = (before, self.clock.now())
         if kept:
-            self.kept.append((index, [(t, t._version) for t in _tensors(out)],
+            self.kept.append((index, [(t, t._version) for t in values
+                                      if isinstance(t, torch.Tensor)],
                               ops.work_per_byte(func, args, kwargs, out)))
         return out
 

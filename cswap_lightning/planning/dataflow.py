@@ -23,21 +23,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import tree_flatten
 
-aten = torch.ops.aten
-CASTS = {aten._to_copy}
+from . import ops
 
 
 def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def _tensors(value) -> list[torch.Tensor]:
-    return [v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)]
-
-
-@dataclass
+@dataclass(slots=True)
 class Call:
     """One operator call of a block's forward: the calls it depends on, and how it runs again
     (``always``: whatever is needed; ``root``: needed whatever reads it; ``kept``: given back)."""
@@ -62,26 +56,38 @@ class Dataflow:
     def call(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, out,
              kept: bool = False) -> int:
         """Record one call (made in this order); its index."""
-        inputs = _tensors((args, kwargs))
-        outputs = _tensors(out)
-        read = {storage_key(t) for t in inputs}
-        deps = frozenset(w for s in read for w in self._writers.get(s, ()))
+        return self.record(func, ops.arguments(args, kwargs), ops.leaves(out), kept)
+
+    def record(self, func: torch._ops.OpOverload, inputs: list[torch.Tensor],
+               values: list, kept: bool = False) -> int:
+        """:meth:`call`, given the tensors among its arguments and its outputs' ``leaves``
+        (a dispatch mode has them already)."""
+        f = ops.facts(func)
+        writers = self._writers
+        read = {t.untyped_storage()._cdata for t in inputs}  # storage_key, inlined: hot
+        deps: set[int] = set()
+        for key in read:
+            if key in writers:
+                deps.update(writers[key])
         index = len(self.calls)
-        mutable = func._schema.is_mutable
-        aliases = bool(outputs) and all(storage_key(t) in read for t in outputs)
-        moved = any(t.device != i.device for t in outputs for i in inputs)
-        random = torch.Tag.nondeterministic_seeded in func.tags
-        values = [v for v in tree_flatten(out)[0] if v is not None]
-        root = mutable or random or moved or not outputs or len(outputs) < len(values)
-        always = not root and (func.is_view or aliases or func.overloadpacket in CASTS)
-        for t in outputs:
-            key = storage_key(t)
-            if key in read:
-                if mutable:
-                    self._writers[key] = (*self._writers.get(key, ()), index)
-            else:
-                self._writers[key] = (index,)
-        self.calls.append(Call(func, deps, always, root, kept))
+        outputs = [v for v in values if isinstance(v, torch.Tensor)]
+        made = [t.untyped_storage()._cdata for t in outputs]
+        aliases = bool(made) and read.issuperset(made)
+        moved = False
+        if inputs and outputs:
+            devices = {t.device for t in inputs}
+            devices.update(t.device for t in outputs)
+            moved = len(devices) > 1
+        others = len(outputs) < len(values) and any(  # values beside its tensors
+            v is not None and not isinstance(v, torch.Tensor) for v in values)
+        root = f.mutable or f.random or moved or not outputs or others
+        always = not root and (f.view or aliases or f.cast)
+        for key in made:
+            if key not in read:
+                writers[key] = (index,)
+            elif f.mutable:
+                writers[key] = (*writers.get(key, ()), index)
+        self.calls.append(Call(func, frozenset(deps), always, root, kept))
         return index
 
     def saved(self, t: torch.Tensor) -> None:

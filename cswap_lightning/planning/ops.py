@@ -10,11 +10,13 @@ and runs everything else again.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import flop_registry
 
 aten = torch.ops.aten
@@ -40,14 +42,79 @@ KINDS |= {op: "norm" for op in (
 KEPT_KINDS = ("matmul", "attention", "conv")
 
 
+# Casts: autocast may cast a weight again in a recomputation that found it cached in forward
+# (``dataflow.py``).
+CASTS = {aten._to_copy}
+
+
+class Facts(NamedTuple):
+    """What a dispatch mode asks of an operator on every call, looked up once (``facts``)."""
+
+    kind: str
+    kept: bool  # recomputation below the layer keeps its outputs
+    view: bool
+    mutable: bool  # changes an argument in place
+    random: bool  # draws random numbers
+    cast: bool
+    ignored: bool  # checkpoint's selective policy ignores it (``SAC_IGNORED_OPS``)
+
+
+@functools.cache
+def facts(func: torch._ops.OpOverload) -> Facts:
+    """An operator's ``Facts``: dispatch modes run on every operator call, where asking its
+    schema, tags and packet again each time costs more than many kernels do."""
+    kind_ = KINDS.get(func.overloadpacket, "memory")
+    return Facts(kind_, kind_ in KEPT_KINDS, func.is_view, func._schema.is_mutable,
+                 torch.Tag.nondeterministic_seeded in func.tags, func.overloadpacket in CASTS,
+                 func in SAC_IGNORED_OPS)
+
+
 def kind(func: torch._ops.OpOverload) -> str:
     """The kind of an operator's kernel (module docstring)."""
-    return KINDS.get(func.overloadpacket, "memory")
+    return facts(func).kind
 
 
 def kept(func: torch._ops.OpOverload) -> bool:
     """Whether recomputation below the layer keeps this operator's outputs."""
-    return kind(func) in KEPT_KINDS
+    return facts(func).kept
+
+
+def leaves(value: Any) -> list[Any]:
+    """The values in an operator's arguments (a tuple, keyword arguments: a dict) or outputs,
+    in order, as ``tree_flatten`` finds them: ATen nests them in tuples and lists only, and
+    walking those is many times faster than pytree, on every operator call."""
+    if type(value) is not tuple and type(value) is not list and type(value) is not dict:
+        return [value]
+    found: list[Any] = []
+    _gather(value, found)
+    return found
+
+
+def _gather(value: tuple | list | dict, found: list[Any]) -> None:
+    for v in value.values() if type(value) is dict else value:
+        if type(v) is tuple or type(v) is list or type(v) is dict:
+            _gather(v, found)
+        else:
+            found.append(v)
+
+
+def tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors among ``leaves(value)``."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [v for v in leaves(value) if isinstance(v, torch.Tensor)]
+
+
+def arguments(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """``tensors((args, kwargs))``: the tensors among an operator's arguments, on every call."""
+    found = []
+    for values in (args, kwargs.values()) if kwargs else (args,):
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                found.append(v)
+            elif type(v) is tuple or type(v) is list:
+                found.extend(tensors(v))
+    return found
 
 
 # An output whose operator did less than this fraction of the work per byte of the dearest
@@ -88,12 +155,44 @@ def _query_heads(args: tuple) -> tuple:
 
 def work_per_byte(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out) -> float:
     """Floating-point operations per byte of output (``flops``; infinite for an operator
-    without a formula: it is kept)."""
-    outputs = sum(t.nbytes for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+    without a formula: it is kept). Remembered by operator and by the shapes, dtypes and
+    other values of its arguments and outputs, all a formula reads: the formulas walk their
+    arguments with pytree, which costs more than the host time of a matrix product."""
+    if flop_registry.get(func.overloadpacket) is None:
+        return math.inf
+    key = (func, _signature(args), _signature(kwargs), _signature(out))
+    try:
+        cost = _COSTS.get(key)
+    except TypeError:  # symbolic shapes: not hashable
+        return _work_per_byte(func, args, kwargs, out)
+    if cost is None:
+        if len(_COSTS) >= _COSTS_HELD:
+            _COSTS.clear()
+        cost = _COSTS[key] = _work_per_byte(func, args, kwargs, out)
+    return cost
+
+
+_COSTS: dict[tuple, float] = {}
+_COSTS_HELD = 4096  # calls of different shapes remembered, at most
+
+
+def _work_per_byte(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out) -> float:
+    outputs = sum(t.nbytes for t in tensors(out))
     work = flops(func, args, kwargs, out)
     if work is None or not outputs:
         return math.inf
     return work / outputs
+
+
+def _signature(value: Any) -> Any:
+    """``value`` with each tensor as its shape and dtype, in tuples (hashable)."""
+    if isinstance(value, torch.Tensor):
+        return (torch.Tensor, value.shape, value.dtype)
+    if type(value) is tuple or type(value) is list:
+        return tuple(_signature(v) for v in value)
+    if type(value) is dict:
+        return tuple((k, _signature(v)) for k, v in value.items())
+    return value
 
 
 def dear(costs: Sequence[float]) -> list[bool]:
@@ -112,7 +211,12 @@ REDUCES = 64
 
 def reduces(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out) -> bool:
     """Whether this call is a reduction whose output recomputation below the layer keeps."""
-    if kind(func) != "memory" or not isinstance(out, torch.Tensor) or func.is_view:
+    return reduction(func, arguments(args, kwargs), out)
+
+
+def reduction(func: torch._ops.OpOverload, inputs: list[torch.Tensor], out) -> bool:
+    """``reduces``, given the tensors among the call's arguments."""
+    f = facts(func)
+    if f.kind != "memory" or f.view or not isinstance(out, torch.Tensor) or not inputs:
         return False
-    inputs = [t.numel() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-    return bool(inputs) and 0 < out.numel() * REDUCES <= max(inputs)
+    return 0 < out.numel() * REDUCES <= max(t.numel() for t in inputs)
