@@ -9,7 +9,8 @@
 #      interleaved beside the predictions;
 #   2. selective: Llama-3-8B's layer shapes (4 layers, s4096 b1) recomputed below the layer
 #      and whole against plain training: step time, the allocator's peak, gradients bitwise
-#      beside plain against plain (`benchmarks/selective.py`);
+#      beside plain against plain, and one step of each under torch.profiler: the time the
+#      GPU ran kernels beside the step's (`benchmarks/selective.py --profile`);
 #   3. overhead: host time per saved tensor on CUDA (`cswap bench overhead --device cuda`);
 #   4. codec: zvc, rle and int8 at 16 and 64 MiB against a device-to-device copy;
 #   5. exit-codes: the CUDA cases of tests/test_exit.py (exit status with and without close(),

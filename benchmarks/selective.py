@@ -23,10 +23,13 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 import transformers
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 import cswap_lightning as cswap
 from cswap_lightning.commands.bench_step import result_meta, write_results
@@ -68,7 +71,27 @@ def deterministic(dev: torch.device) -> Iterator[None]:
         torch.use_deterministic_algorithms(False)
 
 
-def measure(layers: int, sequence: int, repeats: int, dev: torch.device) -> dict:
+def profiled(step: Callable[[], object], dev: torch.device, path: Path) -> float | None:
+    """One ``step`` under ``torch.profiler``: its operators' table (the dearest first) written
+    to ``path``; the seconds the device ran kernels (None on the CPU), to set beside the
+    step's time: what the GPU waited for the host."""
+    cuda = dev.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        step()
+    events = prof.key_averages()
+    path.write_text(events.table(sort_by="self_device_time_total" if cuda
+                                 else "self_cpu_time_total", row_limit=40))
+    if not cuda:
+        return None
+    return sum(e.self_device_time_total for e in events
+               if e.device_type == DeviceType.CUDA) / 1e6
+
+
+def measure(layers: int, sequence: int, repeats: int, dev: torch.device,
+            profiles: Path | None = None) -> dict:
+    """Plain, below the layer and whole, each measured (``profiles``: a folder where each
+    way's profiled step is written too)."""
     model = llama(layers).to(dev)
     ids = torch.randint(0, 1024, (1, sequence), generator=torch.Generator().manual_seed(0))
     ids = ids.to(dev)
@@ -111,11 +134,14 @@ def measure(layers: int, sequence: int, repeats: int, dev: torch.device) -> dict
         same = bitwise(reference)  # plain: against its own earlier step (the control)
         seconds = statistics.median(step()[1] for _ in range(repeats))
         allocated = torch.cuda.max_memory_allocated(dev) if cuda else None  # the last step's
+        busy = None
+        if profiles is not None:
+            busy = profiled(step, dev, profiles / f"profile-{way.replace(' ', '-')}.txt")
         if not chosen:
             stats = plain  # the measured step's rows
         ways[way] = {"sites": len(stats.sites), "peak_resident_bytes": stats.peak_resident_bytes,
                      "peak_bytes": stats.peak_bytes, "allocator_peak_bytes": allocated,
-                     "bitwise_with_plain": same, "step_s": seconds}
+                     "bitwise_with_plain": same, "step_s": seconds, "device_busy_s": busy}
     off.close()
     tokens = sequence
     call = calls[-1]
@@ -162,21 +188,26 @@ def markdown(r: dict) -> str:
              f"{h['forward_ms']:.2f} ms) |"), "",
              f"Kept outputs, KiB per token: {p['kept_outputs_kib_per_token']}", "",
              ("| way | sites | ledger's peak (saved tensors) | with what backward holds again "
-              f"| allocator's peak | step on this {where} | vs plain | gradients bitwise |"),
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
+              f"| allocator's peak | step on this {where} | vs plain | kernels (profiled step) "
+              "| gradients bitwise |"),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for way, m in r["ways"].items():
         allocated = ("-" if m["allocator_peak_bytes"] is None
                      else f"{m['allocator_peak_bytes'] / 2**20:.1f} MiB")
+        busy = m.get("device_busy_s")
+        kernels = "-" if busy is None else f"{1e3 * busy:.1f} ms"
         lines.append(f"| {way} | {m['sites']} | {m['peak_resident_bytes'] / 2**20:.1f} MiB | "
                      f"{m['peak_bytes'] / 2**20:.1f} MiB | {allocated} | "
-                     f"{1e3 * m['step_s']:.1f} ms | {m['step_s'] / plain:.3f}x | "
+                     f"{1e3 * m['step_s']:.1f} ms | {m['step_s'] / plain:.3f}x | {kernels} | "
                      f"{'yes' if m['bitwise_with_plain'] else 'NO'} |")
     lines += ["", ("The ledger's peak is the step's saved tensors on the device at once "
               "(`StepStats.peak_resident_bytes`); beside it, with what a recomputed layer "
               "saves again while backward runs it (`StepStats.peak_bytes`); on CUDA the "
               "allocator's peak of the way's last timed step. Gradients bitwise: the way's first "
               "step against plain training's (plain: against its own earlier step, the "
-              "control). Step times are medians of the repeats on this machine"
+              "control). Kernels: the seconds the GPU ran kernels in one more step under "
+              "torch.profiler (`--profile`; its table beside the results), to set beside the "
+              "step's time. Step times are medians of the repeats on this machine"
               + (", a shared 2-core CPU under other load: they say what recomputing costs "
                  "here only." if where == "CPU" else "."))]
     return "\n".join(lines) + "\n"
@@ -189,11 +220,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--profile", action="store_true",
+                   help="one more step of each way under torch.profiler: its table beside OUT "
+                        "(OUT-profile-WAY.txt) and, on CUDA, the seconds the device ran kernels")
     args = p.parse_args(argv)
     dev = torch.device(args.device)
     if dev.type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
-    r = measure(args.layers, args.seq, args.repeats, dev)
+    profiles = None
+    if args.profile:
+        profiles = Path(f"{args.out}-profiles")
+        profiles.mkdir(parents=True, exist_ok=True)
+    r = measure(args.layers, args.seq, args.repeats, dev, profiles)
     meta = result_meta(dev, command=" ".join(
         ["python", *sys.argv] if argv is None else ["python", __file__, *argv]),
         kind="measurement (the engine's ledger; this machine's times) beside an estimate")
