@@ -104,7 +104,7 @@ step measure 230 "${ENGINE[@]}" bench measure --models ${MODELS:-gpt2-medium res
     --out "$WORK/measure-$TAG"
 [[ -f $WORK/measure-$TAG.md ]] && grep "^|" "$WORK/measure-$TAG.md" >>"$SUMMARY"
 step selective 90 python3 benchmarks/selective.py --device cuda --layers 4 --seq 4096 \
-    --repeats 5 --out "$WORK/selective-$TAG"
+    --repeats 5 --profile --out "$WORK/selective-$TAG"
 step overhead 60 "${ENGINE[@]}" bench overhead --device cuda --rounds 5 --steady-steps 3 \
     --out "$WORK/overhead-$TAG"
 step codec 40 "${ENGINE[@]}" bench codec --sizes 16MiB 64MiB --codecs zvc rle int8 \
