@@ -100,7 +100,7 @@ step build-ext 60 "${CSWAP[@]}" build-ext
 if [[ -n ${TESTS:-} ]]; then  # named tests first (TESTS='tests/test_x.py::test_y ...')
     step tests 60 python3 -m pytest -q -p no:cacheprovider $TESTS
 fi
-step measure 230 "${ENGINE[@]}" bench measure --models ${MODELS:-gpt2-medium resnet50} --rounds 12 \
+step measure 280 "${ENGINE[@]}" bench measure --models ${MODELS:-gpt2-medium resnet50} --rounds 12 \
     --out "$WORK/measure-$TAG"
 [[ -f $WORK/measure-$TAG.md ]] && grep "^|" "$WORK/measure-$TAG.md" >>"$SUMMARY"
 step selective 90 python3 benchmarks/selective.py --device cuda --layers 4 --seq 4096 \
