@@ -43,7 +43,9 @@ KiB = 1024
 
 def llama(layers: int) -> transformers.PreTrainedModel:
     config = {k: v for k, v in models.KNOWN["llama-3-8b"].items() if k != "model_type"}
-    config |= {"num_hidden_layers": layers, "vocab_size": 1024}  # the head apart
+    # the head apart; no key/value cache, as in fine-tuning (Hugging Face's default keeps one
+    # in training too: each layer would copy its keys and values into it)
+    config |= {"num_hidden_layers": layers, "vocab_size": 1024, "use_cache": False}
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).to(torch.bfloat16)
 
