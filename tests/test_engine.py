@@ -715,11 +715,13 @@ def test_under_a_budget_a_measured_step_keeps_every_tensor_where_the_device_has_
     plain.close()
     off = Offloader(CSwapConfig(budget=keep_peak // 2, min_bytes=0))
     rows = []
-    for _ in range(off.config.profile_steps + 2):
+    for _ in range(off.config.profile_steps + 3):
         grads(model, x, y, off)
-        rows.append({s.decision for s in off.last_step().sites})
+        step = off.last_step()
+        if not step.hooks_off:  # the plain step the engine times sees no site
+            rows.append({s.decision for s in step.sites})
     assert "raw" in rows[0]
-    assert any(decisions <= {"keep", "dedup"} for decisions in rows[1:]), rows
+    assert any(decisions and decisions <= {"keep", "dedup"} for decisions in rows[1:]), rows
     off.close()
 
 
