@@ -515,6 +515,7 @@ class Learning:
         self.measure_left = self.config.profile_steps
         self.measure_keeping = self.measured_keeping = False
         self.plain_forward_s = self.plain_peak = None
+        self.timing_plain = False  # one that failed is owed nothing; a late one is ignored
         self.held_elsewhere = set()
         self.checked = None
         self.graphs = {}
