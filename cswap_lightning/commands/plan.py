@@ -120,9 +120,12 @@ def header(est: Estimate, spec: models.Model) -> str:
              f"{sizing.CONTEXT_BYTES / GiB:.0f} GiB of it left to the CUDA context; link "
              f"{dev.link.d2h / 1e9:.0f} GB/s each way; measured by this project: "
              f"{dev.measured})")
+    profiled = calibration.PROFILED
+    held_out = sum(not case.calibrates for case in profiled)
     caveat = ("ESTIMATES, not measurements: the step traced on the meta device (saved tensors "
-              "and allocator bytes), times from a roofline calibrated on 8 profiles measured "
-              f"on an H100 and an H200; on the 4 it was not fitted to, the plain step came "
+              f"and allocator bytes), times from a roofline calibrated on {len(profiled)} "
+              f"profiles measured on H100s and an H200; on the {held_out} it was not fitted "
+              "to, the plain step came "
               f"within {low:+.0%} to {high:+.0%} and the saved bytes exact (one H100 profile "
               "saved copies the trace does not make). The allocator's fragmentation is not "
               "modelled.")

@@ -1,11 +1,12 @@
 """The estimate against the measured profiles: what calibrates it, and how far off it is on
 the profiles that did not.
 
-Eight profiles were measured on two GPUs (``evidence/``). Each is estimated from its model's
-config as it ran (sequence, batch, bf16, dropout on or off as its saved tensors show) and
-compared on the plain step (forward and backward, no hooks) and the saved activations. Four
-of them calibrate a figure of ``devices.py`` (``Profiled.calibrates``) and are not evidence
-of its error; the other four are: ``check`` gives their errors, ``HELD_OUT_STEP_ERROR``
+Eleven profiles were measured in three GPU runs, two on an H100 and one on an H200
+(``evidence/``). Each is estimated from its model's config as it ran (sequence, batch, bf16,
+dropout on or off as its saved tensors show) and compared on the plain step (forward and
+backward, no hooks) and the saved activations. Four of them calibrate a figure of
+``devices.py`` (``Profiled.calibrates``) and are not evidence of its error; the other seven
+are: ``check`` gives their errors, ``HELD_OUT_STEP_ERROR``
 their range, which ``cswap plan`` prints beside its predictions (the tests keep it true).
 The allocator's peak is compared too: the trace's ledger, and the replay of the estimated
 profile without offload.
@@ -61,6 +62,13 @@ PROFILED = (
              "h200-2026-11-26/profile-resnet50-h200.json.gz"),
     Profiled("Llama-3-8B, 4 layers, H200", "h200", Setup("llama-3-8b", 4096, 1, layers=4),
              "h200-2026-11-26/profile-llama3-8b-4l-s4096-b1-h200.json.gz"),
+    # the second H100 run (2026-11-26), held out: the same device two days on
+    Profiled("GPT-2 medium, H100 (11-26)", "h100-sxm", Setup("gpt2-medium", 1024, 8),
+             "h100-2026-11-26/profile-gpt2-medium-h100.json.gz"),
+    Profiled("ResNet-50, H100 (11-26)", "h100-sxm", Setup("resnet50", 1, 128),
+             "h100-2026-11-26/profile-resnet50-h100.json.gz"),
+    Profiled("Llama-3-8B, 4 layers, H100", "h100-sxm", Setup("llama-3-8b", 4096, 1, layers=4),
+             "h100-2026-11-26/profile-llama3-8b-4l-s4096-b1-h100.json.gz"),
 )
 # Saved bytes the trace cannot reproduce, and why (the tests keep this list true).
 SAVED_MISSES = {
