@@ -30,7 +30,7 @@ class Closing:
             return
         step.closed = True
         step.residency.fold()
-        if (step.dormant and step.timer is None) or step.failed:
+        if (step.dormant and not step.timed_plainly) or step.failed:
             return
         owed = step.device is not None and (step.measure or step.checked is None
                                             or step.stats.resized)

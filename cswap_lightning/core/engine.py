@@ -130,11 +130,11 @@ class Offloader:
         return self
 
     def _push_hooks(self, step: Step) -> None:
-        if step.dormant and step.timer is None:
+        if step.dormant and not step.timed_plainly:
             self._hooks.append(None)
             return
         hide_from_dynamo()
-        hooks = (step.plain_hooks() if step.dormant  # the plain step the engine times
+        hooks = (step.plain_hooks() if step.timed_plainly
                  else torch.autograd.graph.saved_tensors_hooks(step.pack, step.unpack))
         hooks.__enter__()
         self._hooks.append(hooks)

@@ -4,9 +4,10 @@ A closed step's figures go in (:meth:`Learning.finished`): a measured step's pro
 the planner's plan from them, ``planning/planner.py``), the check of a new plan on the first
 step that runs it (a peak over the budget makes the next plan tighter; an allocator peak
 under its prediction, once, looser), the order backward needs sites in, the sites whose
-moving freed nothing, a graph or sizes other than the plan's (measured or planned again). Each new step then asks what it runs: measured or not, under
-the checked plan, without hooks (:meth:`watched`). The engine (``engine.py``) keeps the hooks'
-life cycle and hands each step to a ``Step``; this keeps what lasts across them.
+moving freed nothing, a graph or sizes other than the plan's (measured or planned again).
+Each new step then asks what it runs: measured or not, under the checked plan, without hooks
+(:meth:`watched`). The engine (``engine.py``) keeps the hooks' life cycle and hands each
+step to a ``Step``; this keeps what lasts across them.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ class Learning:
     def finished(self, step: Step) -> None:
         """What a closed step teaches: the plan it checked, backward's order, its
         measurements (a plan from them), the host arena planned from its payloads."""
-        if step.dormant:  # the plain step, timed
+        if step.timed_plainly:
             self.timing_plain = False
             if step.epoch == self.epoch:
                 self.plain_forward_s = step.timer.forward_s()

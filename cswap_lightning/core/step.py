@@ -418,9 +418,15 @@ class Step:
         if self.measure and (self.timer is None or self.timer.clock.device != device):
             self.timer = StepTimer(device)
 
+    @property
+    def timed_plainly(self) -> bool:
+        """The step the engine times without its hooks (``Learning._plain_step``): dormant,
+        but for ``plain_hooks`` and its timer."""
+        return self.dormant and self.timer is not None
+
     def end_forward(self) -> None:
         if self.dormant:
-            if self.timer is not None:  # the engine's plain step, timed
+            if self.timed_plainly:
                 self.timer.forward_done()
             return
         self._by_storage.clear()

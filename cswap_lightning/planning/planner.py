@@ -180,20 +180,21 @@ class Planner:
         much tighter, the recomputed blocks chosen again from the step they were chosen on."""
         self.tightened += over
         self.tightenings += 1
-        if self.recomputation is None:
-            return None
-        self.recomputation = self.recomputation.tighter(over)
-        self.inflight_bytes = self.recomputation.inflight_bytes
-        return self.recomputation
+        return self._choose_again(over)
 
     def looser(self, by: int) -> live.Recomputation | None:
         """After a checked step's allocator peak came ``by`` bytes under the plan's predicted
         one (a model of the peak that counts too much, which only moves more than needed):
         plan once for a budget that much looser, from the same replayed step."""
         self.loosened = by
+        return self._choose_again(-by)
+
+    def _choose_again(self, tighter_by: int) -> live.Recomputation | None:
+        """The recomputation chosen again for a budget ``tighter_by`` bytes tighter (looser
+        where negative), from the step it was chosen on; None where none was chosen."""
         if self.recomputation is None:
             return None
-        self.recomputation = self.recomputation.tighter(-by)
+        self.recomputation = self.recomputation.tighter(tighter_by)
         self.inflight_bytes = self.recomputation.inflight_bytes
         return self.recomputation
 
