@@ -121,11 +121,19 @@ def llama_layer() -> tuple[torch.nn.Module, torch.Tensor, tuple]:
 
 def test_the_trace_runs_again_what_the_engine_runs_again():
     """The same Llama layer: the kernels the meta-device trace marks as run again by a
-    recomputation below the layer are, operator for operator, those the engine runs."""
+    recomputation below the layer are, operator for operator, those the engine runs once
+    the block's choice is made (from its first forward): the norms' and the MLP's
+    elementwise work, not the rotary embedding (its outputs are kept in place of the query
+    and key projections', ``Dataflow.cut``)."""
     model, cfg = llama_layer()
     layer = model.model.layers[0]
     x = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=True)
     position = model.model.rotary_emb(x, torch.arange(16)[None])
+    choice = selective.Choice()
+    y = below(lambda x: layer(x, position_embeddings=position, attention_mask=None),
+              Region(None, choice=choice), x)
+    (y[0] if isinstance(y, tuple) else y).float().sum().backward()
+    assert choice.kept is not None
     ran: list[str] = []
     real = selective.Recomputing._run
 
@@ -137,12 +145,13 @@ def test_the_trace_runs_again_what_the_engine_runs_again():
     selective.Recomputing._run = run
     try:
         y = below(lambda x: layer(x, position_embeddings=position, attention_mask=None),
-                  Region(None), x)
+                  Region(None, choice=choice), x)
         y = y[0] if isinstance(y, tuple) else y
         y.float().sum().backward()
     finally:
         selective.Recomputing._run = real
     assert "pow" not in ran and "mm" not in ran
+    assert "cat" not in ran and "neg" not in ran and "silu" in ran
 
     with torch.device("meta"):
         meta = type(model)(cfg).to(torch.bfloat16)
@@ -222,3 +231,41 @@ def test_grouped_query_attention_counts_the_work_of_the_querys_heads(func):
     query = meta(32)
     grouped = ops.flops(func, (query, meta(8), meta(8)), {}, (query,))
     assert grouped == ops.flops(func, (query, meta(32), meta(32)), {}, (query,)) > 0
+
+
+# the cut: what a recomputation keeps ---------------------------------------------------------
+def chain(returned: bool = False, changed: bool = False):
+    """mm -> slice copy (a quarter of its bytes) -> times 2 -> saved: the flow, its
+    tensors (alive, as in a forward) and the matmul's call."""
+    flow = Dataflow()
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    a = x @ w
+    flow.call(aten.mm.default, (x, w), {}, a, kept=True)
+    b = a[:, :2].clone()
+    flow.call(aten.clone.default, (a[:, :2],), {}, b)
+    c = b * 2
+    flow.call(aten.mul.Tensor, (b, 2), {}, c)
+    if changed:
+        c.add_(1)
+        flow.call(aten.add_.Tensor, (c, 1), {}, c)
+    flow.saved(c)
+    return flow, (x, w, a, b, c), returned
+
+
+def test_the_cut_keeps_the_fewest_bytes_and_the_latest_of_equally_few():
+    flow, tensors, _ = chain()
+    assert flow.cut({0}) == {2}  # c: as small as b, and later; nothing runs again
+    assert flow.needed(given={2}) == [False, False, True]
+
+
+def test_the_cut_keeps_nothing_returned_or_changed_in_place_after():
+    flow, (*_, b, c), _ = chain()
+    assert flow.cut({0}, returned=[c]) == {1}  # c is returned: b is kept, c made again
+    flow, tensors, _ = chain(changed=True)
+    assert flow.cut({0}) == {1}  # c changed in place after it was made
+
+
+def test_a_blind_flow_keeps_what_it_was_given():
+    flow, tensors, _ = chain()
+    flow.blind = True
+    assert flow.cut({0}) == {0}

@@ -241,7 +241,7 @@ def test_the_trace_keeps_below_the_layer_what_the_engine_keeps(tiny_llama):
     off = cswap.Offloader(cswap.CSwapConfig(plan="keep", budget=None)).watch(model)
     for _ in range(2):  # the first is measured: its block calls are read at the next
         with off:
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
     seen = [(c.input_bytes, list(c.kept)) for c in off.block_calls if c.elementwise_s is not None]
     off.close()

@@ -189,6 +189,49 @@ def test_only_the_kept_outputs_and_the_input_go_through_the_hooks():
     assert len(saved) > 2 * len(kept)
 
 
+A, B = torch.randn(16, 2, requires_grad=True), torch.randn(2, 32, requires_grad=True)
+
+
+def adapted(x: torch.Tensor) -> torch.Tensor:
+    """A LoRA-adapted matmul (the adapter's second product far cheaper than the base's) and
+    an activation that saves its input: the adapter's sum."""
+    return (F.silu(x @ W1 + (x @ A) @ B * 0.5) @ W2).tanh()
+
+
+def test_a_choice_keeps_the_adapters_sum_and_runs_no_matmul_again(monkeypatch):
+    """Made from the first forward, the choice keeps the adapted sum (as many bytes as the
+    base's output it replaces): the second recomputation runs neither the adapter's scaling
+    nor the sum again, the first (which kept the products) did; both give the plain
+    gradients bit for bit."""
+    weights = (W1, W2, X, A, B)
+
+    def gradients(region: Region | None) -> list[torch.Tensor]:
+        y = adapted(X) if region is None else below_through(adapted, region, X)
+        y.square().sum().backward()
+        out = [t.grad.clone() for t in weights]
+        for t in weights:
+            t.grad = None
+        return out
+
+    plain = gradients(None)
+    choice = selective.Choice()
+    ran: list[list[str]] = []
+    real = selective.Recomputing._run
+
+    def run(self, func, args, kwargs):
+        ran[-1].append(func.overloadpacket.__name__)
+        return real(self, func, args, kwargs)
+
+    monkeypatch.setattr(selective.Recomputing, "_run", run)
+    for _ in range(2):
+        ran.append([])
+        got = gradients(Region(None, choice=choice))
+        assert all(torch.equal(a, b) for a, b in zip(plain, got, strict=True))
+        assert choice.kept is not None
+    assert "add" in ran[0] and "mul" in ran[0]  # the sum made again from the products
+    assert not {"mm", "mul", "add"} & set(ran[1]) and "silu" in ran[1]
+
+
 def test_a_kept_random_operator_leaves_the_generator_as_its_first_run_did(monkeypatch):
     """A kept operator that draws random numbers is not run again: the generator's state
     after it is put back, so the dropout after it draws the same mask. Without that, the

@@ -55,7 +55,7 @@ from .rerun import (
     rerun_hooks,
     reruns,
 )
-from .selective import Observer, Region, top_hooks
+from .selective import Choice, Observer, Region, top_hooks
 from .tensors import of_a_leaf, version_probe
 
 _STAGE_ENDS = (_MaxPoolNd, _AdaptiveMaxPoolNd)  # as the replay cuts a Sequential's stages
@@ -164,6 +164,8 @@ class Recompute:
         # returned, named within its module (a stage's: within its nn.Sequential): its
         # recomputation is shown their values from before its first run.
         self.changed: dict[str, set[str]] = {}
+        # what each block's recomputations below the layer keep (by the block's name)
+        self.choices: dict[str, Choice] = {}
         self.armed = False
         self.hooks: tuple[Callable, Callable] | None = None  # the step's, when armed
         self.witness: Witness | None = None  # the step's, when armed
@@ -171,6 +173,10 @@ class Recompute:
     @property
     def model(self) -> nn.Module | None:
         return self._model()
+
+    def choice(self, block: str) -> Choice:
+        """What the block's recomputations below the layer keep (``selective.Choice``)."""
+        return self.choices.setdefault(block, Choice())
 
     def units(self) -> dict[str, Unit]:
         """The model's units (none once the model is gone)."""
@@ -352,7 +358,9 @@ class RecomputedForward:
         return checkpointed(self.run, self._parts,
                             recompute.changed_buffers(self.name.removesuffix(BELOW), self.block),
                             args, kwargs, recompute.witness,
-                            Region(recompute.hooks) if self.below else None)
+                            Region(recompute.hooks,
+                                   choice=recompute.choice(self.name.removesuffix(BELOW)))
+                            if self.below else None)
 
     def __deepcopy__(self, memo: dict) -> RecomputedForward:
         from copy import deepcopy
@@ -607,7 +615,8 @@ class BlockTimer:
             versions = [(t, t._version) for t in inputs]
             observer = None
             if observe:
-                observer = Observer(self.clock, self.clock.device)
+                observer = Observer(self.clock, self.clock.device,
+                                    choice=self.recompute.choice(name))
                 self.observing.append(observer.__enter__())
             open_calls.append((self.next_site(), versions, _State(buffers, parameters),
                                self.clock.now(), observer))

@@ -12,7 +12,8 @@ that matters here:
 
 - in forward, ``Keeping`` records the outputs of every operator ``ops.kept`` names (``mm``,
   ``addmm``, ``bmm``, the fused attention kernels, ``convolution``) and of reductions
-  (``ops.reduces``), each once, in order;
+  (``ops.reduces``), each once, in order, or those of the calls the block's ``Choice``
+  names (below);
   everything else the block saves goes to checkpoint's own hooks and is dropped. When the
   block returns, its kept outputs go through the step's saved-tensor hooks, one site each
   (torch's policy keeps them in a cache of its own, out of any hook's reach): the planner can
@@ -22,12 +23,18 @@ that matters here:
 
 Nothing runs again that nothing saved needs (``planning/dataflow.py``): the forward's
 dataflow and what autograd saved in it (seen through checkpoint's pack hook, wrapped) say
-which calls backward's tensors depend on. The outputs of reductions are kept too (one value a
-row: RMSNorm's mean of squares), so the square before it is not run again; a kept output that
-only makes what the block returns (its last projection) is not kept at all. Where a call is
-not run, its outputs are placeholders: empty tensors of their shapes and strides. Should a
-recomputation run differently than its forward, so that an operator reads a placeholder or a
-placeholder is saved, it raises rather than give wrong gradients.
+which calls backward's tensors depend on. Nor is what the kept products make kept as they
+are where a later tensor of no more bytes serves: a block's ``Choice`` keeps the fewest bytes
+that make what autograd saved, the latest of equally few (``Dataflow.cut``), so rotary
+embedding's query and key are kept instead of the projections they are made from, a LoRA
+adapter's sum instead of the base product, a norm's input instead of the product and the
+residual sum that make it, and the elementwise work between does not run again. The choice
+is made once per block from a forward the engine observed on a measured step (``Observer``),
+else from the block's first recomputed forward (which keeps its products' outputs), and
+names each kept call by operator and count. Where a call is not run, its outputs are
+placeholders: empty tensors of their shapes and strides. Should a recomputation run
+differently than its forward, so that an operator reads a placeholder or a placeholder is
+saved, it raises rather than give wrong gradients.
 
 Bitwise: a kept output is the very value the operator gave; everything recomputed runs on
 the same inputs in the same order as the first time (checkpoint puts the RNG state back). An
@@ -41,6 +48,7 @@ graph (``retain_graph=True``) recomputes again from the same kept outputs.
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -163,13 +171,13 @@ class Tainted:
         return bool(self.keys) and any(storage_key(t) in self.keys for t in tensors)
 
 
-def staying(calls: Sequence[tuple[Iterable[tuple[torch.Tensor, int]], float]], output: Any
-            ) -> list[bool]:
+def staying(calls: Sequence[tuple[Iterable[tuple[torch.Tensor, int]], float]],
+            returned: Iterable[torch.Tensor]) -> list[bool]:
     """Which kept calls (each: its output tensors with their versions when made, and its
-    operator's work per byte) stay kept once the block returned ``output``: those none of
-    whose outputs was changed in place since or is (a view of) what the block returns, and
-    not far cheaper to make than the rest (``ops.dear``)."""
-    returned = {t.untyped_storage()._cdata for t in _returned(output)}
+    operator's work per byte) stay kept once the block returned the tensors ``returned``:
+    those none of whose outputs was changed in place since or is (a view of) one of them,
+    and not far cheaper to make than the rest (``ops.dear``)."""
+    returned = {t.untyped_storage()._cdata for t in returned}
     fresh = [not any(t._version != v or t.untyped_storage()._cdata in returned
                      for t, v in tensors) for tensors, _ in calls]
     dear = iter(ops.dear([cost for (_, cost), ok in zip(calls, fresh, strict=True) if ok]))
@@ -177,15 +185,52 @@ def staying(calls: Sequence[tuple[Iterable[tuple[torch.Tensor, int]], float]], o
 
 
 def settle(flow: Dataflow, kept: Sequence[tuple[int, Iterable[tuple[torch.Tensor, int]], float]],
-           output: Any) -> tuple[list[bool], list[bool]]:
-    """Once a block returned ``output``, for its kept calls (each: its call in ``flow``, its
-    outputs with their versions, its work per byte), which stay kept (``staying``, and
-    needed); and for every call of ``flow``, whether its recomputation runs it."""
-    stay = staying([(tensors, cost) for _, tensors, cost in kept], output)
-    need = flow.needed(i for (i, _, _), ok in zip(kept, stay, strict=True) if not ok)
+           returned: Sequence[torch.Tensor]) -> tuple[list[bool], list[bool]]:
+    """Once a block returned the tensors ``returned``, for its kept calls (each: its call in
+    ``flow``, its outputs with their versions, its work per byte), which stay kept
+    (``staying``, and needed); and for every call of ``flow``, whether its recomputation runs
+    it."""
+    stay = staying([(tensors, cost) for _, tensors, cost in kept], returned)
     given = {i for (i, _, _), ok in zip(kept, stay, strict=True) if ok}
-    runs = [i not in given and (need[i] or c.always) for i, c in enumerate(flow.calls)]
-    return [ok and need[i] for (i, _, _), ok in zip(kept, stay, strict=True)], runs
+    need = flow.needed(given=given)
+    return ([ok and need[i] for (i, _, _), ok in zip(kept, stay, strict=True)],
+            running(flow, given, need))
+
+
+def running(flow: Dataflow, given: set[int], need: list[bool] | None = None) -> list[bool]:
+    """For every call of ``flow``, whether a recomputation that gives back the outputs of
+    the calls ``given`` runs it (``need``: ``flow.needed(given=given)``, where known)."""
+    if need is None:
+        need = flow.needed(given=given)
+    return [i not in given and (need[i] or c.always) for i, c in enumerate(flow.calls)]
+
+
+class Choice:
+    """What a block's recomputations below the layer keep (``Dataflow.cut``), each kept
+    call by operator and count among the block's calls of that operator (casts apart), or
+    None before it is made: from a forward the engine observed (``Observer``), else from the
+    first recomputed one, which keeps its matrix products' outputs. A recomputed forward that
+    runs other operators than the one it was made from makes the next one choose again."""
+
+    def __init__(self) -> None:
+        self.kept: frozenset[tuple[Any, int]] | None = None
+        self.funcs: tuple[Any, ...] = ()  # the forward's operators it was made from
+
+    def make(self, flow: Dataflow, given: set[int], returned: Sequence[torch.Tensor],
+             place: dict[int, tuple[Any, int]]) -> set[int]:
+        """Choose from a forward (its ``flow``, the calls whose outputs it would keep before
+        the cut, the tensors it returned, each call's operator and count): the calls kept."""
+        cut = flow.cut(given, returned)
+        if flow.saving and not flow.blind:
+            self.kept = frozenset(place[i] for i in cut)
+            self.funcs = tuple(c.func for c in flow.calls)
+        return cut
+
+    def check(self, flow: Dataflow) -> None:
+        """A forward recomputed by this choice ran ``flow``: where it ran other operators
+        than the one the choice was made from, the next one chooses again."""
+        if tuple(c.func for c in flow.calls) != self.funcs:
+            self.kept = None
 
 
 class Region:
@@ -194,9 +239,12 @@ class Region:
     the step's saved-tensor hooks the kept outputs go through (None: a step without hooks;
     they are held as they are)."""
 
-    def __init__(self, hooks: Hooks | None, keep: Callable[[Any], bool] = ops.kept) -> None:
+    def __init__(self, hooks: Hooks | None, keep: Callable[[Any], bool] = ops.kept,
+                 choice: Choice | None = None) -> None:
         self.hooks = hooks
         self.keep = keep  # which operators' outputs are kept (tests choose others)
+        self.choice = choice  # the block's (None: its matrix products' outputs, every call)
+        self.chosen = None if choice is None else choice.kept
         self.flow = Dataflow()
         self.made: list[_Kept] = []  # in the order made
         # each operator's calls, by index in the flow, in order (while the block runs); after
@@ -218,9 +266,19 @@ class Region:
         """After the block's forward: recompute what was changed in place since it was kept,
         or is (a view of) what the block returns, or was far cheaper to make than the rest
         (``ops.dear``); do not run again, nor keep, what nothing saved needs
-        (``dataflow.py``); pass the rest through the step's pack hook, in the order made."""
+        (``dataflow.py``); pass the rest through the step's pack hook, in the order made.
+        The block's first forward makes its ``Choice``."""
+        returned = _returned(output)
         stay, runs = settle(self.flow, [(k.index, k.tensors(), k.cost) for k in self.made],
-                            output)
+                            returned)
+        if self.choice is not None:
+            if self.chosen is None:
+                given = {k.index for k, ok in zip(self.made, stay, strict=True) if ok}
+                place = {i: (func, n) for func, calls in self.calls.items()
+                         for n, i in enumerate(calls)}
+                self.choice.make(self.flow, given, returned, place)
+            else:
+                self.choice.check(self.flow)
         given = {k.index: k for k, ok in zip(self.made, stay, strict=True) if ok}
         for calls in self.calls.values():
             calls[:] = [given.get(i) or (None if runs[i] else self.dead[i]) for i in calls]
@@ -349,11 +407,16 @@ class Keeping(_SeeingSaves):
         if torch.is_grad_enabled():
             self.seen()
         inputs = ops.arguments(args, kwargs)
-        kept = region.keep(func) or ops.reduction(func, inputs, out)
-        index = region.flow.record(func, inputs, ops.leaves(out), kept)
         if facts.cast:  # run again in any case (``dataflow.py``)
+            region.flow.record(func, inputs, ops.leaves(out))
             return out
-        region.calls[func].append(index)
+        calls, chosen = region.calls[func], region.chosen
+        if chosen is None:
+            kept = region.keep(func) or ops.reduction(func, inputs, out)
+        else:
+            kept = (func, len(calls)) in chosen
+        index = region.flow.record(func, inputs, ops.leaves(out), kept)
+        calls.append(index)
         region.dead[index] = _Dead.of(out)
         if kept:
             flat, spec = ([out], None) if isinstance(out, torch.Tensor) else tree_flatten(out)
@@ -362,7 +425,8 @@ class Keeping(_SeeingSaves):
             region.made.append(_Kept(
                 values, spec, [v._version if isinstance(v, torch.Tensor) else None
                                for v in values], rng,
-                ops.work_per_byte(func, args, kwargs, out), index))
+                math.inf if chosen is not None else ops.work_per_byte(func, args, kwargs, out),
+                index))
         return out
 
 
@@ -431,21 +495,25 @@ _DIFFERENT = ("cswap: recomputing a block below the layer, its forward ran diffe
 
 class Observer(TorchDispatchMode):
     """What recomputing a block below the layer would keep and cost, seen while it runs
-    plainly (the engine's measured steps): its dataflow (the step's pack hook tells it what
-    autograd saves: :meth:`saw`), each kept operator's outputs (held until :meth:`finish`, so
-    that no storage is counted twice at a reused address) and work per byte, and clock stamps
-    before and after each matrix product, attention and convolution; the block's time but
-    theirs is what its recomputation costs (counting the small reductions it keeps and the
-    few operators nothing needs: a stamp around every operator would cost more than it
-    tells). Operators on another device than the block's (the engine's copies to host memory)
-    are not the block's."""
+    plainly (the engine's measured steps), and the block's ``Choice`` made from it: its
+    dataflow (the step's pack hook tells it what autograd saves: :meth:`saw`), each matrix
+    product's, attention's, convolution's and reduction's outputs (held until :meth:`finish`,
+    to see whether they were changed in place) and work per byte, and clock stamps before
+    and after each matrix product, attention and convolution; the block's time but that of
+    those its recomputation does not run is what it costs (counting the small reductions and
+    the elementwise operators it does not run again either: a stamp around every operator
+    would cost more than it tells). Operators on another device than the block's (the
+    engine's copies to host memory) are not the block's."""
 
     def __init__(self, clock: Any, device: torch.device,
-                 keep: Callable[[Any], bool] = ops.kept) -> None:
+                 keep: Callable[[Any], bool] = ops.kept, choice: Choice | None = None) -> None:
         super().__init__()
         self.clock, self.device, self.keep = clock, device, keep
+        self.choice = choice or Choice()  # the block's, made at :meth:`finish`
         self.start = clock.now()
         self.flow = Dataflow()
+        self.place: dict[int, tuple[Any, int]] = {}  # each call's operator and count
+        self.counts: dict[Any, int] = defaultdict(int)
         # each kept call: its index in the flow, its outputs with their versions, work per byte
         self.kept: list[tuple[int, list[tuple[torch.Tensor, int]], float]] = []
         # the stamps before and after each kept matrix product, attention or convolution
@@ -457,7 +525,8 @@ class Observer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if ops.facts(func).ignored:
+        facts = ops.facts(func)
+        if facts.ignored:
             return func(*args, **kwargs)
         inputs = ops.arguments(args, kwargs)
         device = self.device
@@ -469,6 +538,9 @@ class Observer(TorchDispatchMode):
         kept = timed or ops.reduction(func, inputs, out)
         values = ops.leaves(out)
         index = self.flow.record(func, inputs, values, kept)
+        if not facts.cast:
+            self.place[index] = (func, self.counts[func])
+            self.counts[func] += 1
         if timed:
             self.stamps[index] = (before, self.clock.now())
         if kept:
@@ -478,18 +550,20 @@ class Observer(TorchDispatchMode):
         return out
 
     def finish(self, output: Any) -> tuple[tuple[int, ...], str, list[tuple[Any, Any]], Any]:
-        """After the block returned ``output``: the bytes of each storage its recomputation
-        would keep (each once; as ``Region.close`` keeps), the dtype of the largest, the
-        (start, end) stamps of the timed operators it would not run, and the block's start
-        stamp: its recomputation costs its time but theirs."""
-        stay, runs = settle(self.flow, self.kept, output)
-        kept: dict[int, torch.Tensor] = {}
-        for (_, outputs, _), ok in zip(self.kept, stay, strict=True):
-            for t, _ in outputs if ok else ():
-                kept.setdefault(t.untyped_storage()._cdata, t)
+        """After the block returned ``output``: the block's ``Choice`` made; the bytes of each
+        storage its recomputation keeps by it, the dtype of the largest, the (start, end)
+        stamps of the timed operators it would not run, and the block's start stamp: its
+        recomputation costs its time but theirs."""
+        flow, returned = self.flow, _returned(output)
+        stay, _ = settle(flow, self.kept, returned)
+        cut = self.choice.make(
+            flow, {i for (i, _, _), ok in zip(self.kept, stay, strict=True) if ok}, returned,
+            self.place)
+        runs = running(flow, cut)
         stamps = [stamp for i, stamp in self.stamps.items() if not runs[i]]
-        self.kept, self.stamps, self.flow = [], {}, Dataflow()
-        largest = max(kept.values(), key=lambda t: t.untyped_storage().nbytes(), default=None)
+        self.kept, self.stamps, self.flow, self.place = [], {}, Dataflow(), {}
+        self.counts.clear()
+        kept = [flow.calls[i] for i in sorted(cut) if flow.calls[i].sizes]
+        largest = max(kept, key=lambda c: max(c.sizes), default=None)
         dtype = "" if largest is None else str(largest.dtype).removeprefix("torch.")
-        return (tuple(t.untyped_storage().nbytes() for t in kept.values()), dtype, stamps,
-                self.start)
+        return tuple(n for c in kept for n in c.sizes), dtype, stamps, self.start

@@ -15,10 +15,17 @@ differ); they need what they read only where their output is needed. Some are ne
 reads them (roots): those that draw random numbers (the generator must advance as it did),
 change a tensor in place, give no tensor back, or move one to another device (the host may
 read it without an operator).
+
+What to keep is a minimum cut (``Dataflow.cut``): the matrix products may not run again, what
+autograd saved must be made, and each call in between may be kept at the price of its
+outputs' bytes. Of the sets of fewest bytes, the one nearest what backward reads is taken
+(found from the sink's side of a maximum flow), so equal bytes move past elementwise work:
+rotary embedding's outputs are kept, not the projections before it.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -41,6 +48,9 @@ class Call:
     always: bool
     root: bool
     kept: bool
+    sizes: tuple[int, ...] = ()  # the bytes of each storage it made
+    dtype: torch.dtype | None = None  # of the largest
+    changed: bool = False  # a later call changed one of them in place
 
 
 class Dataflow:
@@ -71,8 +81,8 @@ class Dataflow:
                 deps.update(writers[key])
         index = len(self.calls)
         outputs = [v for v in values if isinstance(v, torch.Tensor)]
-        made = [t.untyped_storage()._cdata for t in outputs]
-        aliases = bool(made) and read.issuperset(made)
+        keys = [t.untyped_storage()._cdata for t in outputs]
+        aliases = bool(keys) and read.issuperset(keys)
         moved = False
         if inputs and outputs:
             devices = {t.device for t in inputs}
@@ -82,30 +92,125 @@ class Dataflow:
             v is not None and not isinstance(v, torch.Tensor) for v in values)
         root = f.mutable or f.random or moved or not outputs or others
         always = not root and (f.view or aliases or f.cast)
-        for key in made:
+        made: dict[int, torch.Tensor] = {}
+        for key, t in zip(keys, outputs, strict=True):
             if key not in read:
                 writers[key] = (index,)
+                made.setdefault(key, t)
             elif f.mutable:
-                writers[key] = (*writers.get(key, ()), index)
-        self.calls.append(Call(func, frozenset(deps), always, root, kept))
+                first = writers.get(key, ())
+                if first:
+                    self.calls[first[0]].changed = True
+                writers[key] = (*first, index)
+        sizes, dtype = (), None
+        if made:
+            sizes = tuple(t.untyped_storage().nbytes() for t in made.values())
+            dtype = max(made.values(), key=lambda t: t.untyped_storage().nbytes()).dtype
+        self.calls.append(Call(func, frozenset(deps), always, root, kept, sizes, dtype))
         return index
 
     def saved(self, t: torch.Tensor) -> None:
         """Autograd saved ``t``: whatever wrote it is needed."""
         self._saved.update(self._writers.get(storage_key(t), ()))
 
-    def needed(self, dropped: Iterable[int] = ()) -> list[bool]:
+    def needed(self, dropped: Iterable[int] = (), given: Iterable[int] | None = None
+               ) -> list[bool]:
         """Per call, whether the recomputation needs it (runs it, or gives its output back
-        where kept); ``dropped``: kept calls that are run again after all."""
-        dropped = set(dropped)
+        where kept); ``dropped``: kept calls that are run again after all; ``given``: the
+        calls given back, in place of the kept ones."""
+        if given is None:
+            dropped = set(dropped)
+            given = {i for i, c in enumerate(self.calls) if c.kept and i not in dropped}
+        else:
+            given = set(given)
         if self.blind:
             return [True] * len(self.calls)
         need = [c.root for c in self.calls]
         for i in self._saved:
             need[i] = True
         for i in range(len(self.calls) - 1, -1, -1):
-            c = self.calls[i]
-            if need[i] and not (c.kept and i not in dropped):
-                for d in c.deps:
+            if need[i] and i not in given:
+                for d in self.calls[i].deps:
                     need[d] = True
         return need
+
+    @property
+    def saving(self) -> bool:
+        """Whether autograd saved anything from the block."""
+        return bool(self._saved)
+
+    def makers(self, tensors: Iterable[torch.Tensor]) -> set[int]:
+        """The calls that made (the storages of) these live tensors."""
+        writers = self._writers
+        return {writers[k][0] for k in map(storage_key, tensors) if k in writers}
+
+    def cut(self, given: Iterable[int], returned: Iterable[torch.Tensor] = ()) -> set[int]:
+        """The calls whose outputs a recomputation keeps with the fewest bytes, the latest of
+        equally few: a minimum cut between the calls that may not run again (``given``: its
+        matrix products, kept) and what it must make (what autograd saved, the roots). Where
+        a matrix product's output only feeds elementwise work that ends in a tensor of its
+        size (rotary embedding's query, a LoRA adapter's sum), that tensor is kept instead, so
+        the elementwise work does not run again. A call cannot be kept that makes no storage,
+        must run anyway (views, casts, roots), or whose output was changed in place later or
+        is (a view of) what the block returned (``returned``); none where blind."""
+        given = set(given)
+        if self.blind:
+            return given
+        returned = self.makers(returned)
+        n = len(self.calls)
+        source, sink = 2 * n, 2 * n + 1
+        infinite = 1 + sum(map(sum, (c.sizes for c in self.calls)))
+        capacity: dict[int, dict[int, int]] = {v: {} for v in range(2 * n + 2)}
+
+        def edge(u: int, v: int, c: int) -> None:
+            capacity[u][v] = capacity[u].get(v, 0) + c
+            capacity[v].setdefault(u, 0)
+
+        for i, c in enumerate(self.calls):
+            keepable = i in given or not (
+                c.root or c.always or c.dtype is None or c.changed or i in returned)
+            edge(2 * i, 2 * i + 1, sum(c.sizes) if keepable else infinite)
+            if i in given:
+                edge(source, 2 * i, infinite)
+            else:
+                for d in c.deps:
+                    edge(2 * d + 1, 2 * i, infinite)
+            if c.root:  # runs again, or is given back
+                edge(2 * i + (i in given), sink, infinite)
+        for i in self._saved:
+            edge(2 * i + 1, sink, infinite)
+        while (path := _augmenting(capacity, source, sink)) is not None:
+            pushed = min(capacity[u][v] for u, v in path)
+            for u, v in path:
+                capacity[u][v] -= pushed
+                capacity[v][u] += pushed
+        # the sink's side of the latest minimum cut: what still reaches the sink
+        reaches = {sink}
+        todo = deque([sink])
+        while todo:
+            v = todo.popleft()
+            for u in capacity[v]:
+                if u not in reaches and capacity[u][v] > 0:
+                    reaches.add(u)
+                    todo.append(u)
+        return {i for i in range(n) if 2 * i not in reaches and 2 * i + 1 in reaches}
+
+
+def _augmenting(capacity: dict[int, dict[int, int]], source: int, sink: int
+                ) -> list[tuple[int, int]] | None:
+    """A shortest path from ``source`` to ``sink`` with room on every edge (its edges)."""
+    parent = {source: source}
+    todo = deque([source])
+    while todo and sink not in parent:
+        u = todo.popleft()
+        for v, room in capacity[u].items():
+            if room > 0 and v not in parent:
+                parent[v] = u
+                todo.append(v)
+    if sink not in parent:
+        return None
+    path, v = [], sink
+    while v != source:
+        path.append((parent[v], v))
+        v = parent[v]
+    return path

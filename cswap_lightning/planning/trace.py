@@ -68,10 +68,9 @@ class Kernel:
 @dataclass
 class Layer:
     """What recomputing a layer below the layer (``core/selective.py``) would keep: its
-    tensor inputs' bytes, and each output of its matrix products, attention, convolutions and
-    reductions that its recomputation needs (bytes, 0 where not: what the layer returns, what
-    is far cheaper to make than the rest, what nothing saved needs), in the dtype of the
-    largest."""
+    tensor inputs' bytes, and the bytes of each output its recomputation keeps
+    (``Dataflow.cut``: in place of its matrix products', attention's and reductions' outputs,
+    the fewest bytes that make what autograd saved), in the dtype of the largest."""
 
     input_bytes: int = 0
     kept: list[int] = field(default_factory=list)
@@ -84,13 +83,12 @@ class Layer:
 
 @dataclass
 class _Forward:
-    """A layer's forward as it runs: its dataflow, and per call the kernel it ran (None: no
-    kernel) and, where kept, its outputs' places in the layer's ``kept`` list, and its work
-    per byte."""
+    """A layer's forward as it runs: its dataflow, per call the kernel it ran (None: no
+    kernel), and the work per byte of the calls whose outputs may be kept."""
 
     flow: Dataflow = field(default_factory=Dataflow)
     kernels: list[int | None] = field(default_factory=list)
-    kept: dict[int, tuple[list[int], float]] = field(default_factory=dict)
+    kept: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -181,9 +179,6 @@ class _Ledger(TorchDispatchMode):
         self.alive = set(storages)
         self.now = trace.start_bytes = trace.peak_bytes = sum(
             rounded(s.nbytes()) for s in storages.values())
-        # storages a layer's recomputation below the layer would keep, while they live:
-        # storage -> (layer, index in its kept list)
-        self.kept: dict[int, tuple[str, int]] = {}
         self.forwards: dict[str, _Forward] = {}  # the layers running their forward
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -201,8 +196,7 @@ class _Ledger(TorchDispatchMode):
             index = forward.flow.call(func, args, kwargs, out, kept)
             forward.kernels.append(kernel)
             if kept:
-                forward.kept[index] = (self._keep(layer, out),
-                                       ops.work_per_byte(func, args, kwargs, out))
+                forward.kept[index] = ops.work_per_byte(func, args, kwargs, out)
         return out
 
     def saved(self, t: torch.Tensor) -> None:
@@ -211,41 +205,29 @@ class _Ledger(TorchDispatchMode):
         if layer:
             self.forwards.setdefault(layer, _Forward()).flow.saved(t)
 
-    def _keep(self, layer: str, out) -> list[int]:
-        kept = self.trace.layers[layer]
-        places = []
-        for t in _tensors(out):
-            storage = t.untyped_storage()
-            if storage._cdata not in self.kept:
-                self.kept[storage._cdata] = (layer, len(kept.kept))
-                places.append(len(kept.kept))
-                kept.kept.append(storage.nbytes())
-                if storage.nbytes() >= max(kept.kept):
-                    kept.dtype = str(t.dtype).removeprefix("torch.")
-        return places
-
     def returned(self, layer: str, output) -> None:
-        """A layer returned ``output``: its recomputation keeps none of it (it is rerun), nor
-        what is far cheaper to make than the rest (``ops.dear``), nor what nothing saved
-        needs; the kernels it runs again are marked (``Kernel.again``)."""
+        """A layer returned ``output``: its recomputation keeps the outputs of the calls
+        ``Dataflow.cut`` chooses, given those of its matrix products, attention and
+        reductions it needs, none of what it returns nor what is far cheaper to make than
+        the rest (``ops.dear``); the kernels it runs again are marked (``Kernel.again``)."""
         kept = self.trace.layers[layer]
-        for t in _tensors(output):
-            where = self.kept.get(t.untyped_storage()._cdata)
-            if where is not None and where[0] == layer:
-                kept.kept[where[1]] = 0
         forward = self.forwards.pop(layer, _Forward())
-        calls = [(i, places, cost) for i, (places, cost) in forward.kept.items()
-                 if all(kept.kept[p] for p in places)]
-        dear = ops.dear([cost for _, _, cost in calls])
-        given = {i for (i, _, _), ok in zip(calls, dear, strict=True) if ok}
-        need = forward.flow.needed(set(forward.kept) - given)
-        for i, (places, _) in forward.kept.items():
-            if i not in given or not need[i]:
-                for p in places:
-                    kept.kept[p] = 0
-        for i, (call, kernel) in enumerate(zip(forward.flow.calls, forward.kernels,
-                                                strict=True)):
-            if kernel is not None and i not in given and (need[i] or call.always):
+        flow = forward.flow
+        returned = list(_tensors(output))
+        made = flow.makers(returned)
+        calls = [(i, cost) for i, cost in forward.kept.items() if i not in made]
+        dear = ops.dear([cost for _, cost in calls])
+        given = {i for (i, _), ok in zip(calls, dear, strict=True) if ok}
+        need = flow.needed(given=given)
+        chosen = flow.cut({i for i in given if need[i]}, returned)
+        for i in sorted(chosen):
+            call = flow.calls[i]
+            kept.kept.extend(call.sizes)
+            if call.sizes and max(call.sizes) >= max(kept.kept):
+                kept.dtype = str(call.dtype).removeprefix("torch.")
+        runs = flow.needed(given=chosen)
+        for i, (call, kernel) in enumerate(zip(flow.calls, forward.kernels, strict=True)):
+            if kernel is not None and i not in chosen and (runs[i] or call.always):
                 self.trace.kernels[kernel] = replace(self.trace.kernels[kernel], again=True)
 
     def _allocated(self, storage: torch.UntypedStorage) -> None:
@@ -260,7 +242,6 @@ class _Ledger(TorchDispatchMode):
 
     def _freed(self, key: int, size: int) -> None:
         self.alive.discard(key)
-        self.kept.pop(key, None)
         self.now -= size
 
     def _work(self, func, args: tuple, kwargs: dict, out) -> int:
