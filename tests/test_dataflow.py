@@ -234,9 +234,9 @@ def test_grouped_query_attention_counts_the_work_of_the_querys_heads(func):
 
 
 # the cut: what a recomputation keeps ---------------------------------------------------------
-def chain(returned: bool = False, changed: bool = False):
-    """mm -> slice copy (a quarter of its bytes) -> times 2 -> saved: the flow, its
-    tensors (alive, as in a forward) and the matmul's call."""
+def chain(changed: bool = False):
+    """mm -> slice copy (a quarter of its bytes) -> times 2 -> saved: the flow and its
+    tensors (alive, as in a forward)."""
     flow = Dataflow()
     x, w = torch.randn(4, 8), torch.randn(8, 8)
     a = x @ w
@@ -249,23 +249,23 @@ def chain(returned: bool = False, changed: bool = False):
         c.add_(1)
         flow.call(aten.add_.Tensor, (c, 1), {}, c)
     flow.saved(c)
-    return flow, (x, w, a, b, c), returned
+    return flow, (x, w, a, b, c)
 
 
 def test_the_cut_keeps_the_fewest_bytes_and_the_latest_of_equally_few():
-    flow, tensors, _ = chain()
+    flow, _alive = chain()
     assert flow.cut({0}) == {2}  # c: as small as b, and later; nothing runs again
     assert flow.needed(given={2}) == [False, False, True]
 
 
 def test_the_cut_keeps_nothing_returned_or_changed_in_place_after():
-    flow, (*_, b, c), _ = chain()
-    assert flow.cut({0}, returned=[c]) == {1}  # c is returned: b is kept, c made again
-    flow, tensors, _ = chain(changed=True)
+    flow, alive = chain()
+    assert flow.cut({0}, returned=[alive[-1]]) == {1}  # c is returned: b kept, c made again
+    flow, _alive = chain(changed=True)
     assert flow.cut({0}) == {1}  # c changed in place after it was made
 
 
 def test_a_blind_flow_keeps_what_it_was_given():
-    flow, tensors, _ = chain()
+    flow, _alive = chain()
     flow.blind = True
     assert flow.cut({0}) == {0}
