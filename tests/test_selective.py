@@ -78,6 +78,32 @@ def test_training_with_layers_recomputed_below_the_layer_is_bitwise_plain_traini
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_the_choice_made_on_the_measured_step_holds_for_every_recomputed_one(name, monkeypatch):
+    """Each layer's choice of what to keep is made from its forward observed on the measured
+    step, where the step's pack hook counted zeros and copied what was saved (zvc): none of
+    those operators is the layer's, so every recomputed forward runs the operators the
+    choice was made from, and none makes it choose again."""
+    made, again = [], []
+    real_make, real_check = selective.Choice.make, selective.Choice.check
+
+    def make(self, *args):
+        made.append(self)
+        return real_make(self, *args)
+
+    def check(self, flow):
+        real_check(self, flow)
+        again.extend([self] if self.kept is None else [])
+
+    monkeypatch.setattr(selective.Choice, "make", make)
+    monkeypatch.setattr(selective.Choice, "check", check)
+    built, plain = case(name)
+    steps, _ = below_layers(built, "zvc")
+    assert not differences(plain, steps)
+    assert len(made) >= 2 and len({id(c) for c in made}) == len(made)  # once a layer
+    assert all(c.kept for c in made) and not again
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_the_ledger_holds_what_the_block_timer_said_recomputation_below_keeps(name):
     """On the measured step the block timer saw what each layer recomputed below the layer
     would keep (its inputs and the outputs of its matmuls and attention); the next step

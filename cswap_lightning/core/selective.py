@@ -510,6 +510,7 @@ class Observer(TorchDispatchMode):
         super().__init__()
         self.clock, self.device, self.keep = clock, device, keep
         self.choice = choice or Choice()  # the block's, made at :meth:`finish`
+        self.paused = 0  # while above 0, operators are not the block's (the step's pack hook)
         self.start = clock.now()
         self.flow = Dataflow()
         self.place: dict[int, tuple[Any, int]] = {}  # each call's operator and count
@@ -526,7 +527,7 @@ class Observer(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         facts = ops.facts(func)
-        if facts.ignored:
+        if facts.ignored or self.paused:
             return func(*args, **kwargs)
         inputs = ops.arguments(args, kwargs)
         device = self.device

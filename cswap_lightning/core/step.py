@@ -246,13 +246,20 @@ class Step:
 
     # forward ----------------------------------------------------------------------------
     def pack(self, saved: torch.Tensor) -> tuple | _Entry | _View:
+        blocks = self.blocks
+        if blocks is not None and blocks.observing:  # a measured step: not the blocks' work
+            with blocks.outside():
+                return self._pack(saved)
+        return self._pack(saved)
+
+    def _pack(self, saved: torch.Tensor) -> tuple | _Entry | _View:
         plain = type(saved) is torch.Tensor
         if self.idle and plain:
             counted = self._count(saved, saved)
             if counted is not None:
                 return counted
         if _dynamo_callback() is not None:  # in a compiled module's eager fallback
-            return torch.compiler.disable(self.pack)(saved)
+            return torch.compiler.disable(self._pack)(saved)
         t, rebuild = (saved, None) if plain else unwrap(saved)
         site = len(self.sizes)
         if self.idle or site in self.untracked:  # a DTensor counts by its local shard

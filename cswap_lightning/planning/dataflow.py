@@ -150,7 +150,7 @@ class Dataflow:
         matrix products, kept) and what it must make (what autograd saved, the roots). Where
         a matrix product's output only feeds elementwise work that ends in a tensor of its
         size (rotary embedding's query, a LoRA adapter's sum), that tensor is kept instead, so
-        the elementwise work does not run again. A call cannot be kept that makes no storage,
+        the elementwise work does not run again. A call cannot be kept that makes no bytes,
         must run anyway (views, casts, roots), or whose output was changed in place later or
         is (a view of) what the block returned (``returned``); none where blind."""
         given = set(given)
@@ -168,7 +168,7 @@ class Dataflow:
 
         for i, c in enumerate(self.calls):
             keepable = i in given or not (
-                c.root or c.always or c.dtype is None or c.changed or i in returned)
+                c.root or c.always or not any(c.sizes) or c.changed or i in returned)
             edge(2 * i, 2 * i + 1, sum(c.sizes) if keepable else infinite)
             if i in given:
                 edge(source, 2 * i, infinite)
