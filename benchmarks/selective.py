@@ -178,7 +178,7 @@ def markdown(r: dict) -> str:
              "|---|---:|---:|",
              (f"| saved plainly | {p['saves_kib_per_token']:.1f} KiB | "
              f"{h['saves_kib_per_token']:.1f} KiB |"),
-             (f"| kept below the layer (input + matmul/attention outputs) | "
+             (f"| kept below the layer (input + the fewest bytes that make what backward reads) | "
              f"{p['below_keeps_kib_per_token']:.1f} KiB | {h['below_keeps_kib_per_token']:.1f} "
              "KiB |"),
              f"| kept recomputed whole (input) | {p['whole_keeps_kib_per_token']:.1f} KiB | |",

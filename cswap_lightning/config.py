@@ -119,7 +119,8 @@ class CSwapConfig:
         recompute: ``"auto"`` lets the planner run chosen blocks of the watched model (its
             transformer layers, ResNet bottlenecks, VGG stages) again in backward instead of
             keeping what they save, whole or below the layer (only their elementwise work,
-            their matmuls' and attention's outputs kept or swapped; ``Offloader.recompute``);
+            from the fewest bytes kept or swapped: their matmuls' and attention's outputs or
+            what the next operators read; ``Offloader.recompute``);
             ``"off"`` never does.
     """
 

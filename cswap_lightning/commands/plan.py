@@ -160,7 +160,7 @@ def below_the_layer(est: Estimate) -> str:
         return ""
     return textwrap.fill(
         f"a layer ({layer.name}) saves {layer.saved_kib:.0f} KiB per token; recomputed below "
-        f"the layer (its elementwise work again, its matmuls' and attention's outputs kept) it "
+        f"the layer (its elementwise work again, from the fewest bytes kept) it "
         f"keeps {layer.below_kib:.0f} KiB per token for {1e3 * layer.below_s:.2f} ms "
         f"({layer.below_s / layer.forward_s:.0%} of its forward), recomputed whole "
         f"{layer.whole_kib:.0f} KiB for {1e3 * layer.forward_s:.2f} ms (estimated)", WIDTH) + "\n"
