@@ -664,19 +664,6 @@ class BlockTimer:
         for observer in self.observing:
             observer.saw(t)
 
-    @contextmanager
-    def outside(self) -> Iterator[None]:
-        """While the step's pack hook runs: its operators (a copy, a count of zeros) are not
-        the observed blocks'."""
-        observing = list(self.observing)
-        for observer in observing:
-            observer.paused += 1
-        try:
-            yield
-        finally:
-            for observer in observing:
-                observer.paused -= 1
-
     def _stop(self, observer: Observer) -> None:
         """Take an observer off, and those entered after it (a call that raised)."""
         while self.observing:

@@ -510,7 +510,7 @@ class Observer(TorchDispatchMode):
         super().__init__()
         self.clock, self.device, self.keep = clock, device, keep
         self.choice = choice or Choice()  # the block's, made at :meth:`finish`
-        self.paused = 0  # while above 0, operators are not the block's (the step's pack hook)
+        self.paused = 0  # while above 0 (the step's pack hook runs), operators are not the block's
         self.start = clock.now()
         self.flow = Dataflow()
         self.place: dict[int, tuple[Any, int]] = {}  # each call's operator and count

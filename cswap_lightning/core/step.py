@@ -246,36 +246,38 @@ class Step:
 
     # forward ----------------------------------------------------------------------------
     def pack(self, saved: torch.Tensor) -> tuple | _Entry | _View:
-        blocks = self.blocks
-        if blocks is not None and blocks.observing:  # a measured step: not the blocks' work
-            with blocks.outside():
-                return self._pack(saved)
-        return self._pack(saved)
-
-    def _pack(self, saved: torch.Tensor) -> tuple | _Entry | _View:
-        plain = type(saved) is torch.Tensor
-        if self.idle and plain:
-            counted = self._count(saved, saved)
-            if counted is not None:
-                return counted
-        if _dynamo_callback() is not None:  # in a compiled module's eager fallback
-            return torch.compiler.disable(self._pack)(saved)
-        t, rebuild = (saved, None) if plain else unwrap(saved)
-        site = len(self.sizes)
-        if self.idle or site in self.untracked:  # a DTensor counts by its local shard
-            counted = self._count(saved, t)
-            if counted is not None:
-                return counted
-        move = self.untracked_moves.get(site)
-        if (move is not None and t.dtype is move.dtype and rebuild is None
-                and t.layout is _STRIDED and not t.is_nested):  # as the checked step's was
-            if of_a_leaf(t):  # a weight where the checked step moved a tensor: kept, tracked
-                self.other_graph = True
-            else:
-                storage = t.untyped_storage()
-                if storage.nbytes() == move.nbytes:
-                    return self._move(site, t, storage, move)
-        return self._track(saved, t, rebuild)
+        # On a measured step, what the hook runs (a copy, a count of zeros) is not the
+        # observed blocks' work (one frame: Dynamo is told to skip it).
+        observing = self.blocks.observing if self.blocks is not None else ()
+        for observer in observing:
+            observer.paused += 1
+        try:
+            plain = type(saved) is torch.Tensor
+            if self.idle and plain:
+                counted = self._count(saved, saved)
+                if counted is not None:
+                    return counted
+            if _dynamo_callback() is not None:  # in a compiled module's eager fallback
+                return torch.compiler.disable(self.pack)(saved)
+            t, rebuild = (saved, None) if plain else unwrap(saved)
+            site = len(self.sizes)
+            if self.idle or site in self.untracked:  # a DTensor counts by its local shard
+                counted = self._count(saved, t)
+                if counted is not None:
+                    return counted
+            move = self.untracked_moves.get(site)
+            if (move is not None and t.dtype is move.dtype and rebuild is None
+                    and t.layout is _STRIDED and not t.is_nested):  # as the checked step's was
+                if of_a_leaf(t):  # a weight where the checked step moved a tensor: kept
+                    self.other_graph = True
+                else:
+                    storage = t.untyped_storage()
+                    if storage.nbytes() == move.nbytes:
+                        return self._move(site, t, storage, move)
+            return self._track(saved, t, rebuild)
+        finally:
+            for observer in observing:
+                observer.paused -= 1
 
     def _count(self, saved: torch.Tensor, t: torch.Tensor) -> tuple | None:
         """Pack an untracked site: keep ``saved``, count ``t`` (its plain tensor); None
