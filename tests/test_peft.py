@@ -57,3 +57,38 @@ def test_lora_adapters_get_bitwise_gradients_and_frozen_weights_stay(plan):
     assert step.weight_bytes > 0  # the frozen base weights autograd saved stayed in place
     assert all(s.decision == "keep" for s in step.sites if s.reason in ("leaf", "view of a leaf",
                                                                         "parameter"))
+
+
+def test_lora_layers_below_the_layer_keep_the_adapters_sums_and_stay_bitwise(monkeypatch):
+    """Every layer of a LoRA Llama recomputed below the layer after the measured step: the
+    choice made there keeps each adapted projection's sum and rotary's outputs, so the
+    recomputation runs no matrix product, no sum and no rotary embedding again, only the
+    norms' and the MLP's elementwise work; the adapters' gradients are plain training's."""
+    from cswap_lightning.core import selective
+    from cswap_lightning.core.recompute import below, units
+
+    ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
+    plain = adapter_grads(None, ids)
+    ran: list[str] = []
+    real = selective.Recomputing._run
+
+    def run(self, func, args, kwargs):
+        ran.append(func.overloadpacket.__name__)
+        return real(self, func, args, kwargs)
+
+    monkeypatch.setattr(selective.Recomputing, "_run", run)
+    offloader = Offloader(CSwapConfig(plan="raw", min_bytes=0, budget=None, profile_steps=1))
+    model = lora_llama()
+    assert not offloader.watch(model).recompute(list(below(units(model))))
+    for step in range(3):
+        model.zero_grad(set_to_none=True)
+        ran.clear()
+        with offloader:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    offloader.close()
+    swapped = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+    assert plain.keys() == swapped.keys()
+    for name, grad in plain.items():
+        assert torch.equal(grad, swapped[name]), name
+    assert "silu" in ran and not {"mm", "addmm", "add", "cat", "neg"} & set(ran), ran
