@@ -80,7 +80,7 @@ def test_lora_layers_below_the_layer_keep_the_adapters_sums_and_stay_bitwise(mon
     offloader = Offloader(CSwapConfig(plan="raw", min_bytes=0, budget=None, profile_steps=1))
     model = lora_llama()
     assert not offloader.watch(model).recompute(list(below(units(model))))
-    for step in range(3):
+    for _ in range(3):  # measured, checking, checked: the last one's recomputation is seen
         model.zero_grad(set_to_none=True)
         ran.clear()
         with offloader:
