@@ -7,7 +7,8 @@ Host-bound on purpose: a Llama with tiny shapes (hidden 64, 2 heads, MLP 128, se
 fp32, random init) on one CPU thread, so a step is almost all Python and dispatch, the time
 a GPU waits for where the kernels are short. Each layer runs under the method (the
 embeddings, final norm and head plainly); "below" is ``core/selective.py`` as the engine runs
-it, without the step's hooks (``Region(None)``); "observed" is a plain step with the
+it, without the step's hooks (``Region(None)``), each layer's ``Choice`` made at its first
+step (what it keeps: the fewest bytes, so rotary runs no more); "observed" is a plain step with the
 ``Observer`` the engine's measured steps run over each layer; "floor" is the whole layer
 checkpointed with a dispatch mode that does nothing in forward and in the recomputation:
 what any design built on dispatch modes pays before doing anything.
@@ -46,7 +47,7 @@ from torch.utils.checkpoint import (
 )
 
 from cswap_lightning.commands.bench_step import result_meta, write_results
-from cswap_lightning.core.selective import Observer, Region
+from cswap_lightning.core.selective import Choice, Observer, Region
 from cswap_lightning.planning import ops
 from cswap_lightning.planning.profiler import Clock
 
@@ -69,9 +70,10 @@ def sac_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
             else CheckpointPolicy.PREFER_RECOMPUTE)
 
 
-def below_call(forward: Callable, *args, **kwargs):
-    """``forward`` recomputed below the layer, as ``recompute.checkpointed`` runs a block."""
-    region, first = Region(None), [True]
+def below_call(forward: Callable, choice: Choice, *args, **kwargs):
+    """``forward`` recomputed below the layer, as ``recompute.checkpointed`` runs a block
+    (``choice``: the layer's, made at its first call)."""
+    region, first = Region(None, choice=choice), [True]
 
     def body(*args, **kwargs):
         if first[0]:
@@ -123,7 +125,7 @@ def wrap(model: transformers.PreTrainedModel, method: str, observing: Observing)
             run = functools.partial(checkpoint, forward, use_reentrant=False, context_fn=(
                 functools.partial(create_selective_checkpoint_contexts, sac_policy)))
         elif method == "below":
-            run = functools.partial(below_call, forward)
+            run = functools.partial(below_call, forward, Choice())
         elif method == "floor":
             run = functools.partial(checkpoint, forward, use_reentrant=False, context_fn=lambda: (
                 Passing(), Passing()))
