@@ -361,12 +361,22 @@ class Twice(torch.nn.Module):
         return x.float()
 
 
-def test_a_layer_called_twice_under_autocast_is_bitwise_plain_training():
+def test_a_layer_called_twice_under_autocast_is_bitwise_plain_training(monkeypatch):
     """Only the kept operators are matched between the forward and its recomputation: the
     weight casts the recomputation of the second call runs again (not cached there) were
-    counted as operators its forward never ran."""
+    counted as operators its forward never ran. Nor do the casts count between the two
+    calls' forwards: the layer's choice holds for both."""
+    again = []
+    real = selective.Choice.check
+
+    def check(self, flow):
+        real(self, flow)
+        again.extend([self] if self.kept is None else [])
+
+    monkeypatch.setattr(selective.Choice, "check", check)
     calls = bitwise_below(Twice())
     assert sum(len(c.kept) for c in calls if c.elementwise_s is not None) > 0
+    assert not again
 
 
 MOE = dict(LLAMAISH, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.1,

@@ -214,7 +214,7 @@ class Choice:
 
     def __init__(self) -> None:
         self.kept: frozenset[tuple[Any, int]] | None = None
-        self.funcs: tuple[Any, ...] = ()  # the forward's operators it was made from
+        self.funcs: tuple[Any, ...] = ()  # the forward's operators it was made from (``_operators``)
 
     def make(self, flow: Dataflow, given: set[int], returned: Sequence[torch.Tensor],
              place: dict[int, tuple[Any, int]]) -> set[int]:
@@ -223,14 +223,20 @@ class Choice:
         cut = flow.cut(given, returned)
         if flow.saving and not flow.blind:
             self.kept = frozenset(place[i] for i in cut)
-            self.funcs = tuple(c.func for c in flow.calls)
+            self.funcs = _operators(flow)
         return cut
 
     def check(self, flow: Dataflow) -> None:
         """A forward recomputed by this choice ran ``flow``: where it ran other operators
         than the one the choice was made from, the next one chooses again."""
-        if tuple(c.func for c in flow.calls) != self.funcs:
+        if _operators(flow) != self.funcs:
             self.kept = None
+
+
+def _operators(flow: Dataflow) -> tuple[Any, ...]:
+    """The operators a forward ran, in order, casts apart (autocast casts a weight in one call
+    of a block and finds it cached in the next)."""
+    return tuple(c.func for c in flow.calls if not ops.facts(c.func).cast)
 
 
 class Region:
