@@ -223,20 +223,11 @@ def test_ways_compare_the_mix_with_checkpointing(tiny_llama):
     assert chosen.step_s <= base[1].step_s * 1.001  # never slower than checkpointing
 
 
-def test_the_trace_keeps_below_the_layer_what_the_engine_keeps(tiny_llama):
-    """What recomputing each layer below the layer keeps, traced on the meta device (its
-    input, the outputs of its matmuls and attention), is what the engine's block timer saw
-    on the CPU, but the attention's random-number seeds, which only CUDA's fused kernels
-    return; and the layer's elementwise share of its forward is the estimate's cost of it."""
+def kept_below(model: torch.nn.Module) -> list[tuple[int, list[int]]]:
+    """What the engine's block timer saw each layer of ``model`` recomputed below the layer
+    would keep, on the CPU (its input's bytes, then each kept output's)."""
     import cswap_lightning as cswap
 
-    est = estimate(Setup(tiny_llama, 32, 2, dtype=torch.float32), device("h100-pcie"))
-    traced = [(layer["input_bytes"], [n for n in layer["kept"] if n > 16])
-              for layer in est.profile["layers"]]
-    config = transformers.LlamaConfig(**{k: v for k, v in TINY_LLAMA.items()
-                                         if k != "model_type"})
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
     ids = torch.randint(0, 256, (2, 32))
     off = cswap.Offloader(cswap.CSwapConfig(plan="keep", budget=None)).watch(model)
     for _ in range(2):  # the first is measured: its block calls are read at the next
@@ -245,6 +236,30 @@ def test_the_trace_keeps_below_the_layer_what_the_engine_keeps(tiny_llama):
         loss.backward()
     seen = [(c.input_bytes, list(c.kept)) for c in off.block_calls if c.elementwise_s is not None]
     off.close()
+    return seen
+
+
+def traced_below(est) -> list[tuple[int, list[int]]]:
+    """The same, traced on the meta device, but the attention's random-number seeds, which
+    only CUDA's fused kernels return."""
+    return [(layer["input_bytes"], [n for n in layer["kept"] if n > 16])
+            for layer in est.profile["layers"]]
+
+
+def tiny_llama_model() -> torch.nn.Module:
+    config = transformers.LlamaConfig(**{k: v for k, v in TINY_LLAMA.items()
+                                         if k != "model_type"})
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def test_the_trace_keeps_below_the_layer_what_the_engine_keeps(tiny_llama):
+    """What recomputing each layer below the layer keeps (its input, the fewest bytes that
+    make what backward reads: rotary's outputs, attention's, the residual sum, gate and up),
+    traced on the meta device, is what the engine's block timer saw on the CPU; and the
+    layer's elementwise share of its forward is the estimate's cost of it."""
+    est = estimate(Setup(tiny_llama, 32, 2, dtype=torch.float32), device("h100-pcie"))
+    traced, seen = traced_below(est), kept_below(tiny_llama_model())
     assert traced == seen and len(seen) == 2
     w = est.workload()
     layers = [b for b in w.blocks if b.below is not None]
@@ -253,3 +268,23 @@ def test_the_trace_keeps_below_the_layer_what_the_engine_keeps(tiny_llama):
         forward = sum(op.forward_s for op in w.ops[block.ops.start:block.ops.stop])
         assert 0 < block.below.seconds < forward
         assert block.below.kept == (layer["input_bytes"], *layer["kept"])
+
+
+def test_with_lora_the_trace_keeps_below_the_layer_what_the_engine_keeps(tiny_llama):
+    """peft's LoRA on every linear layer: each adapted projection's sum is kept (not the base
+    product), in the trace as by the engine, byte for byte, and no more than without LoRA
+    (the adapters' narrow products apart)."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = models.LoRA()
+    est = estimate(Setup(tiny_llama, 32, 2, dtype=torch.float32, lora=lora),
+                   device("h100-pcie"))
+    model = get_peft_model(tiny_llama_model(), LoraConfig(
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+        target_modules="all-linear"))
+    traced, seen = traced_below(est), kept_below(model)
+    assert traced == seen and len(seen) == 2
+    plain = traced_below(estimate(Setup(tiny_llama, 32, 2, dtype=torch.float32),
+                                  device("h100-pcie")))
+    narrow = 2 * 32 * lora.rank * 4  # an adapter's first product (batch, tokens, rank, fp32)
+    assert [sum(n for n in k if n != narrow) for _, k in traced] == [sum(k) for _, k in plain]
