@@ -246,11 +246,21 @@ def traced_below(est) -> list[tuple[int, list[int]]]:
             for layer in est.profile["layers"]]
 
 
-def tiny_llama_model() -> torch.nn.Module:
-    config = transformers.LlamaConfig(**{k: v for k, v in TINY_LLAMA.items()
-                                         if k != "model_type"})
+def tiny_llama_model(kind: str = "llama") -> torch.nn.Module:
+    """The tiny Llama's config as a model of ``kind`` (Qwen2: biased q, k and v)."""
+    config = transformers.AutoConfig.for_model(kind, **{k: v for k, v in TINY_LLAMA.items()
+                                                        if k != "model_type"})
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def test_a_qwen2_is_traced_below_the_layer_as_the_engine_keeps_it(config_file):
+    """Qwen2's biased projections (``addmm``) and rotary: the trace keeps what the engine
+    keeps."""
+    path = config_file("tiny-qwen2", {**TINY_LLAMA, "model_type": "qwen2"})
+    est = estimate(Setup(path, 32, 2, dtype=torch.float32), device("h100-pcie"))
+    traced, seen = traced_below(est), kept_below(tiny_llama_model("qwen2"))
+    assert traced == seen and len(seen) == 2
 
 
 def test_the_trace_keeps_below_the_layer_what_the_engine_keeps(tiny_llama):
