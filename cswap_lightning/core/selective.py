@@ -192,17 +192,8 @@ def settle(flow: Dataflow, kept: Sequence[tuple[int, Iterable[tuple[torch.Tensor
     it."""
     stay = staying([(tensors, cost) for _, tensors, cost in kept], returned)
     given = {i for (i, _, _), ok in zip(kept, stay, strict=True) if ok}
-    need = flow.needed(given=given)
-    return ([ok and need[i] for (i, _, _), ok in zip(kept, stay, strict=True)],
-            running(flow, given, need))
-
-
-def running(flow: Dataflow, given: set[int], need: list[bool] | None = None) -> list[bool]:
-    """For every call of ``flow``, whether a recomputation that gives back the outputs of
-    the calls ``given`` runs it (``need``: ``flow.needed(given=given)``, where known)."""
-    if need is None:
-        need = flow.needed(given=given)
-    return [i not in given and (need[i] or c.always) for i, c in enumerate(flow.calls)]
+    need = flow.needed(given)
+    return [ok and need[i] for (i, _, _), ok in zip(kept, stay, strict=True)], flow.runs(given)
 
 
 class Choice:
@@ -566,7 +557,7 @@ class Observer(TorchDispatchMode):
         cut = self.choice.make(
             flow, {i for (i, _, _), ok in zip(self.kept, stay, strict=True) if ok}, returned,
             self.place)
-        runs = running(flow, cut)
+        runs = flow.runs(cut)
         stamps = [stamp for i, stamp in self.stamps.items() if not runs[i]]
         self.kept, self.stamps, self.flow, self.place = [], {}, Dataflow(), {}
         self.counts.clear()

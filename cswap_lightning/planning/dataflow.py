@@ -113,16 +113,11 @@ class Dataflow:
         """Autograd saved ``t``: whatever wrote it is needed."""
         self._saved.update(self._writers.get(storage_key(t), ()))
 
-    def needed(self, dropped: Iterable[int] = (), given: Iterable[int] | None = None
-               ) -> list[bool]:
-        """Per call, whether the recomputation needs it (runs it, or gives its output back
-        where kept); ``dropped``: kept calls that are run again after all; ``given``: the
-        calls given back, in place of the kept ones."""
-        if given is None:
-            dropped = set(dropped)
-            given = {i for i, c in enumerate(self.calls) if c.kept and i not in dropped}
-        else:
-            given = set(given)
+    def needed(self, given: Iterable[int] | None = None) -> list[bool]:
+        """Per call, whether the recomputation needs it (runs it, or gives its output back);
+        ``given``: the calls whose outputs it gives back (None: those recorded as kept)."""
+        given = ({i for i, c in enumerate(self.calls) if c.kept} if given is None
+                 else set(given))
         if self.blind:
             return [True] * len(self.calls)
         need = [c.root for c in self.calls]
@@ -133,6 +128,13 @@ class Dataflow:
                 for d in self.calls[i].deps:
                     need[d] = True
         return need
+
+    def runs(self, given: Iterable[int]) -> list[bool]:
+        """Per call, whether a recomputation that gives back the outputs of the calls
+        ``given`` runs it: needed and not given back, or run in any case."""
+        given = set(given)
+        need = self.needed(given)
+        return [i not in given and (need[i] or c.always) for i, c in enumerate(self.calls)]
 
     @property
     def saving(self) -> bool:

@@ -218,16 +218,15 @@ class _Ledger(TorchDispatchMode):
         calls = [(i, cost) for i, cost in forward.kept.items() if i not in made]
         dear = ops.dear([cost for _, cost in calls])
         given = {i for (i, _), ok in zip(calls, dear, strict=True) if ok}
-        need = flow.needed(given=given)
+        need = flow.needed(given)
         chosen = flow.cut({i for i in given if need[i]}, returned)
         for i in sorted(chosen):
             call = flow.calls[i]
             kept.kept.extend(call.sizes)
             if call.sizes and max(call.sizes) >= max(kept.kept):
                 kept.dtype = str(call.dtype).removeprefix("torch.")
-        runs = flow.needed(given=chosen)
-        for i, (call, kernel) in enumerate(zip(flow.calls, forward.kernels, strict=True)):
-            if kernel is not None and i not in chosen and (runs[i] or call.always):
+        for kernel, runs in zip(forward.kernels, flow.runs(chosen), strict=True):
+            if kernel is not None and runs:
                 self.trace.kernels[kernel] = replace(self.trace.kernels[kernel], again=True)
 
     def _allocated(self, storage: torch.UntypedStorage) -> None:
