@@ -664,6 +664,18 @@ class BlockTimer:
         for observer in self.observing:
             observer.saw(t)
 
+    def outside(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` with the blocks observed now paused: the step's own work (its pack
+        hook's copies and counts) is not theirs."""
+        observing = list(self.observing)
+        for observer in observing:
+            observer.paused += 1
+        try:
+            return fn(*args)
+        finally:
+            for observer in observing:
+                observer.paused -= 1
+
     def _stop(self, observer: Observer) -> None:
         """Take an observer off, and those entered after it (a call that raised)."""
         while self.observing:

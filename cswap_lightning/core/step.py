@@ -246,38 +246,29 @@ class Step:
 
     # forward ----------------------------------------------------------------------------
     def pack(self, saved: torch.Tensor) -> tuple | _Entry | _View:
-        # On a measured step, what the hook runs (a copy, a count of zeros) is not the
-        # observed blocks' work (one frame: Dynamo is told to skip it).
-        observing = self.blocks.observing if self.blocks is not None else ()
-        for observer in observing:
-            observer.paused += 1
-        try:
-            plain = type(saved) is torch.Tensor
-            if self.idle and plain:
-                counted = self._count(saved, saved)
-                if counted is not None:
-                    return counted
-            if _dynamo_callback() is not None:  # in a compiled module's eager fallback
-                return torch.compiler.disable(self.pack)(saved)
-            t, rebuild = (saved, None) if plain else unwrap(saved)
-            site = len(self.sizes)
-            if self.idle or site in self.untracked:  # a DTensor counts by its local shard
-                counted = self._count(saved, t)
-                if counted is not None:
-                    return counted
-            move = self.untracked_moves.get(site)
-            if (move is not None and t.dtype is move.dtype and rebuild is None
-                    and t.layout is _STRIDED and not t.is_nested):  # as the checked step's was
-                if of_a_leaf(t):  # a weight where the checked step moved a tensor: kept
-                    self.other_graph = True
-                else:
-                    storage = t.untyped_storage()
-                    if storage.nbytes() == move.nbytes:
-                        return self._move(site, t, storage, move)
-            return self._track(saved, t, rebuild)
-        finally:
-            for observer in observing:
-                observer.paused -= 1
+        plain = type(saved) is torch.Tensor
+        if self.idle and plain:
+            counted = self._count(saved, saved)
+            if counted is not None:
+                return counted
+        if _dynamo_callback() is not None:  # in a compiled module's eager fallback
+            return torch.compiler.disable(self.pack)(saved)
+        t, rebuild = (saved, None) if plain else unwrap(saved)
+        site = len(self.sizes)
+        if self.idle or site in self.untracked:  # a DTensor counts by its local shard
+            counted = self._count(saved, t)
+            if counted is not None:
+                return counted
+        move = self.untracked_moves.get(site)
+        if (move is not None and t.dtype is move.dtype and rebuild is None
+                and t.layout is _STRIDED and not t.is_nested):  # as the checked step's was
+            if of_a_leaf(t):  # a weight where the checked step moved a tensor: kept, tracked
+                self.other_graph = True
+            else:
+                storage = t.untyped_storage()
+                if storage.nbytes() == move.nbytes:
+                    return self._move(site, t, storage, move)
+        return self._track(saved, t, rebuild)
 
     def _count(self, saved: torch.Tensor, t: torch.Tensor) -> tuple | None:
         """Pack an untracked site: keep ``saved``, count ``t`` (its plain tensor); None
@@ -323,6 +314,14 @@ class Step:
             self.timer.packed(site)
         if self.blocks is not None and self.blocks.observing:  # a measured step
             self.blocks.saw(t)
+            # what placing it runs (a count of zeros, a copy) is not the observed blocks'
+            return self.blocks.outside(self._place, saved, t, stats, rebuild)
+        return self._place(saved, t, stats, rebuild)
+
+    def _place(self, saved: torch.Tensor, t: torch.Tensor, stats: SiteStats,
+               rebuild: Callable | None) -> tuple | _Entry | _View:
+        """Keep, share or move a tracked site, as the plan says."""
+        site = stats.site
         stats.reason = skip_reason(t, self.min_bytes)
         if stats.reason:
             if stats.reason in ("small", "view of larger storage"):
