@@ -185,15 +185,13 @@ def staying(calls: Sequence[tuple[Iterable[tuple[torch.Tensor, int]], float]],
 
 
 def settle(flow: Dataflow, kept: Sequence[tuple[int, Iterable[tuple[torch.Tensor, int]], float]],
-           returned: Sequence[torch.Tensor]) -> tuple[list[bool], list[bool]]:
-    """Once a block returned the tensors ``returned``, for its kept calls (each: its call in
-    ``flow``, its outputs with their versions, its work per byte), which stay kept
-    (``staying``, and needed); and for every call of ``flow``, whether its recomputation runs
-    it."""
+           returned: Sequence[torch.Tensor]) -> list[bool]:
+    """Once a block returned the tensors ``returned``, which of its kept calls (each: its call
+    in ``flow``, its outputs with their versions, its work per byte) stay kept: ``staying``,
+    and needed."""
     stay = staying([(tensors, cost) for _, tensors, cost in kept], returned)
-    given = {i for (i, _, _), ok in zip(kept, stay, strict=True) if ok}
-    need = flow.needed(given)
-    return [ok and need[i] for (i, _, _), ok in zip(kept, stay, strict=True)], flow.runs(given)
+    need = flow.needed(i for (i, _, _), ok in zip(kept, stay, strict=True) if ok)
+    return [ok and need[i] for (i, _, _), ok in zip(kept, stay, strict=True)]
 
 
 class Choice:
@@ -208,12 +206,14 @@ class Choice:
         self.funcs: tuple[Any, ...] = ()  # the forward's operators it was made from (``_operators``)
 
     def make(self, flow: Dataflow, given: set[int], returned: Sequence[torch.Tensor],
-             place: dict[int, tuple[Any, int]]) -> set[int]:
+             calls: dict[Any, list[int]]) -> set[int]:
         """Choose from a forward (its ``flow``, the calls whose outputs it would keep before
-        the cut, the tensors it returned, each call's operator and count): the calls kept."""
+        the cut, the tensors it returned, each operator's calls in the flow but casts): the
+        calls kept."""
         cut = flow.cut(given, returned)
         if flow.saving and not flow.blind:
-            self.kept = frozenset(place[i] for i in cut)
+            self.kept = frozenset((func, n) for func, indices in calls.items()
+                                  for n, i in enumerate(indices) if i in cut)
             self.funcs = _operators(flow)
         return cut
 
@@ -266,17 +266,14 @@ class Region:
         (``dataflow.py``); pass the rest through the step's pack hook, in the order made.
         The block's first forward makes its ``Choice``."""
         returned = _returned(output)
-        stay, runs = settle(self.flow, [(k.index, k.tensors(), k.cost) for k in self.made],
-                            returned)
+        stay = settle(self.flow, [(k.index, k.tensors(), k.cost) for k in self.made], returned)
+        given = {k.index: k for k, ok in zip(self.made, stay, strict=True) if ok}
         if self.choice is not None:
             if self.chosen is None:
-                given = {k.index for k, ok in zip(self.made, stay, strict=True) if ok}
-                place = {i: (func, n) for func, calls in self.calls.items()
-                         for n, i in enumerate(calls)}
-                self.choice.make(self.flow, given, returned, place)
+                self.choice.make(self.flow, set(given), returned, self.calls)
             else:
                 self.choice.check(self.flow)
-        given = {k.index: k for k, ok in zip(self.made, stay, strict=True) if ok}
+        runs = self.flow.runs(given)
         for calls in self.calls.values():
             calls[:] = [given.get(i) or (None if runs[i] else self.dead[i]) for i in calls]
         self.made = [k for k, ok in zip(self.made, stay, strict=True) if ok]
@@ -510,8 +507,7 @@ class Observer(TorchDispatchMode):
         self.paused = 0  # while above 0 (the step's pack hook runs), operators are not the block's
         self.start = clock.now()
         self.flow = Dataflow()
-        self.place: dict[int, tuple[Any, int]] = {}  # each call's operator and count
-        self.counts: dict[Any, int] = defaultdict(int)
+        self.calls: dict[Any, list[int]] = defaultdict(list)  # each operator's, casts apart
         # each kept call: its index in the flow, its outputs with their versions, work per byte
         self.kept: list[tuple[int, list[tuple[torch.Tensor, int]], float]] = []
         # the stamps before and after each kept matrix product, attention or convolution
@@ -537,8 +533,7 @@ class Observer(TorchDispatchMode):
         values = ops.leaves(out)
         index = self.flow.record(func, inputs, values, kept)
         if not facts.cast:
-            self.place[index] = (func, self.counts[func])
-            self.counts[func] += 1
+            self.calls[func].append(index)
         if timed:
             self.stamps[index] = (before, self.clock.now())
         if kept:
@@ -553,14 +548,13 @@ class Observer(TorchDispatchMode):
         stamps of the timed operators it would not run, and the block's start stamp: its
         recomputation costs its time but theirs."""
         flow, returned = self.flow, _returned(output)
-        stay, _ = settle(flow, self.kept, returned)
+        stay = settle(flow, self.kept, returned)
         cut = self.choice.make(
             flow, {i for (i, _, _), ok in zip(self.kept, stay, strict=True) if ok}, returned,
-            self.place)
+            self.calls)
         runs = flow.runs(cut)
         stamps = [stamp for i, stamp in self.stamps.items() if not runs[i]]
-        self.kept, self.stamps, self.flow, self.place = [], {}, Dataflow(), {}
-        self.counts.clear()
+        self.kept, self.stamps, self.flow, self.calls = [], {}, Dataflow(), defaultdict(list)
         kept = [flow.calls[i] for i in sorted(cut) if flow.calls[i].sizes]
         largest = max(kept, key=lambda c: max(c.sizes), default=None)
         dtype = "" if largest is None else str(largest.dtype).removeprefix("torch.")
