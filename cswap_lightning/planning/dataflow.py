@@ -92,21 +92,20 @@ class Dataflow:
             v is not None and not isinstance(v, torch.Tensor) for v in values)
         root = f.mutable or f.random or moved or not outputs or others
         always = not root and (f.view or aliases or f.cast)
-        made: dict[int, torch.Tensor] = {}
+        made: dict[int, tuple[int, torch.dtype]] = {}  # each storage it made: bytes, dtype
         for key, t in zip(keys, outputs, strict=True):
             if key not in read:
                 writers[key] = (index,)
-                made.setdefault(key, t)
+                if key not in made:
+                    made[key] = (t.untyped_storage().nbytes(), t.dtype)
             elif f.mutable:
                 first = writers.get(key, ())
                 if first:
                     self.calls[first[0]].changed = True
                 writers[key] = (*first, index)
-        sizes, dtype = (), None
-        if made:
-            sizes = tuple(t.untyped_storage().nbytes() for t in made.values())
-            dtype = max(made.values(), key=lambda t: t.untyped_storage().nbytes()).dtype
-        self.calls.append(Call(func, frozenset(deps), always, root, kept, sizes, dtype))
+        dtype = max(made.values(), key=lambda m: m[0], default=(0, None))[1]
+        self.calls.append(Call(func, frozenset(deps), always, root, kept,
+                               tuple(n for n, _ in made.values()), dtype))
         return index
 
     def saved(self, t: torch.Tensor) -> None:
@@ -161,7 +160,7 @@ class Dataflow:
         returned = self.makers(returned)
         n = len(self.calls)
         source, sink = 2 * n, 2 * n + 1
-        infinite = 1 + sum(map(sum, (c.sizes for c in self.calls)))
+        infinite = 1 + sum(sum(c.sizes) for c in self.calls)
         capacity: dict[int, dict[int, int]] = {v: {} for v in range(2 * n + 2)}
 
         def edge(u: int, v: int, c: int) -> None:
