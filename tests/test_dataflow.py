@@ -157,7 +157,7 @@ def test_the_trace_runs_again_what_the_engine_runs_again():
         meta = type(model)(cfg).to(torch.bfloat16)
     ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
     traced = trace(meta, lambda: meta(input_ids=ids, labels=ids, use_cache=False).loss, [ids])
-    again = [k for k in traced.kernels if k.layer == "model.layers.0" and k.again]
+    again = [k for k in traced.kernels if k.layer == "model.layers.0" and k.again[:1] == (True,)]
     assert len(again) == len(ran) and all(k.kind == "memory" for k in again)
 
 
@@ -269,3 +269,24 @@ def test_a_blind_flow_keeps_what_it_was_given():
     flow, _alive = chain()
     flow.blind = True
     assert flow.cut({0}) == {0}
+
+
+def test_a_weighted_cut_keeps_more_bytes_where_that_spares_more_work():
+    """mm -> times 2 (y) -> exp (z), both saved (exp saves its output, y read by a sin):
+    by bytes alone y is kept and exp runs again (its 64 bytes read, 64 written); once a byte
+    of that work weighs more than half a byte kept, z is kept beside y and nothing runs."""
+    flow = Dataflow()
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    a = x @ w
+    flow.call(aten.mm.default, (x, w), {}, a, kept=True)
+    y = a * 2
+    flow.call(aten.mul.Tensor, (a, 2), {}, y)
+    z = y.exp()
+    flow.call(aten.exp.default, (y,), {}, z)
+    flow.saved(y)
+    flow.saved(z)
+    assert flow.calls[2].touched == 2 * z.nbytes
+    assert flow.cut({0}) == flow.cut({0}, weight=0.4) == {1}
+    assert flow.runs({1}) == [False, False, True]
+    assert flow.cut({0}, weight=0.6) == {1, 2}
+    assert flow.runs({1, 2}) == [False, False, False]

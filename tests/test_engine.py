@@ -800,12 +800,14 @@ def test_a_scaled_block_call_keeps_the_host_time_of_its_recomputation_below_the_
     under them."""
     from cswap_lightning.core.learning import _scaled
     from cswap_lightning.core.recompute import BlockCall
+    from cswap_lightning.planning.workload import Below
 
-    call = BlockCall("layers.0", 0, 5, 1, 64, forward_s=0.010, elementwise_s=0.004)
+    call = BlockCall("layers.0", 0, 5, 1, 64, forward_s=0.010,
+                     below=(Below((64, 32), 0.004), Below((64, 96), 0.001, weight=0.2)))
     scaled = _scaled(call, 0.2)
     assert scaled.forward_s == pytest.approx(0.002)
-    assert scaled.elementwise_s == pytest.approx(0.004 + 0.008)
-    assert _scaled(replace(call, elementwise_s=None), 0.2).elementwise_s is None
+    assert [way.seconds for way in scaled.below] == pytest.approx([0.004 + 0.008, 0.001 + 0.008])
+    assert _scaled(replace(call, below=()), 0.2).below == ()
 
 
 @pytest.mark.gpu

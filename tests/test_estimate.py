@@ -6,6 +6,7 @@ in ``test_calibration.py``."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -223,9 +224,9 @@ def test_ways_compare_the_mix_with_checkpointing(tiny_llama):
     assert chosen.step_s <= base[1].step_s * 1.001  # never slower than checkpointing
 
 
-def kept_below(model: torch.nn.Module) -> list[tuple[int, list[int]]]:
+def kept_below(model: torch.nn.Module) -> list[tuple[int, list[list[int]]]]:
     """What the engine's block timer saw each layer of ``model`` recomputed below the layer
-    would keep, on the CPU (its input's bytes, then each kept output's)."""
+    would keep each way, on the CPU (its input's bytes, then each kept output's)."""
     import cswap_lightning as cswap
 
     ids = torch.randint(0, 256, (2, 32))
@@ -234,15 +235,16 @@ def kept_below(model: torch.nn.Module) -> list[tuple[int, list[int]]]:
         with off:
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
-    seen = [(c.input_bytes, list(c.kept)) for c in off.block_calls if c.elementwise_s is not None]
+    seen = [(c.input_bytes, [list(way.kept[1:]) for way in c.below])
+            for c in off.block_calls if c.below]
     off.close()
     return seen
 
 
-def traced_below(est) -> list[tuple[int, list[int]]]:
+def traced_below(est) -> list[tuple[int, list[list[int]]]]:
     """The same, traced on the meta device, but the attention's random-number seeds, which
     only CUDA's fused kernels return."""
-    return [(layer["input_bytes"], [n for n in layer["kept"] if n > 16])
+    return [(layer["input_bytes"], [[n for n in way["kept"] if n > 16] for way in layer["below"]])
             for layer in est.profile["layers"]]
 
 
@@ -272,12 +274,17 @@ def test_the_trace_keeps_below_the_layer_what_the_engine_keeps(tiny_llama):
     traced, seen = traced_below(est), kept_below(tiny_llama_model())
     assert traced == seen and len(seen) == 2
     w = est.workload()
-    layers = [b for b in w.blocks if b.below is not None]
+    layers = [b for b in w.blocks if b.below]
     assert [b.name for b in layers] == ["model.layers.0", "model.layers.1"]
     for block, layer in zip(layers, est.profile["layers"], strict=True):
         forward = sum(op.forward_s for op in w.ops[block.ops.start:block.ops.stop])
-        assert 0 < block.below.seconds < forward
-        assert block.below.kept == (layer["input_bytes"], *layer["kept"])
+        assert 0 < block.below[0].seconds < forward
+        for below, way in zip(block.below, layer["below"], strict=True):
+            assert below.kept == (layer["input_bytes"], *way["kept"])
+        # a heavier weight keeps more bytes and runs less again (the cuts are nested)
+        for lighter, heavier in itertools.pairwise(block.below):
+            assert sum(lighter.kept) <= sum(heavier.kept)
+            assert lighter.seconds >= heavier.seconds
 
 
 def test_with_lora_the_trace_keeps_below_the_layer_what_the_engine_keeps(tiny_llama):
@@ -297,4 +304,5 @@ def test_with_lora_the_trace_keeps_below_the_layer_what_the_engine_keeps(tiny_ll
     plain = traced_below(estimate(Setup(tiny_llama, 32, 2, dtype=torch.float32),
                                   device("h100-pcie")))
     narrow = 2 * 32 * lora.rank * 4  # an adapter's first product (batch, tokens, rank, fp32)
-    assert [sum(n for n in k if n != narrow) for _, k in traced] == [sum(k) for _, k in plain]
+    assert ([sum(n for n in k[0] if n != narrow) for _, k in traced]
+            == [sum(k[0]) for _, k in plain])

@@ -65,6 +65,8 @@ def test_a_gpt2_at_40_percent_recomputes_blocks_and_meets_the_budget_bitwise():
     stats = train(off, model, ids, steps=5)
     assert off.recomputed, off.recomputation and off.recomputation.mix.how
     assert off.recomputation.names == tuple(sorted(off.recomputed))
+    assert off.recomputer.weights == {n.removesuffix(BELOW): w for n, w
+                                      in off.recomputation.weights.items()}
     table = off.plan.table()
     assert "recompute" in table and "a prediction" in table
     assert off.plan.measured_peak is not None
@@ -88,7 +90,7 @@ def test_a_gpt2_recomputes_layers_or_their_activation_modules_within_the_budget(
     budget = int(level * keep_peak(model, ids))
     off = Offloader(CSwapConfig(budget=budget, profile_steps=1), link=SLOW_LINK)
     stats = train(off, model, ids, steps=4)
-    assert off.recomputed and len(off.recomputation.workloads) == 3
+    assert off.recomputed and len(off.recomputation.workloads) >= 3  # the ways below too
     layers = {n.removesuffix(BELOW) for n in off.recomputed if not n.endswith(".mlp.act")}
     assert len(layers) == len(off.recomputed) - sum(n.endswith(".mlp.act")
                                                     for n in off.recomputed)

@@ -21,6 +21,7 @@ from cswap_lightning.core import selective
 from cswap_lightning.core.recompute import BlockCall, below, units
 from cswap_lightning.core.selective import Region
 from cswap_lightning.planning import live, mix, ops, replay
+from cswap_lightning.planning.dataflow import WEIGHTS
 from cswap_lightning.planning.profiler import SiteProfile
 from cswap_lightning.planning.workload import BELOW, Below, Block, Op, Saved, Workload
 
@@ -46,14 +47,16 @@ def every_layer_below(model: torch.nn.Module) -> list[str]:
     return list(below(units(model)))
 
 
-def below_layers(built: Built, plan: str, steps: int = STEPS):
-    """Train ``built`` under ``plan`` with every layer recomputed below the layer after the
-    measured first step; the steps and the measured step's block calls."""
+def below_layers(built: Built, plan: str, steps: int = STEPS, weight: float = 0.0):
+    """Train ``built`` under ``plan`` with every layer recomputed below the layer (the cut
+    made with ``weight``) after the measured first step; the steps and the measured step's
+    block calls."""
     offloader = cswap.Offloader(cswap.CSwapConfig(plan=plan, min_bytes=0, profile_steps=1,
                                                   budget=None))
 
     def prepare(model: torch.nn.Module) -> None:
-        assert not offloader.watch(model).recompute(every_layer_below(model))
+        names = every_layer_below(model)
+        assert not offloader.watch(model).recompute(names, dict.fromkeys(names, weight))
 
     try:
         return train(built, steps, offloader, prepare), offloader.block_calls
@@ -72,7 +75,7 @@ def test_training_with_layers_recomputed_below_the_layer_is_bitwise_plain_traini
     measured, recomputed = steps[0].stats, steps[1].stats
     assert len(recomputed.sites) < len(measured.sites) / 2
     if plan != "keep":  # what the layers kept went through the engine's hooks, and moved
-        kept = sum(len(c.kept) for c in calls if c.elementwise_s is not None)
+        kept = sum(len(c.below[0].kept) - 1 for c in calls if c.below)  # but the input
         assert kept > 0
         assert sum(s.decision == plan for s in recomputed.sites) >= kept
 
@@ -103,23 +106,30 @@ def test_the_choice_made_on_the_measured_step_holds_for_every_recomputed_one(nam
     assert all(c.kept for c in made) and not again
 
 
+@pytest.mark.parametrize("way", range(len(WEIGHTS)))
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_the_ledger_holds_what_the_block_timer_said_recomputation_below_keeps(name):
+def test_the_ledger_holds_what_the_block_timer_said_recomputation_below_keeps(name, way):
     """On the measured step the block timer saw what each layer recomputed below the layer
-    would keep (its inputs and the outputs of its matmuls and attention); the next step
-    saves exactly those, as sites of the engine's, and the ledger's peak falls."""
-    built, _ = case(name)
-    steps, calls = below_layers(built, "keep")
+    would keep each way (its inputs and the outputs of its matmuls and attention, or what
+    spares work at the way's weight); recomputed that way, the next step saves exactly
+    those, as sites of the engine's, the ledger's peak falls, and training is bitwise."""
+    built, plain_steps = case(name)
+    steps, calls = below_layers(built, "keep", weight=WEIGHTS[way])
+    assert not differences(plain_steps, steps)
     measured, recomputed = steps[0].stats, steps[1].stats
-    layers = [c for c in calls if c.elementwise_s is not None]
-    assert len(layers) >= 2 and all(c.kept and c.elementwise_s > 0 for c in layers)
+    layers = [c for c in calls if c.below]
+    assert len(layers) >= 2 and all(len(c.below[way].kept) > 1 and c.below[way].seconds > 0
+                                    for c in layers)
     inside = sum(c.stop_site - c.first_site for c in layers)
-    sites = sum(c.input_tensors + len(c.kept) for c in layers)
+    sites = sum(c.input_tensors + len(c.below[way].kept) - 1 for c in layers)
     assert len(recomputed.sites) == len(measured.sites) - inside + sites
-    kept = sum(c.input_bytes + sum(c.kept) for c in layers)
+    kept = sum(sum(c.below[way].kept) for c in layers)
     plain = sum(s.nbytes for c in layers for s in measured.sites[c.first_site:c.stop_site]
                 if s.decision != "dedup" and s.reason in ("", "plan", "small"))
-    assert kept < 0.75 * plain
+    assert kept < (0.75 if way == 0 else 1.0) * plain
+    if way:  # a way of its own: more kept, less run again
+        assert all(sum(c.below[way].kept) > sum(c.below[0].kept)
+                   and c.below[way].seconds < c.below[0].seconds for c in layers)
     freed = measured.peak_resident_bytes - recomputed.peak_resident_bytes
     assert freed >= 0.9 * (plain - kept) / len(layers)
 
@@ -339,8 +349,8 @@ def test_an_output_returned_in_an_object_of_the_models_own_is_recomputed_not_kep
     the caller changed it before the recomputation needed it: the engine's version check
     raised where plain training runs)."""
     calls = bitwise_below(Returning())
-    layers = [c for c in calls if c.elementwise_s is not None]
-    assert layers and not any(c.kept for c in layers)  # the returned matmul output: not kept
+    layers = [c for c in calls if c.below]
+    assert layers and not any(c.below[0].kept[1:] for c in layers)  # the returned matmul output
 
 
 class Twice(torch.nn.Module):
@@ -375,7 +385,7 @@ def test_a_layer_called_twice_under_autocast_is_bitwise_plain_training(monkeypat
 
     monkeypatch.setattr(selective.Choice, "check", check)
     calls = bitwise_below(Twice())
-    assert sum(len(c.kept) for c in calls if c.elementwise_s is not None) > 0
+    assert sum(len(c.below[0].kept) - 1 for c in calls if c.below) > 0
     assert not again
 
 
@@ -423,6 +433,11 @@ def test_a_block_below_the_layer_is_named_after_it_and_never_beside_it_whole():
     assert offloader.recomputed == {"transformer.h.0", "transformer.h.1:elementwise"}
     with pytest.raises(ValueError, match="':elementwise'"):
         offloader.recompute(["transformer.h.0.mlp.act:elementwise"])
+    with pytest.raises(ValueError, match="'transformer.h.0', which is not chosen below"):
+        offloader.recompute(["transformer.h.0"], {"transformer.h.0": 0.2})
+    with pytest.raises(ValueError, match="at least 0.*-1"):
+        offloader.recompute(["transformer.h.1:elementwise"], {"transformer.h.1:elementwise": -1})
+    assert offloader.recomputed == {"transformer.h.0", "transformer.h.1:elementwise"}
     offloader.close()
 
 
@@ -454,7 +469,7 @@ def layer_and_head(kept: tuple[int, ...] = (2 * MB, 4 * MB)) -> Workload:
              Saved("head", "bfloat16", 20 * MB, 20 * MB, 3, False, False))
     ops_ = (Op("l", 0, range(3), 0.004, 0.008, 0, 0, 0),
             Op("head", 1, range(3, 4), 0.001, 0.001, 0, 0, 0))
-    blocks = (Block("l", range(1), True, below=Below(kept, 0.0005, "bfloat16")),
+    blocks = (Block("l", range(1), True, below=(Below(kept, 0.0005, "bfloat16"),)),
               Block("head", range(1, 2), False))
     return Workload("test", 1, saved, ops_, blocks, 0, 0, 0)
 
@@ -502,8 +517,8 @@ def test_the_planner_recomputes_a_layer_below_where_that_frees_enough_for_less()
     sizes = [MiB, 8 * MiB, 8 * MiB, MiB, MiB, 8 * MiB, 8 * MiB, MiB]
     profiles = [SiteProfile(k, (n // 4,), "float32", n, True, module=f"m{k}", forward_s=0.005,
                             backward_s=0.005) for k, n in enumerate(sizes)]
-    calls = [BlockCall("h.0", 0, 4, 1, MiB, 0.02, (MiB,), "float32", 0.001),
-             BlockCall("h.1", 4, 8, 1, MiB, 0.02, (MiB,), "float32", 0.001)]
+    calls = [BlockCall("h.0", 0, 4, 1, MiB, 0.02, (Below((MiB, MiB), 0.001),)),
+             BlockCall("h.1", 4, 8, 1, MiB, 0.02, (Below((MiB, MiB), 0.001),))]
     found = live.candidates(profiles, calls)
     assert len(found) == 2 and found[1].blocks[0].name == "h.0:elementwise"
     fast = replay.Link(1e12, 1e12, 1e13)
@@ -511,6 +526,27 @@ def test_the_planner_recomputes_a_layer_below_where_that_frees_enough_for_less()
     assert choice.names == ("h.0:elementwise",), choice.mix.how
     whole = live.choose_recompute(found, 13 * MiB, fast, replay.Engine(min_bytes=1 << 30))
     assert set(whole.names) == {"h.0", "h.1"}, whole.mix.how
+
+
+@pytest.mark.parametrize("heavier_s, weight", [(0.0002, 0.2), (0.002, 0.0)])
+def test_the_planner_takes_the_way_below_the_layer_that_costs_least_at_its_budget(
+        heavier_s, weight):
+    """Each layer's recomputation below the layer measured two ways: the fewest bytes kept
+    (1 MiB beside the input, 1 ms) and, weighed at 0.2, 3 MiB for ``heavier_s``. Both free
+    enough at the budget: the planner takes the cheaper, and tells the engine its weight."""
+    MiB = 1 << 20
+    sizes = [MiB, 8 * MiB, 8 * MiB, MiB, MiB, 8 * MiB, 8 * MiB, MiB]
+    profiles = [SiteProfile(k, (n // 4,), "float32", n, True, module=f"m{k}", forward_s=0.005,
+                            backward_s=0.005) for k, n in enumerate(sizes)]
+    ways = (Below((MiB, MiB), 0.001), Below((MiB, 3 * MiB), heavier_s, weight=0.2))
+    calls = [BlockCall("h.0", 0, 4, 1, MiB, 0.02, ways),
+             BlockCall("h.1", 4, 8, 1, MiB, 0.02, ways)]
+    found = live.candidates(profiles, calls)
+    assert [w.blocks[0].name for w in found] == ["h.0", "h.0:elementwise", "h.0:elementwise"]
+    fast = replay.Link(1e12, 1e12, 1e13)
+    choice = live.choose_recompute(found, 24 * MiB, fast, replay.Engine(min_bytes=1 << 30))
+    assert choice.names == ("h.0:elementwise",), choice.mix.how
+    assert choice.weights == {"h.0:elementwise": weight}
 
 
 # on a GPU ----------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from typing_extensions import Self
@@ -198,11 +198,15 @@ class Offloader:
         self.watched.watch(model)
         return self
 
-    def recompute(self, names: Iterable[str]) -> dict[str, str]:
+    def recompute(self, names: Iterable[str], weights: Mapping[str, float] | None = None
+                  ) -> dict[str, str]:
         """Run these blocks of the watched model (names from ``recomputer.units()``: a layer's
         or an activation module's qualified name, ``"features[0:5]"`` for a stage of an
-        ``nn.Sequential``) under checkpoint from the next step on, and no others; the
-        planner's call. Measured steps run them plainly and time every block
+        ``nn.Sequential``, a layer's name with ``":elementwise"`` for it below the layer)
+        under checkpoint from the next step on, and no others; the planner's call.
+        ``weights``: for a block below the layer, how much the work it runs again weighs
+        against the bytes it keeps (``planning.dataflow.WEIGHTS``; 0, the default: the fewest
+        bytes). Measured steps run them plainly and time every block
         (``block_calls``; ``recompute.renumbered`` says where their sites go). Returns the
         blocks skipped, with why (checkpointed by the model itself, measured changing an
         input in place, inside another block chosen). A changed set makes the next step
@@ -216,7 +220,7 @@ class Offloader:
         if self._hooks:
             raise RuntimeError("cswap: change the recomputed blocks between steps, not inside "
                                "the Offloader's block")
-        return self.watched.choose(list(names))
+        return self.watched.choose(list(names), weights)
 
     @property
     def recomputed(self) -> frozenset[str]:

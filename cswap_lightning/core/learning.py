@@ -394,7 +394,7 @@ class Learning:
         """Recompute the blocks of a choice made again, and measure with them."""
         if choice is not None and self.owner.recomputer is not None:
             self.owner.transfer.inflight_limit = self.planner.inflight_bytes
-            self.owner.recompute(choice.names)
+            self.owner.recompute(choice.names, choice.weights)
             self.measure_recomputed = bool(choice.names)
         self.new_epoch()
 
@@ -424,7 +424,7 @@ class Learning:
             self.owner.transfer.inflight_limit = self.planner.inflight_bytes
         if not choice.names:
             return False
-        skipped = self.owner.recompute(choice.names)
+        skipped = self.owner.recompute(choice.names, choice.weights)
         self.measure_recomputed = True
         _log.info("cswap: recomputing %d blocks (%s)%s; measuring again with them",
                   len(choice.names), choice.mix.how, f", skipped: {skipped}" if skipped else "")
@@ -571,10 +571,9 @@ def _scaled(call: BlockCall, scale: float) -> BlockCall:
     measured step did (on an H100 host-bound alike: Llama-3-8B's layers took 1.86x the plain
     step below the layer, 1.28x recomputed whole), and its forward under them runs longer
     than a plain one by what the scale takes off."""
-    if call.elementwise_s is None:
-        return replace(call, forward_s=call.forward_s * scale)
     return replace(call, forward_s=call.forward_s * scale,
-                   elementwise_s=call.elementwise_s + call.forward_s * (1 - scale))
+                   below=tuple(replace(way, seconds=way.seconds + call.forward_s * (1 - scale))
+                               for way in call.below))
 
 
 def hooks_idle(device: torch.device) -> bool:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -41,8 +41,9 @@ from torch import nn
 from torch.nn.modules.pooling import _AdaptiveMaxPoolNd, _MaxPoolNd
 from torch.utils.checkpoint import checkpoint
 
+from ..planning.dataflow import WEIGHTS
 from ..planning.profiler import Clock
-from ..planning.workload import BELOW
+from ..planning.workload import BELOW, Below
 from .compile import containers, is_compiled
 from .rerun import (
     Buffer,
@@ -164,8 +165,10 @@ class Recompute:
         # returned, named within its module (a stage's: within its nn.Sequential): its
         # recomputation is shown their values from before its first run.
         self.changed: dict[str, set[str]] = {}
-        # what each block's recomputations below the layer keep (by the block's name)
-        self.choices: dict[str, Choice] = {}
+        # what each block's recomputations below the layer keep, each way (by the block's
+        # name and the way's weight), and the weight each block is recomputed with
+        self.choices: dict[tuple[str, float], Choice] = {}
+        self.weights: dict[str, float] = {}
         self.armed = False
         self.hooks: tuple[Callable, Callable] | None = None  # the step's, when armed
         self.witness: Witness | None = None  # the step's, when armed
@@ -174,19 +177,25 @@ class Recompute:
     def model(self) -> nn.Module | None:
         return self._model()
 
-    def choice(self, block: str) -> Choice:
-        """What the block's recomputations below the layer keep (``selective.Choice``)."""
-        return self.choices.setdefault(block, Choice())
+    def choice(self, block: str, weight: float | None = None) -> Choice:
+        """What the block's recomputations below the layer keep (``selective.Choice``) with
+        ``weight`` (None: the one it is recomputed with)."""
+        if weight is None:
+            weight = self.weights.get(block, 0.0)
+        return self.choices.setdefault((block, weight), Choice(weight))
 
     def units(self) -> dict[str, Unit]:
         """The model's units (none once the model is gone)."""
         model = self.model
         return units(model) if model is not None else {}
 
-    def choose(self, names: Iterable[str]) -> dict[str, str]:
+    def choose(self, names: Iterable[str], weights: Mapping[str, float] | None = None
+               ) -> dict[str, str]:
         """Recompute these units (and no others) whenever armed (a block's name with
-        ``":elementwise"``: that block below the layer); returns the names skipped, with why.
-        Raises ``ValueError`` for a name that is no unit of the model."""
+        ``":elementwise"``: that block below the layer, kept as ``Dataflow.cut`` chooses with
+        the weight ``weights`` gives it, else 0: the fewest bytes); returns the names skipped,
+        with why. Raises ``ValueError`` for a name that is no unit of the model, or a weight
+        for a name not chosen below the layer."""
         found = self.units()
         found |= below(found)
         names = list(dict.fromkeys(names))
@@ -196,6 +205,17 @@ class Recompute:
                 f"cswap: {', '.join(map(repr, unknown))} is not a block this model can recompute; "
                 f"its blocks are {_listed(found)} (a block's name with {BELOW!r}: its "
                 "elementwise work only)")
+        weights = dict(weights or {})
+        stray = [n for n in weights if n not in names or not found[n].below]
+        if stray:
+            raise ValueError(f"cswap: weights given for {', '.join(map(repr, stray))}, which "
+                             f"{'is' if len(stray) == 1 else 'are'} not chosen below the layer; "
+                             f"name a chosen block with {BELOW!r}")
+        bad = {n: w for n, w in weights.items() if not w >= 0}
+        if bad:
+            raise ValueError(f"cswap: a weight is at least 0 (0: the fewest bytes kept), got "
+                             f"{bad}")
+        self.weights = {n.removesuffix(BELOW): float(w) for n, w in weights.items()}
         skipped = {n: reason for n in names if (reason := self._unfit(found[n]))}
         outer = [n for n in names if n not in skipped and found[n].span is None]
         for name in names:
@@ -525,9 +545,9 @@ class BlockCall:
     (``first_site`` to ``stop_site``, the step's site numbers), its tensor inputs (how many,
     their bytes: what recomputing it saves instead, as sites of their own where it starts),
     and its forward's seconds (CUDA events, or the host clock). For a block that can be
-    recomputed below the layer (``selective.Observer``): the bytes of each output that
-    recomputation keeps besides the inputs (the largest's dtype), and the seconds of its
-    other operators (None for the other units)."""
+    recomputed below the layer (``selective.Observer``): what that recomputation keeps
+    (its inputs, as one tensor, and the outputs kept) and costs, each way of
+    ``dataflow.WEIGHTS`` (none for the other units)."""
 
     name: str
     first_site: int
@@ -535,9 +555,7 @@ class BlockCall:
     input_tensors: int
     input_bytes: int
     forward_s: float
-    kept: tuple[int, ...] = ()
-    kept_dtype: str = ""
-    elementwise_s: float | None = None
+    below: tuple[Below, ...] = ()
 
 
 def renumbered(calls: list[BlockCall], chosen: Iterable[str], sites: int) -> dict[int, int]:
@@ -616,7 +634,8 @@ class BlockTimer:
             observer = None
             if observe:
                 observer = Observer(self.clock, self.clock.device,
-                                    choice=self.recompute.choice(name))
+                                    choices=[self.recompute.choice(name, weight)
+                                             for weight in WEIGHTS])
                 self.observing.append(observer.__enter__())
             open_calls.append((self.next_site(), versions, _State(buffers, parameters),
                                self.clock.now(), observer))
@@ -625,9 +644,9 @@ class BlockTimer:
             if torch.compiler.is_compiling() or not open_calls:
                 return
             first_site, versions, state, start, observer = open_calls.pop()
-            kept, dtype, runs, began = (), "", None, None
+            ways, timed, began = [], [], None
             if observer is not None:
-                kept, dtype, runs, began = observer.finish(output)
+                ways, timed, began = observer.finish(output)
                 self._stop(observer)
             if any(t._version != v for t, v in versions):
                 self.recompute.unfit[name] = "changes an input in place"
@@ -636,7 +655,7 @@ class BlockTimer:
             self.returned.append((name, probes, _State(buffers, parameters)))
             nbytes = sum(t.numel() * t.element_size() for t, _ in versions)
             self.stamps.append((name, first_site, self.next_site(), len(versions), nbytes,
-                                start, self.clock.now(), kept, dtype, runs, began))
+                                start, self.clock.now(), ways, timed, began))
 
         self.handles.append(modules[0].register_forward_pre_hook(before, with_kwargs=True))
         self.handles.append(modules[-1].register_forward_hook(after))
@@ -704,10 +723,21 @@ class BlockTimer:
         """Every unit call of the step, in order (read once the step's device work is done:
         on CUDA this waits for the stamps' events)."""
         self.returned = []
-        return [BlockCall(*call, self.clock.seconds(start, end), kept, dtype,
-                          None if runs is None else max(self.clock.seconds(began, end) - sum(
-                              self.clock.seconds(*run) for run in runs), 0.0))
-                for *call, start, end, kept, dtype, runs, began in self.stamps]
+        if not self.stamps:
+            return []
+        seconds = self.clock.seconds
+        calls = []
+        for *call, start, end, ways, timed, began in self.stamps:
+            below = ()
+            if began is not None:
+                untimed = max(seconds(began, end) - sum(seconds(*t) for t in timed), 0.0)
+                below = tuple(
+                    Below((call[-1], *way.kept),
+                          way.share * untimed + sum(seconds(*t) for t in way.stamps),
+                          way.dtype or "float32", weight)
+                    for weight, way in zip(WEIGHTS, ways, strict=True))
+            calls.append(BlockCall(*call, seconds(start, end), below))
+        return calls
 
 
 def _named_within(root: nn.Module, unit: Unit) -> list[tuple[str, nn.Module]]:

@@ -28,7 +28,9 @@ are where a later tensor of no more bytes serves: a block's ``Choice`` keeps the
 that make what autograd saved, the latest of equally few (``Dataflow.cut``), so rotary
 embedding's query and key are kept instead of the projections they are made from, a LoRA
 adapter's sum instead of the base product, a norm's input instead of the product and the
-residual sum that make it, and the elementwise work between does not run again. The choice
+residual sum that make it, and the elementwise work between does not run again; a choice
+made with a weight (the planner's, where memory is less dear than time) keeps more bytes
+where that spares more work run again (a norm's outputs). The choice
 is made once per block from a forward the engine observed on a measured step (``Observer``),
 else from the block's first recomputed forward (which keeps its products' outputs), and
 names each kept call by operator and count. Where a call is not run, its outputs are
@@ -60,7 +62,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..planning import ops
-from ..planning.dataflow import Dataflow, storage_key
+from ..planning.dataflow import WEIGHTS, Dataflow, storage_key
 
 Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
 
@@ -199,9 +201,14 @@ class Choice:
     call by operator and count among the block's calls of that operator (casts apart), or
     None before it is made: from a forward the engine observed (``Observer``), else from the
     first recomputed one, which keeps its matrix products' outputs. A recomputed forward that
-    runs other operators than the one it was made from makes the next one choose again."""
+    runs other operators than the one it was made from makes the next one choose again.
+    ``weight``: the cut's weight of the work run again against the bytes kept."""
 
-    def __init__(self) -> None:
+    def __init__(self, weight: float = 0.0) -> None:
+        if not weight >= 0:
+            raise ValueError(f"a choice's weight is at least 0 (0: the fewest bytes kept), "
+                             f"got {weight!r}")
+        self.weight = weight
         self.kept: frozenset[tuple[Any, int]] | None = None
         self.funcs: tuple[Any, ...] = ()  # the forward's operators it was made from (``_operators``)
 
@@ -210,7 +217,7 @@ class Choice:
         """Choose from a forward (its ``flow``, the calls whose outputs it would keep before
         the cut, the tensors it returned, each operator's calls in the flow but casts): the
         calls kept."""
-        cut = flow.cut(given, returned)
+        cut = flow.cut(given, returned, self.weight)
         if flow.saving and not flow.blind:
             self.kept = frozenset((func, n) for func, indices in calls.items()
                                   for n, i in enumerate(indices) if i in cut)
@@ -487,23 +494,38 @@ _DIFFERENT = ("cswap: recomputing a block below the layer, its forward ran diffe
               "recompute the block whole instead")
 
 
+class Way(NamedTuple):
+    """What recomputing a block below the layer one way (its ``Choice``) keeps and runs
+    again, seen by an ``Observer``: the bytes of each storage kept, the dtype of the largest,
+    the share of its untimed operators' traffic it runs again, and the (start, end) stamps of
+    the timed operators it runs again."""
+
+    kept: tuple[int, ...]
+    dtype: str
+    share: float
+    stamps: list[tuple[Any, Any]]
+
+
 class Observer(TorchDispatchMode):
-    """What recomputing a block below the layer would keep and cost, seen while it runs
-    plainly (the engine's measured steps), and the block's ``Choice`` made from it: its
-    dataflow (the step's pack hook tells it what autograd saves: :meth:`saw`), each matrix
-    product's, attention's, convolution's and reduction's outputs (held until :meth:`finish`,
-    to see whether they were changed in place) and work per byte, and clock stamps before
-    and after each matrix product, attention and convolution; the block's time but that of
-    those its recomputation does not run is what it costs (counting the small reductions and
-    the elementwise operators it does not run again either: a stamp around every operator
-    would cost more than it tells). Operators on another device than the block's (the
-    engine's copies to host memory) are not the block's."""
+    """What recomputing a block below the layer would keep and cost, each way, seen while it
+    runs plainly (the engine's measured steps), and the block's ``Choice`` for each way made
+    from it: its dataflow (the step's pack hook tells it what autograd saves: :meth:`saw`),
+    each matrix product's, attention's, convolution's and reduction's outputs (held until
+    :meth:`finish`, to see whether they were changed in place) and work per byte, and clock
+    stamps before and after each matrix product, attention and convolution. A way's
+    recomputation costs the timed operators it runs again and, of the block's other time, the
+    share of their traffic (bytes read and written) it runs again: a stamp around every
+    operator would cost more than it tells, and elementwise work takes time by its bytes.
+    Operators on another device than the block's (the engine's copies to host memory) are
+    not the block's."""
 
     def __init__(self, clock: Any, device: torch.device,
-                 keep: Callable[[Any], bool] = ops.kept, choice: Choice | None = None) -> None:
+                 keep: Callable[[Any], bool] = ops.kept,
+                 choices: Sequence[Choice] | None = None) -> None:
         super().__init__()
         self.clock, self.device, self.keep = clock, device, keep
-        self.choice = choice or Choice()  # the block's, made at :meth:`finish`
+        # the block's, one a way, made at :meth:`finish`
+        self.choices = choices or [Choice(weight) for weight in WEIGHTS]
         self.paused = 0  # while above 0 (the step's pack hook runs), operators are not the block's
         self.start = clock.now()
         self.flow = Dataflow()
@@ -542,20 +564,25 @@ class Observer(TorchDispatchMode):
                               ops.work_per_byte(func, args, kwargs, out)))
         return out
 
-    def finish(self, output: Any) -> tuple[tuple[int, ...], str, list[tuple[Any, Any]], Any]:
-        """After the block returned ``output``: the block's ``Choice`` made; the bytes of each
-        storage its recomputation keeps by it, the dtype of the largest, the (start, end)
-        stamps of the timed operators it would not run, and the block's start stamp: its
-        recomputation costs its time but theirs."""
+    def finish(self, output: Any) -> tuple[list[Way], list[tuple[Any, Any]], Any]:
+        """After the block returned ``output``: the block's choices made; each one's ``Way``,
+        the stamps of every timed operator, and the block's start stamp."""
         flow, returned = self.flow, _returned(output)
         stay = settle(flow, self.kept, returned)
-        cut = self.choice.make(
-            flow, {i for (i, _, _), ok in zip(self.kept, stay, strict=True) if ok}, returned,
-            self.calls)
-        runs = flow.runs(cut)
-        stamps = [stamp for i, stamp in self.stamps.items() if not runs[i]]
+        given = {i for (i, _, _), ok in zip(self.kept, stay, strict=True) if ok}
+        untimed = [i for i, c in enumerate(flow.calls) if i not in self.stamps and c.touched]
+        traffic = sum(flow.calls[i].touched for i in untimed)
+        ways = []
+        for choice in self.choices:
+            cut = choice.make(flow, given, returned, self.calls)
+            runs = flow.runs(cut)
+            kept = [flow.calls[i] for i in sorted(cut) if flow.calls[i].sizes]
+            largest = max(kept, key=lambda c: max(c.sizes), default=None)
+            again = sum(flow.calls[i].touched for i in untimed if runs[i])
+            ways.append(Way(tuple(n for c in kept for n in c.sizes),
+                            "" if largest is None else str(largest.dtype).removeprefix("torch."),
+                            again / traffic if traffic else 0.0,
+                            [stamp for i, stamp in self.stamps.items() if runs[i]]))
+        stamps = list(self.stamps.values())
         self.kept, self.stamps, self.flow, self.calls = [], {}, Dataflow(), defaultdict(list)
-        kept = [flow.calls[i] for i in sorted(cut) if flow.calls[i].sizes]
-        largest = max(kept, key=lambda c: max(c.sizes), default=None)
-        dtype = "" if largest is None else str(largest.dtype).removeprefix("torch.")
-        return tuple(n for c in kept for n in c.sizes), dtype, stamps, self.start
+        return ways, stamps, self.start

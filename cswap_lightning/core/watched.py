@@ -5,6 +5,7 @@ planner, or by hand), or run plainly and timed on a measured step."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 
 import torch
 
@@ -38,7 +39,8 @@ class Watched:
             self.recomputer = Recompute(model)
             self.learning.checked = None  # a new model: the next step tracks and checks
 
-    def choose(self, names: list[str]) -> dict[str, str]:
+    def choose(self, names: list[str], weights: Mapping[str, float] | None = None
+               ) -> dict[str, str]:
         """See ``Offloader.recompute``: its checks of the config and of the model."""
         if names and self.config.recompute == "off":
             raise ValueError(f"cswap: CSwapConfig.recompute is 'off', so no block is "
@@ -48,9 +50,9 @@ class Watched:
                 return {}
             raise ValueError("cswap: no model to recompute blocks of: call "
                              "Offloader.watch(model) first (the integrations do)")
-        before = set(self.recomputer.chosen)
-        skipped = self.recomputer.choose(names)
-        if set(self.recomputer.chosen) != before:
+        before = set(self.recomputer.chosen), dict(self.recomputer.weights)
+        skipped = self.recomputer.choose(names, weights)
+        if (set(self.recomputer.chosen), self.recomputer.weights) != before:
             self.learning.recheck()
         return skipped
 

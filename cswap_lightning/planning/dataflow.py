@@ -21,6 +21,12 @@ autograd saved must be made, and each call in between may be kept at the price o
 outputs' bytes. Of the sets of fewest bytes, the one nearest what backward reads is taken
 (found from the sink's side of a maximum flow), so equal bytes move past elementwise work:
 rotary embedding's outputs are kept, not the projections before it.
+
+The fewest bytes are not always the cheapest: a norm run again reads and writes about three
+times the bytes its outputs would keep. A cut may also weigh each call run again at the bytes
+it reads and writes times a ``weight``; each weight of ``WEIGHTS`` gives one way of
+recomputing a block, from the fewest bytes kept (0) to the least work run again, among which
+the planner chooses per block by the memory it has.
 """
 
 from __future__ import annotations
@@ -32,6 +38,10 @@ from dataclasses import dataclass
 import torch
 
 from . import ops
+
+# The weights of a call's traffic against the bytes kept (``Dataflow.cut``): each gives one
+# way of recomputing a block below the layer, the first the fewest bytes kept.
+WEIGHTS = (0.0, 0.2, 0.35)
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -51,6 +61,7 @@ class Call:
     sizes: tuple[int, ...] = ()  # the bytes of each storage it made
     dtype: torch.dtype | None = None  # of the largest
     changed: bool = False  # a later call changed one of them in place
+    touched: int = 0  # the bytes it reads and writes (none for an alias)
 
 
 class Dataflow:
@@ -104,8 +115,9 @@ class Dataflow:
                     self.calls[first[0]].changed = True
                 writers[key] = (*first, index)
         dtype = max(made.values(), key=lambda m: m[0], default=(0, None))[1]
+        touched = 0 if f.view or aliases else sum(t.nbytes for t in (*inputs, *outputs))
         self.calls.append(Call(func, frozenset(deps), always, root, kept,
-                               tuple(n for n, _ in made.values()), dtype))
+                               tuple(n for n, _ in made.values()), dtype, touched=touched))
         return index
 
     def saved(self, t: torch.Tensor) -> None:
@@ -145,7 +157,8 @@ class Dataflow:
         writers = self._writers
         return {writers[k][0] for k in map(storage_key, tensors) if k in writers}
 
-    def cut(self, given: Iterable[int], returned: Iterable[torch.Tensor] = ()) -> set[int]:
+    def cut(self, given: Iterable[int], returned: Iterable[torch.Tensor] = (),
+            weight: float = 0.0) -> set[int]:
         """The calls whose outputs a recomputation keeps with the fewest bytes, the latest of
         equally few: a minimum cut between the calls that may not run again (``given``: its
         matrix products, kept) and what it must make (what autograd saved, the roots). Where
@@ -153,14 +166,19 @@ class Dataflow:
         size (rotary embedding's query, a LoRA adapter's sum), that tensor is kept instead, so
         the elementwise work does not run again. A call cannot be kept that makes no bytes,
         must run anyway (views, casts, roots), or whose output was changed in place later or
-        is (a view of) what the block returned (``returned``); none where blind."""
+        is (a view of) what the block returned (``returned``); none where blind. ``weight``:
+        each call run again that need not be costs its ``touched`` bytes times it beside the
+        bytes kept (a norm's outputs are kept where running it again reads and writes more
+        than ``1 / weight`` times their bytes)."""
         given = set(given)
         if self.blind:
             return given
         returned = self.makers(returned)
         n = len(self.calls)
         source, sink = 2 * n, 2 * n + 1
-        infinite = 1 + sum(sum(c.sizes) for c in self.calls)
+        work = [0 if i in given or c.root or c.always else round(weight * c.touched)
+                for i, c in enumerate(self.calls)]
+        infinite = 1 + sum(sum(c.sizes) for c in self.calls) + sum(work)
         capacity: dict[int, dict[int, int]] = {v: {} for v in range(2 * n + 2)}
 
         def edge(u: int, v: int, c: int) -> None:
@@ -174,6 +192,8 @@ class Dataflow:
             if i in given:
                 edge(source, 2 * i, infinite)
             else:
+                if work[i]:  # paid where it runs again: on the sink's side
+                    edge(source, 2 * i, work[i])
                 for d in c.deps:
                     edge(2 * d + 1, 2 * i, infinite)
             if c.root:  # runs again, or is given back

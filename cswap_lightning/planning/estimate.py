@@ -25,6 +25,7 @@ from functools import cache
 import torch
 
 from . import models, trace
+from .dataflow import WEIGHTS
 from .devices import Device
 from .workload import Workload, from_profile
 
@@ -164,14 +165,15 @@ def _profile(traced: trace.Trace, device: Device, setup: Setup, spec: models.Mod
         times[kernel.module] = times.get(kernel.module, 0.0) + device.kernel_s(kernel)
     forward_ms, backward_ms = 1e3 * sum(forward.values()), 1e3 * sum(backward.values())
     # each layer's forward seconds, and those of what recomputing it below the layer runs
-    # again (``trace.Kernel.again``)
+    # again, each way (``trace.Kernel.again``)
     layers: dict[str, list[float]] = {}
     for kernel in traced.kernels:
         if kernel.layer:
-            times = layers.setdefault(kernel.layer, [0.0, 0.0])
+            times = layers.setdefault(kernel.layer, [0.0] * (1 + len(WEIGHTS)))
             seconds = device.kernel_s(kernel)
             times[0] += seconds
-            times[1] += seconds if kernel.again else 0.0
+            for way, again in enumerate(kernel.again):
+                times[1 + way] += seconds if again else 0.0
     shape = f"-s{setup.sequence}" if spec.sequence else ""
     return {
         "name": f"{spec.name}{shape}-b{setup.batch}", "estimate": True,
@@ -185,11 +187,14 @@ def _profile(traced: trace.Trace, device: Device, setup: Setup, spec: models.Mod
                      "backward_ms": 1e3 * backward.get(m, 0.0), "calls": traced.calls.get(m, 0),
                      "backward_allocated": traced.backward_allocated.get(m, [])}
                     for m in traced.modules],
-        # what recomputing each layer below the layer would keep and cost
+        # what recomputing each layer below the layer would keep and cost, each way
         "layers": [{"layer": name, "input_bytes": layer.input_bytes,
-                    "kept": layer.kept_bytes(), "kept_dtype": layer.dtype,
-                    "forward_ms": 1e3 * layers.get(name, [0.0, 0.0])[0],
-                    "elementwise_forward_ms": 1e3 * layers.get(name, [0.0, 0.0])[1]}
+                    "forward_ms": 1e3 * layers.get(name, [0.0])[0],
+                    "below": [{"weight": weight, "kept": layer.kept_bytes(way),
+                               "kept_dtype": layer.dtype[way],
+                               "elementwise_forward_ms":
+                                   1e3 * layers.get(name, [0.0] * (1 + len(WEIGHTS)))[1 + way]}
+                              for way, weight in enumerate(WEIGHTS)]}
                    for name, layer in traced.layers.items()]}
 
 

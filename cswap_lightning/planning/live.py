@@ -37,9 +37,7 @@ class BlockCall(Protocol):
     first_site: int
     stop_site: int
     input_bytes: int
-    kept: tuple[int, ...]
-    kept_dtype: str
-    elementwise_s: float | None
+    below: tuple[Below, ...]  # what recomputing it below the layer keeps and costs, each way
 
 
 def workload(profiles: Sequence[SiteProfile], calls: Sequence[BlockCall],
@@ -62,14 +60,14 @@ def workload(profiles: Sequence[SiteProfile], calls: Sequence[BlockCall],
         saved.append(Saved(p.module, p.dtype, p.nbytes, p.nbytes, storage, weight, held))
     block_of = [-1] * len(profiles)  # the recomputable block a site is in, or -1
     parent = [""] * len(profiles)  # the unit left out around a site (its nested ones taken)
-    named: list[tuple[str, Below | None]] = []
+    named: list[tuple[str, tuple[Below, ...]]] = []
     for call in sorted(calls, key=lambda c: (c.stop_site - c.first_site) if innermost
                        else c.first_site):
         sites = [index[s] for s in range(call.first_site, call.stop_site) if s in index]
         if sites and all(block_of[i] < 0 for i in sites):
             for i in sites:
                 block_of[i] = len(named)
-            named.append((call.name, _below(call)))
+            named.append((call.name, call.below))
         elif innermost:
             for i in sites:
                 parent[i] = parent[i] or call.name
@@ -95,15 +93,6 @@ def workload(profiles: Sequence[SiteProfile], calls: Sequence[BlockCall],
     return Workload(name, 1, tuple(saved), ops, tuple(blocks), beside_bytes + held, 0, 0)
 
 
-def _below(call: BlockCall) -> Below | None:
-    """What recomputing the call below the layer keeps (its inputs, as one tensor, and the
-    outputs measured) and costs; None where not measured."""
-    if call.elementwise_s is None:
-        return None
-    return Below((call.input_bytes, *call.kept), call.elementwise_s,
-                 call.kept_dtype or "float32")
-
-
 def by_site(w: Workload) -> Workload:
     """The same step with each op a block of its own, none recomputable: the units the
     planner swaps (the earliest sites first)."""
@@ -127,6 +116,13 @@ class Recomputation:
     codecs: tuple[mix.CodecOf, ...] = ()  # how blocks may travel compressed
 
     @property
+    def weights(self) -> dict[str, float]:
+        """The weight of each block recomputed below the layer: the way its recomputation
+        keeps (``dataflow.Dataflow.cut``)."""
+        return {block.name: block.selective.weight for block in self.workload.blocks
+                if block.name in self.names and block.selective is not None}
+
+    @property
     def inflight_bytes(self) -> int:
         """The bound on bytes in flight the chosen mix was replayed with."""
         return self.mix.inflight_bytes
@@ -143,13 +139,11 @@ def candidates(profiles: Sequence[SiteProfile], calls: Sequence[BlockCall],
     """The measured step with the outermost units of recomputation; where units nest, with
     the innermost (GPT-2's ``gelu_new`` saves four tensors for a fifth of its layer's
     forward time: recomputing it alone frees more bytes per second than the layer); and
-    where the blocks were measured for it, with each block recomputed below the layer or
-    whole (``Workload.with_below``)."""
+    where the blocks were measured for it, with each block recomputed below the layer (each
+    way: ``Workload.ways_below``) or whole."""
     outer = workload(profiles, calls, beside_bytes)
     inner = workload(profiles, calls, beside_bytes, innermost=True)
-    below = outer.with_below()
-    return (outer, *([inner] if inner.blocks != outer.blocks else []),
-            *([below] if below is not outer else []))
+    return (outer, *([inner] if inner.blocks != outer.blocks else []), *outer.ways_below())
 
 
 def block_codec(profiles: Sequence[SiteProfile], codec_for: Callable[[SiteProfile], str],

@@ -189,7 +189,8 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
             recomputed = sum(d.action == "recompute" and not d.swap_input
                              for d in chosen[1].blocks.values())
             how = (f"swap the earliest {swapped} blocks" + (" (below the layer)" if below else "")
-                   + f", recompute {recomputed}" + (" of the finest units" if n else ""))
+                   + f", recompute {recomputed}" + (" of the finest units" if n else "")
+                   + _weighed(*chosen))
             candidates[how] = (chosen, run(chosen))
             if k == 0:  # swapping more would only add link time
                 break
@@ -225,6 +226,14 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
                engine=engine, workload=w)
 
 
+def _weighed(workload: Workload, plan: Mix) -> str:
+    """How a mix's blocks recomputed below the layer keep, where not by the fewest bytes."""
+    weights = {block.selective.weight for block, decision in zip(
+        workload.blocks, plan.decisions(workload), strict=True)
+        if block.selective is not None and decision.action == "recompute"}
+    return f"; below the layer by weight {max(weights):g}" if any(weights) else ""
+
+
 def _units(workload: Workload) -> list[_Unit]:
     """Every recomputable block, and every parent cut into blocks as a whole, those that
     free the most bytes per second of recomputation first."""
@@ -242,13 +251,15 @@ def _bytes_per_second(workload: Workload, blocks: Sequence[int]) -> float:
     recomputation keeps: the first one's input, or below the layer what it keeps) per second
     of the recomputation."""
     block = workload.blocks[blocks[0]]
-    if len(blocks) == 1 and block.selective:
-        freed = saved_bytes(workload, blocks[0]) - sum(block.below.kept)
+    if len(blocks) == 1 and block.selective is not None:
+        freed = saved_bytes(workload, blocks[0]) - sum(block.selective.kept)
     else:
         kept = workload.block_input(blocks[0])
         freed = sum(saved_bytes(workload, b, but=kept) for b in blocks)
     seconds = sum(workload.blocks[b].recompute_s(workload.ops) for b in blocks)
-    return freed / seconds if seconds > 0 else float("inf")
+    if seconds > 0:
+        return freed / seconds
+    return float("inf") if freed > 0 else 0.0
 
 
 def saved_bytes(workload: Workload, block: int, but: int | None = None) -> int:

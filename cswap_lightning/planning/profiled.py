@@ -112,11 +112,10 @@ def unit_candidates(w: Workload, activations: bool = True) -> tuple[Workload, ..
     """``w`` with its blocks as units of recomputation; where its layers hold activation
     modules (and ``activations``), with those as the units instead; and where it knows what
     recomputing its layers below the layer keeps and costs, with each layer recomputed below
-    or whole (``Workload.with_below``)."""
+    (each way: ``Workload.ways_below``) or whole."""
     finer = w.with_units(lambda op: bool(_ACTIVATION.search(op.module)))
-    below = w.with_below()
     return (w, *([finer] if activations and finer.blocks != w.blocks else []),
-            *([below] if below is not w else []))
+            *w.ways_below())
 
 
 def predict_method(model: str, method: str, batch: int | None = None,

@@ -135,12 +135,13 @@ def first_layer(est: Estimate) -> Layer | None:
     """The estimated step's first layer that can be recomputed below the layer (None where
     the model has none)."""
     w = est.workload()
-    k = next((k for k, b in enumerate(w.blocks) if b.below is not None), None)
+    k = next((k for k, b in enumerate(w.blocks) if b.below), None)
     if k is None:
         return None
     block, kib = w.blocks[k], est.setup.sequence * est.setup.batch * 1024
-    return Layer(block.name, mix.saved_bytes(w, k) / kib, sum(block.below.kept) / kib,
-                 w.saved[w.block_input(k)].storage_nbytes / kib, block.below.seconds,
+    fewest = block.below[0]
+    return Layer(block.name, mix.saved_bytes(w, k) / kib, sum(fewest.kept) / kib,
+                 w.saved[w.block_input(k)].storage_nbytes / kib, fewest.seconds,
                  sum(op.forward_s for op in w.ops[block.ops.start:block.ops.stop]))
 
 

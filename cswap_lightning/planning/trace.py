@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import ops
-from .dataflow import Dataflow
+from .dataflow import WEIGHTS, Dataflow
 from .workload import layer_of
 
 ALLOCATOR_ROUND = 512  # CUDA's caching allocator hands out multiples of 512 bytes
@@ -62,23 +62,26 @@ class Kernel:
     bytes: int  # read and written
     dtype: torch.dtype
     layer: str = ""  # the layer (``workload.layer_of``) it ran in, in forward
-    again: bool = False  # recomputing its layer below the layer runs it again
+    # per weight of ``dataflow.WEIGHTS``, whether recomputing its layer below the layer
+    # that way runs it again
+    again: tuple[bool, ...] = ()
 
 
 @dataclass
 class Layer:
     """What recomputing a layer below the layer (``core/selective.py``) would keep: its
-    tensor inputs' bytes, and the bytes of each output its recomputation keeps
-    (``Dataflow.cut``: in place of its matrix products', attention's and reductions' outputs,
-    the fewest bytes that make what autograd saved), in the dtype of the largest."""
+    tensor inputs' bytes, and per weight of ``dataflow.WEIGHTS`` the bytes of each output its
+    recomputation keeps (``Dataflow.cut``: in place of its matrix products', attention's and
+    reductions' outputs, the fewest bytes that make what autograd saved, its work again
+    weighed in), in the dtype of the largest."""
 
     input_bytes: int = 0
-    kept: list[int] = field(default_factory=list)
-    dtype: str = ""
+    kept: list[list[int]] = field(default_factory=lambda: [[] for _ in WEIGHTS])
+    dtype: list[str] = field(default_factory=lambda: [""] * len(WEIGHTS))
 
-    def kept_bytes(self) -> list[int]:
-        """The bytes of what its recomputation keeps."""
-        return [n for n in self.kept if n]
+    def kept_bytes(self, way: int = 0) -> list[int]:
+        """The bytes of what its recomputation the ``way``-th way keeps."""
+        return [n for n in self.kept[way] if n]
 
 
 @dataclass
@@ -209,7 +212,8 @@ class _Ledger(TorchDispatchMode):
         """A layer returned ``output``: its recomputation keeps the outputs of the calls
         ``Dataflow.cut`` chooses, given those of its matrix products, attention and
         reductions it needs, none of what it returns nor what is far cheaper to make than
-        the rest (``ops.dear``); the kernels it runs again are marked (``Kernel.again``)."""
+        the rest (``ops.dear``), at each weight of ``WEIGHTS``; the kernels it runs again are
+        marked (``Kernel.again``)."""
         kept = self.trace.layers[layer]
         forward = self.forwards.pop(layer, _Forward())
         flow = forward.flow
@@ -219,15 +223,20 @@ class _Ledger(TorchDispatchMode):
         dear = ops.dear([cost for _, cost in calls])
         given = {i for (i, _), ok in zip(calls, dear, strict=True) if ok}
         need = flow.needed(given)
-        chosen = flow.cut({i for i in given if need[i]}, returned)
-        for i in sorted(chosen):
-            call = flow.calls[i]
-            kept.kept.extend(call.sizes)
-            if call.sizes and max(call.sizes) >= max(kept.kept):
-                kept.dtype = str(call.dtype).removeprefix("torch.")
-        for kernel, runs in zip(forward.kernels, flow.runs(chosen), strict=True):
-            if kernel is not None and runs:
-                self.trace.kernels[kernel] = replace(self.trace.kernels[kernel], again=True)
+        given = {i for i in given if need[i]}
+        runs = []
+        for way, weight in enumerate(WEIGHTS):
+            chosen = flow.cut(given, returned, weight)
+            kept_way = kept.kept[way]
+            for i in sorted(chosen):
+                call = flow.calls[i]
+                kept_way.extend(call.sizes)
+                if call.sizes and max(call.sizes) >= max(kept_way):
+                    kept.dtype[way] = str(call.dtype).removeprefix("torch.")
+            runs.append(flow.runs(chosen))
+        for kernel, again in zip(forward.kernels, zip(*runs, strict=True), strict=True):
+            if kernel is not None and any(again):
+                self.trace.kernels[kernel] = replace(self.trace.kernels[kernel], again=again)
 
     def _allocated(self, storage: torch.UntypedStorage) -> None:
         key = storage._cdata

@@ -20,7 +20,8 @@ allocator's bytes when a module's backward began, forward and backward without a
   (``features.0`` ...), each ending at a max-pool (the op that saves int64 indices). The ops
   before, between and after them form blocks that cannot be recomputed. Where the profile
   says (an estimate's ``layers``), a layer also knows what recomputing it below the layer
-  keeps and costs (``Below``; ``Workload.with_below`` weighs it).
+  keeps and costs, each way the cut weighs its work (``Below``; ``Workload.with_below``
+  weighs them).
 - **the allocator's other bytes**: what it holds beside the step's start (weights, the batch)
   and the saved tensors. In forward, an op's (measured at its saves: outputs not yet saved,
   temporaries). In backward, the weights' gradients made so far, plus the op's activation
@@ -86,38 +87,42 @@ class Op:
 
 @dataclass(frozen=True)
 class Below:
-    """What recomputing a block below the layer keeps and costs: the bytes of each tensor it
-    keeps (its inputs, then the outputs of its matrix products, attention and convolutions;
-    ``dtype``: theirs, as far as one is known), and the forward seconds of its other
-    operators, which it runs again."""
+    """What recomputing a block below the layer one way keeps and costs: the bytes of each
+    tensor it keeps (its inputs, then the outputs of its matrix products, attention and
+    convolutions, or of the calls the cut chose instead; ``dtype``: theirs, as far as one is
+    known), the forward seconds of the operators it runs again, and the weight of their work
+    its cut was made with (``dataflow.Dataflow.cut``)."""
 
     kept: tuple[int, ...]
     seconds: float
     dtype: str = "float32"
+    weight: float = 0.0
 
     def scaled(self, k: float) -> Below:
-        return Below(tuple(round(n * k) for n in self.kept), self.seconds * k, self.dtype)
+        return replace(self, kept=tuple(round(n * k) for n in self.kept),
+                       seconds=self.seconds * k)
 
 
 @dataclass(frozen=True)
 class Block:
     """Ops that activation checkpointing recomputes together (``recomputable``), or the ops
     before, between or after such blocks. ``below``: what recomputing it below the layer
-    would keep and cost, where known; ``selective``: recomputed, it runs below the layer
-    (``Workload.with_below``: its last op saves what that keeps)."""
+    would keep and cost each way (``dataflow.WEIGHTS``), where known; ``selective``:
+    recomputed, it runs below the layer this way (``Workload.with_below``: its last op saves
+    what that keeps)."""
 
     name: str
     ops: range  # indices into Workload.ops
     recomputable: bool
     parent: str = ""  # the unit this block was cut from (``Workload.with_units``), if any
-    below: Below | None = None
-    selective: bool = False
+    below: tuple[Below, ...] = ()
+    selective: Below | None = None
 
     def recompute_s(self, ops: Sequence[Op]) -> float:
         """What recomputing it costs: its forward once more, or below the layer, its
         elementwise part."""
-        if self.selective:
-            return self.below.seconds
+        if self.selective is not None:
+            return self.selective.seconds
         return sum(op.forward_s for op in ops[self.ops.start:self.ops.stop])
 
 
@@ -161,35 +166,48 @@ class Workload:
         """The storages a recomputation of the block keeps: below the layer, what its last op
         saves; else its input (``block_input``)."""
         b = self.blocks[block]
-        if b.selective:
+        if b.selective is not None:
             return tuple(self.saved[i].storage for i in self.ops[b.ops.stop - 1].saves)
         first = self.block_input(block)
         return () if first is None else (first,)
 
-    def with_below(self) -> Workload:
+    def with_below(self, way: int = 0) -> Workload:
         """The same step with each block that can be recomputed below the layer (``below``
-        known) doing so when recomputed, named ``block:elementwise``: an op after its last
-        saves what that keeps (``Saved.below``: only then), and the block as a whole is its
-        ``parent`` (``merged`` makes it whole again). Itself where no block is known."""
-        if not any(b.below is not None and b.recomputable for b in self.blocks):
+        known) doing so the ``way``-th way when recomputed, named ``block:elementwise``: an op
+        after its last saves what that keeps (``Saved.below``: only then), and the block as a
+        whole is its ``parent`` (``merged`` makes it whole again). Itself where no block is
+        known."""
+        if not any(len(b.below) > way and b.recomputable for b in self.blocks):
             return self
         saved, ops, blocks = list(self.saved), [], []
         for block in self.blocks:
             start = len(ops)
             for k in block.ops:
                 ops.append(replace(self.ops[k], block=len(blocks)))
-            if block.below is None or not block.recomputable:
+            if len(block.below) <= way or not block.recomputable:
                 blocks.append(replace(block, ops=range(start, len(ops))))
                 continue
+            below = block.below[way]
             first = len(saved)
-            saved += [Saved(f"{block.name} (kept)", block.below.dtype, n, n, first + j, False,
+            saved += [Saved(f"{block.name} (kept)", below.dtype, n, n, first + j, False,
                             False, True)
-                      for j, n in enumerate(block.below.kept)]
+                      for j, n in enumerate(below.kept)]
             ops.append(Op(f"{block.name} (kept)", len(blocks), range(first, len(saved)),
                           0.0, 0.0, 0, 0, 0))
             blocks.append(replace(block, name=f"{block.name}{BELOW}", ops=range(start, len(ops)),
-                                  parent=block.name, selective=True))
+                                  parent=block.name, selective=below))
         return replace(self, saved=tuple(saved), ops=tuple(ops), blocks=tuple(blocks))
+
+    def ways_below(self) -> tuple[Workload, ...]:
+        """The step with its blocks recomputed below the layer each way (``with_below``) but
+        those that keep and cost what an earlier way does; none where no block is known."""
+        out: dict[tuple, Workload] = {}
+        for way in range(max((len(b.below) for b in self.blocks), default=0)):
+            w = self.with_below(way)
+            same = tuple(b.selective and (b.selective.kept, b.selective.seconds)
+                         for b in w.blocks)
+            out.setdefault(same, w)
+        return tuple(out.values())
 
     def with_units(self, unit: Callable[[Op], bool]) -> Workload:
         """The same step with finer units of recomputation: each op for which ``unit`` holds
@@ -253,7 +271,8 @@ class Workload:
         ops = tuple(replace(op, forward_s=op.forward_s * k, backward_s=op.backward_s * k,
                             forward_other=size(op.forward_other),
                             backward_grads=size(op.backward_grads)) for op in self.ops)
-        blocks = tuple(b if b.below is None else replace(b, below=b.below.scaled(k))
+        blocks = tuple(replace(b, below=tuple(way.scaled(k) for way in b.below),
+                               selective=None if b.selective is None else b.selective.scaled(k))
                        for b in self.blocks)
         batch_bytes = sum(s.storage_nbytes for i, s in enumerate(self.saved)
                           if s.storage == i and s.held)
@@ -321,17 +340,20 @@ def from_profile(data: dict) -> Workload:
 
 def _with_layers(blocks: tuple[Block, ...], ops: Sequence[Op], layers: Sequence[dict]
                  ) -> tuple[Block, ...]:
-    """The blocks, each layer with what recomputing it below the layer keeps and costs where
-    the profile says (an estimate's ``layers``): its elementwise share of its forward."""
+    """The blocks, each layer with what recomputing it below the layer keeps and costs each
+    way, where the profile says (an estimate's ``layers``): its elementwise share of its
+    forward."""
     found = {layer["layer"]: layer for layer in layers}
     out = []
     for block in blocks:
         layer = found.get(block.name) if block.recomputable else None
         if layer and layer["forward_ms"] > 0:
-            share = layer["elementwise_forward_ms"] / layer["forward_ms"]
-            seconds = share * sum(op.forward_s for op in ops[block.ops.start:block.ops.stop])
-            block = replace(block, below=Below((layer["input_bytes"], *layer["kept"]), seconds,
-                                               layer["kept_dtype"] or "float32"))
+            forward_s = sum(op.forward_s for op in ops[block.ops.start:block.ops.stop])
+            block = replace(block, below=tuple(
+                Below((layer["input_bytes"], *way["kept"]),
+                      way["elementwise_forward_ms"] / layer["forward_ms"] * forward_s,
+                      way["kept_dtype"] or "float32", way["weight"])
+                for way in layer["below"]))
         out.append(block)
     return tuple(out)
 
