@@ -120,7 +120,8 @@ class CSwapConfig:
             transformer layers, ResNet bottlenecks, VGG stages) again in backward instead of
             keeping what they save, whole or below the layer (only their elementwise work,
             from the fewest bytes kept or swapped: their matmuls' and attention's outputs or
-            what the next operators read; ``Offloader.recompute``);
+            what the next operators read, or from more where that spares more work;
+            ``Offloader.recompute``);
             ``"off"`` never does.
     """
 

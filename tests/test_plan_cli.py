@@ -4,6 +4,7 @@ why."""
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 
@@ -55,18 +56,24 @@ def test_plan_with_lora_trains_the_adapters_only(config, capsys):
 
 def test_plan_says_what_a_layer_keeps_below_the_layer_and_weighs_a_lossy_codec(config, capsys):
     """The line under the memory table: a layer's saved bytes per token, and what recomputing
-    it below the layer (less) or whole (less still) keeps, and for how long."""
+    it below the layer (less; each way keeping more runs less again) or whole (less still)
+    keeps, and for how long."""
     assert cli.main(["plan", config, "--seq", "512", "--device", "h100-pcie", "--lossy", "int8",
                      "--no-search"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     found = re.search(r"a layer \((\S+)\) saves (\d+) KiB per token; recomputed below the "
                       r"layer .* it keeps (\d+) KiB per token for ([\d.]+) ms \((\d+)% of its "
-                      r"forward\), recomputed whole (\d+) KiB for ([\d.]+) ms \(estimated\)", out)
+                      r"forward\)(.*); recomputed whole (\d+) KiB for ([\d.]+) ms \(estimated\)",
+                      out)
     assert found, out
-    name, saved, below, below_ms, share, whole, whole_ms = found.groups()
+    name, saved, below, below_ms, share, heavier, whole, whole_ms = found.groups()
     assert name.endswith("layers.0")
     assert int(whole) < int(below) < int(saved)
     assert 0 < float(below_ms) < float(whole_ms) and 0 < int(share) < 100
+    ways = [(int(kib), float(ms)) for kib, ms in re.findall(r"(\d+) KiB for ([\d.]+) ms", heavier)]
+    assert heavier.startswith(", or keeping more to run less again") and ways, heavier
+    for (kib, ms), (more, less) in itertools.pairwise([(int(below), float(below_ms)), *ways]):
+        assert kib <= more and ms > less
 
 
 def test_a_budget_over_the_device_is_marked_and_planned_for_the_device(config, capsys):

@@ -162,8 +162,11 @@ def below_the_layer(est: Estimate) -> str:
         f"a layer ({layer.name}) saves {layer.saved_kib:.0f} KiB per token; recomputed below "
         f"the layer (its elementwise work again, from the fewest bytes kept) it "
         f"keeps {layer.below_kib:.0f} KiB per token for {1e3 * layer.below_s:.2f} ms "
-        f"({layer.below_s / layer.forward_s:.0%} of its forward), recomputed whole "
-        f"{layer.whole_kib:.0f} KiB for {1e3 * layer.forward_s:.2f} ms (estimated)", WIDTH) + "\n"
+        f"({layer.below_s / layer.forward_s:.0%} of its forward)"
+        + "".join(f"{', or keeping more to run less again' if k == 0 else ','} {kib:.0f} KiB "
+                  f"for {1e3 * seconds:.2f} ms" for k, (kib, seconds) in enumerate(layer.heavier))
+        + f"; recomputed whole {layer.whole_kib:.0f} KiB for {1e3 * layer.forward_s:.2f} ms "
+        f"(estimated)", WIDTH) + "\n"
 
 
 def plans(ways: list[sizing.Way]) -> str:

@@ -121,7 +121,8 @@ def lossy_codec(name: str, device: Device) -> mix.CodecOf:
 @dataclass(frozen=True)
 class Layer:
     """One layer of an estimated step, per token: what it saves, what recomputing it below
-    the layer (its elementwise work again) or whole keeps, and what each costs."""
+    the layer (its elementwise work again, from the fewest bytes kept; ``heavier``: the
+    other ways, each keeping more to run less again) or whole keeps, and what each costs."""
 
     name: str
     saved_kib: float
@@ -129,6 +130,7 @@ class Layer:
     whole_kib: float
     below_s: float
     forward_s: float
+    heavier: tuple[tuple[float, float], ...] = ()  # each other way's KiB kept and seconds
 
 
 def first_layer(est: Estimate) -> Layer | None:
@@ -139,10 +141,11 @@ def first_layer(est: Estimate) -> Layer | None:
     if k is None:
         return None
     block, kib = w.blocks[k], est.setup.sequence * est.setup.batch * 1024
-    fewest = block.below[0]
-    return Layer(block.name, mix.saved_bytes(w, k) / kib, sum(fewest.kept) / kib,
-                 w.saved[w.block_input(k)].storage_nbytes / kib, fewest.seconds,
-                 sum(op.forward_s for op in w.ops[block.ops.start:block.ops.stop]))
+    fewest, *others = dict.fromkeys((sum(b.kept), b.seconds) for b in block.below)
+    return Layer(block.name, mix.saved_bytes(w, k) / kib, fewest[0] / kib,
+                 w.saved[w.block_input(k)].storage_nbytes / kib, fewest[1],
+                 sum(op.forward_s for op in w.ops[block.ops.start:block.ops.stop]),
+                 tuple((n / kib, seconds) for n, seconds in others))
 
 
 def fits(est: Estimate, how: str, workload: Workload | None = None) -> bool:
