@@ -19,10 +19,10 @@ def test_each_way_is_measured_and_bitwise_with_plain_training(tmp_path, monkeypa
                         "--out", str(tmp_path / "s")]) == 0
     data = json.loads((tmp_path / "s.json").read_text())
     ways = data["ways"]
-    assert list(ways) == ["plain", "below the layer", "whole"]
+    assert list(ways) == ["plain", "below the layer", "below the layer, weight 0.35", "whole"]
     assert all(w["bitwise_with_plain"] and w["allocator_peak_bytes"] is None
                for w in ways.values())
-    peaks = [ways[w]["peak_resident_bytes"] for w in ("plain", "below the layer", "whole")]
-    assert peaks[0] > peaks[1] > peaks[2]
+    plain, fewest, heavier, whole = (w["peak_resident_bytes"] for w in ways.values())
+    assert plain > heavier > fewest > whole
     text = (tmp_path / "s.md").read_text()
     assert "| gradients bitwise |" in text and "NO" not in text
