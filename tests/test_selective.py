@@ -528,6 +528,39 @@ def test_the_planner_recomputes_a_layer_below_where_that_frees_enough_for_less()
     assert set(whole.names) == {"h.0", "h.1"}, whole.mix.how
 
 
+def two_layers_two_ways() -> Workload:
+    """Two layers saving 2 MB (input), 10 and 10 MB each, 20 ms of forward; below the layer
+    each keeps 4 MB for 4 ms, or (weight 0.2) 8 MB for 1 ms; a head saving 20 MB."""
+    saved, ops_, blocks = [], [], []
+    for layer in range(2):
+        first = len(saved)
+        for name, n in (("in", 2), ("act", 10), ("mul", 10)):
+            saved.append(Saved(f"l{layer}.{name}", "bfloat16", n * MB, n * MB, len(saved),
+                               False, False))
+        ops_.append(Op(f"l{layer}", layer, range(first, len(saved)), 0.020, 0.040, 0, 0, 0))
+        ways = (Below((2 * MB, 2 * MB), 0.004), Below((2 * MB, 6 * MB), 0.001, weight=0.2))
+        blocks.append(Block(f"l{layer}", range(layer, layer + 1), True, below=ways))
+    saved.append(Saved("head", "bfloat16", 20 * MB, 20 * MB, len(saved), False, False))
+    ops_.append(Op("head", 2, range(6, 7), 0.001, 0.001, 0, 0, 0))
+    blocks.append(Block("head", range(2, 3), False))
+    return Workload("test", 1, tuple(saved), tuple(ops_), tuple(blocks), 0, 0, 0)
+
+
+def test_the_mix_takes_a_way_below_the_layer_per_layer():
+    """With room for one layer's heavier way beside the other's lighter one (32 MB), but not
+    for both heavier: one layer each way beats either way for both, within the budget."""
+    w, engine = two_layers_two_ways(), replay.Engine(min_bytes=1 << 40)  # nothing swapped
+    ways = w.ways_below()
+    assert len(ways) == 2
+    alike = [mix.choose(way, 32 * MB, LINK, engine) for way in ways]
+    chosen, choice = mix.choose_among((w, *ways), 32 * MB, LINK, engine)
+    assert choice.fits and choice.prediction.peak_bytes <= 32 * MB
+    assert sorted(b.selective.weight for b in chosen.blocks if b.selective) == [0.0, 0.2]
+    fastest_alike = min(c.prediction.step_s for c in alike if c.fits)
+    assert choice.prediction.step_s < fastest_alike
+    assert "weight 0 (1 blocks), 0.2 (1 blocks)" in choice.how
+
+
 @pytest.mark.parametrize("heavier_s, weight", [(0.0002, 0.2), (0.002, 0.0)])
 def test_the_planner_takes_the_way_below_the_layer_that_costs_least_at_its_budget(
         heavier_s, weight):

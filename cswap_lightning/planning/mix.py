@@ -31,12 +31,13 @@ figure is a prediction.
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import product
 
 from .replay import KEEP, RAW, BlockDecision, Codec, Engine, Link, Mix, Prediction, predict
-from .workload import Block, Workload
+from .workload import BELOW, Block, Workload
 
 # How a block of a workload travels when swapped (its inputs, where it is recomputed).
 CodecOf = Callable[[Workload, Block], Codec]
@@ -107,7 +108,53 @@ def choose_among(workloads: Sequence[Workload], budget_bytes: int | None,
              for w in workloads for codec_of in codecs]
     fitting = [m for m in mixes if m.fits]
     best = min(fitting, key=lambda m: m.prediction.step_s) if fitting else mixes[0]
+    base = next((w for w in workloads if any(b.below for b in w.blocks)
+                 and not any(b.selective for b in w.blocks)), None)
+    if best.fits and base is not None:
+        best = _ways_per_block(base, best, link or Link())
     return best.workload, best
+
+
+def _ways_per_block(base: Workload, chosen: Choice, link: Link) -> Choice:
+    """``chosen`` with each block it recomputes below the layer taking a way of its own: its
+    decisions replayed with the way of a run of those blocks (the first ones, or the last)
+    changed, kept where predicted faster within the budget (the earliest layers swapped may
+    carry fewer bytes over the link, later ones run less again). ``base``: the step the ways
+    were taken from (``Workload.with_below``)."""
+    index = {f"{b.name}{BELOW}": k for k, b in enumerate(base.blocks) if b.below}
+    way = [0] * len(base.blocks)
+    whole = set()  # blocks recomputed whole: merged back into their parent
+    for block in chosen.workload.blocks:
+        if block.selective is not None and block.name in index:
+            k = index[block.name]
+            way[k] = base.blocks[k].below.index(block.selective)
+        elif block.recomputable and block.below:
+            whole.add(block.name)
+    order = [index[b.name] for b, decision in zip(chosen.workload.blocks, chosen.decisions(),
+                                                  strict=True)
+             if b.selective is not None and decision.action == "recompute"]
+    if not order:
+        return chosen
+    budget = chosen.budget_bytes
+    held = max(budget, chosen.prediction.held_peak_bytes)  # what it was chosen with
+    best, best_way = chosen, way
+    for j, cut in product(range(max(len(base.blocks[k].below) for k in order)),
+                          range(1, len(order))):
+        for run in (order[:cut], order[cut:]):
+            trial = list(best_way)
+            for k in run:
+                if j < len(base.blocks[k].below):
+                    trial[k] = j
+            if trial == best_way:
+                continue
+            w = base.with_below(trial).merged(frozenset(whole))
+            p = predict(w, chosen.plan, link, chosen.engine)
+            if (p.peak_bytes <= budget and p.held_peak_bytes <= held
+                    and p.step_s < best.prediction.step_s):
+                best = replace(best, prediction=p, workload=w,
+                               how=best.how.split(";")[0] + _weighed(w, chosen.plan))
+                best_way = trial
+    return best
 
 
 @dataclass(frozen=True)
@@ -227,11 +274,17 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
 
 
 def _weighed(workload: Workload, plan: Mix) -> str:
-    """How a mix's blocks recomputed below the layer keep, where not by the fewest bytes."""
-    weights = {block.selective.weight for block, decision in zip(
+    """How a mix's blocks recomputed below the layer keep, where not all by the fewest
+    bytes: the weight, or each weight and how many blocks."""
+    weights = Counter(block.selective.weight for block, decision in zip(
         workload.blocks, plan.decisions(workload), strict=True)
-        if block.selective is not None and decision.action == "recompute"}
-    return f"; below the layer by weight {max(weights):g}" if any(weights) else ""
+        if block.selective is not None and decision.action == "recompute")
+    if not any(weights):
+        return ""
+    if len(weights) == 1:
+        return f"; below the layer by weight {next(iter(weights)):g}"
+    return "; below the layer by weight " + ", ".join(
+        f"{weight:g} ({n} blocks)" for weight, n in sorted(weights.items()))
 
 
 def _units(workload: Workload) -> list[_Unit]:

@@ -171,23 +171,25 @@ class Workload:
         first = self.block_input(block)
         return () if first is None else (first,)
 
-    def with_below(self, way: int = 0) -> Workload:
+    def with_below(self, way: int | Sequence[int] = 0) -> Workload:
         """The same step with each block that can be recomputed below the layer (``below``
-        known) doing so the ``way``-th way when recomputed, named ``block:elementwise``: an op
-        after its last saves what that keeps (``Saved.below``: only then), and the block as a
-        whole is its ``parent`` (``merged`` makes it whole again). Itself where no block is
-        known."""
-        if not any(len(b.below) > way and b.recomputable for b in self.blocks):
+        known) doing so the ``way``-th way when recomputed (one for every block, or one per
+        block), named ``block:elementwise``: an op after its last saves what that keeps
+        (``Saved.below``: only then), and the block as a whole is its ``parent`` (``merged``
+        makes it whole again). Itself where no block is known."""
+        ways = [way] * len(self.blocks) if isinstance(way, int) else list(way)
+        if not any(len(b.below) > k and b.recomputable for b, k in zip(self.blocks, ways,
+                                                                         strict=True)):
             return self
         saved, ops, blocks = list(self.saved), [], []
-        for block in self.blocks:
+        for block, k_way in zip(self.blocks, ways, strict=True):
             start = len(ops)
             for k in block.ops:
                 ops.append(replace(self.ops[k], block=len(blocks)))
-            if len(block.below) <= way or not block.recomputable:
+            if len(block.below) <= k_way or not block.recomputable:
                 blocks.append(replace(block, ops=range(start, len(ops))))
                 continue
-            below = block.below[way]
+            below = block.below[k_way]
             first = len(saved)
             saved += [Saved(f"{block.name} (kept)", below.dtype, n, n, first + j, False,
                             False, True)
