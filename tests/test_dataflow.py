@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 from cswap_lightning.core import selective
 from cswap_lightning.core.selective import Region
 from cswap_lightning.planning import ops
-from cswap_lightning.planning.dataflow import Dataflow
+from cswap_lightning.planning.dataflow import WEIGHTS, Dataflow
 from cswap_lightning.planning.trace import trace
 
 aten = torch.ops.aten
@@ -119,21 +119,27 @@ def llama_layer() -> tuple[torch.nn.Module, torch.Tensor, tuple]:
     return model, cfg
 
 
-def test_the_trace_runs_again_what_the_engine_runs_again():
+@pytest.mark.parametrize("way", range(len(WEIGHTS)))
+def test_the_trace_runs_again_what_the_engine_runs_again(way):
     """The same Llama layer: the kernels the meta-device trace marks as run again by a
-    recomputation below the layer are, operator for operator, those the engine runs once
-    the block's choice is made (from its first forward): the norms' and the MLP's
-    elementwise work, not the rotary embedding (its outputs are kept in place of the query
-    and key projections', ``Dataflow.cut``)."""
+    recomputation below the layer (each way) are, operator for operator, those the engine
+    runs once the block's choice is made (from its first forward, with the way's weight):
+    by the fewest bytes the norms' and the MLP's elementwise work, not the rotary embedding
+    (its outputs are kept in place of the query and key projections', ``Dataflow.cut``);
+    heavier ways run less of it again, and the gradients are bitwise each way."""
     model, cfg = llama_layer()
     layer = model.model.layers[0]
     x = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=True)
     position = model.model.rotary_emb(x, torch.arange(16)[None])
-    choice = selective.Choice()
+    y = layer(x, position_embeddings=position, attention_mask=None)
+    (y[0] if isinstance(y, tuple) else y).float().sum().backward()
+    plain, x.grad = x.grad, None
+    choice = selective.Choice(WEIGHTS[way])
     y = below(lambda x: layer(x, position_embeddings=position, attention_mask=None),
               Region(None, choice=choice), x)
     (y[0] if isinstance(y, tuple) else y).float().sum().backward()
-    assert choice.kept is not None
+    assert choice.kept is not None and torch.equal(x.grad, plain)
+    x.grad = None
     ran: list[str] = []
     real = selective.Recomputing._run
 
@@ -150,6 +156,7 @@ def test_the_trace_runs_again_what_the_engine_runs_again():
         y.float().sum().backward()
     finally:
         selective.Recomputing._run = real
+    assert torch.equal(x.grad, plain)
     assert "pow" not in ran and "mm" not in ran
     assert "cat" not in ran and "neg" not in ran and "silu" in ran
 
@@ -157,8 +164,11 @@ def test_the_trace_runs_again_what_the_engine_runs_again():
         meta = type(model)(cfg).to(torch.bfloat16)
     ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
     traced = trace(meta, lambda: meta(input_ids=ids, labels=ids, use_cache=False).loss, [ids])
-    again = [k for k in traced.kernels if k.layer == "model.layers.0" and k.again[:1] == (True,)]
+    again = [k for k in traced.kernels if k.layer == "model.layers.0" and k.again[way:way + 1]
+             == (True,)]
     assert len(again) == len(ran) and all(k.kind == "memory" for k in again)
+    fewest = [k for k in traced.kernels if k.layer == "model.layers.0" and k.again[:1] == (True,)]
+    assert len(again) < len(fewest) if way == len(WEIGHTS) - 1 else len(again) <= len(fewest)
 
 
 class Flaky(torch.nn.Module):

@@ -249,7 +249,9 @@ class Region:
         self.keep = keep  # which operators' outputs are kept (tests choose others)
         self.choice = choice  # the block's (None: its matrix products' outputs, every call)
         self.chosen = None if choice is None else choice.kept
-        self.flow = Dataflow()
+        # each call's traffic is only read by a choice still to be made with a weight
+        self.flow = Dataflow(weighing=choice is not None and self.chosen is None
+                             and choice.weight > 0)
         self.made: list[_Kept] = []  # in the order made
         # each operator's calls, by index in the flow, in order (while the block runs); after
         # it returned, each: kept, not run, or run (None)

@@ -68,7 +68,8 @@ class Dataflow:
     """A block's forward, one operator call at a time (:meth:`call`), and the tensors autograd
     saved from it (:meth:`saved`): :meth:`needed` says which calls its recomputation runs."""
 
-    def __init__(self) -> None:
+    def __init__(self, weighing: bool = True) -> None:
+        self.weighing = weighing  # record each call's traffic (``touched``), for a weighted cut
         self.calls: list[Call] = []
         self._writers: dict[int, tuple[int, ...]] = {}  # storage -> calls that wrote it
         self._saved: set[int] = set()  # calls whose outputs autograd saved
@@ -115,7 +116,9 @@ class Dataflow:
                     self.calls[first[0]].changed = True
                 writers[key] = (*first, index)
         dtype = max(made.values(), key=lambda m: m[0], default=(0, None))[1]
-        touched = 0 if f.view or aliases else sum(t.nbytes for t in (*inputs, *outputs))
+        touched = 0
+        if self.weighing and not (f.view or aliases):
+            touched = sum(t.nbytes for t in (*inputs, *outputs))
         self.calls.append(Call(func, frozenset(deps), always, root, kept,
                                tuple(n for n, _ in made.values()), dtype, touched=touched))
         return index
