@@ -107,7 +107,7 @@ def test_the_choice_made_on_the_measured_step_holds_for_every_recomputed_one(nam
 
 
 @pytest.mark.parametrize("way", range(len(WEIGHTS)))
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2"])
 def test_the_ledger_holds_what_the_block_timer_said_recomputation_below_keeps(name, way):
     """On the measured step the block timer saw what each layer recomputed below the layer
     would keep each way (its inputs and the outputs of its matmuls and attention, or what
