@@ -125,8 +125,10 @@ def _ways_per_block(base: Workload, chosen: Choice, link: Link) -> Choice:
     way = [0] * len(base.blocks)
     whole = set()  # blocks recomputed whole: merged back into their parent
     for block in chosen.workload.blocks:
-        if block.selective is not None and block.name in index:
-            k = index[block.name]
+        if block.selective is not None:
+            k = index.get(block.name)
+            if k is None or block.selective not in base.blocks[k].below:
+                return chosen  # not a way of ``base``'s
             way[k] = base.blocks[k].below.index(block.selective)
         elif block.recomputable and block.below:
             whole.add(block.name)
