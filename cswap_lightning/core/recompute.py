@@ -18,12 +18,13 @@ operation gains nothing, as the block timer's counts show.
 
 A block can also be recomputed *below the layer* (``selective.py``), named
 ``"block:elementwise"``: its matrix products', attention's and convolutions' outputs are kept,
-through the engine's hooks like its inputs, and only its elementwise work runs again.
+through the engine's hooks like its inputs, and only its elementwise work runs again (or, a
+way weighed by the planner, less of it: ``Recompute.weights``).
 
 The engine arms the chosen blocks only for the steps it does not measure (the planner measures
 the plain blocks), and on measured steps a :class:`BlockTimer` records what each unit saved and
 how long its forward took, and for each block what recomputing it below the layer would keep
-and cost (``selective.Observer``).
+and cost, each way (``selective.Observer``).
 """
 
 from __future__ import annotations
