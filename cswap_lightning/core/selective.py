@@ -578,11 +578,9 @@ class Observer(TorchDispatchMode):
         for choice in self.choices:
             cut = choice.make(flow, given, returned, self.calls)
             runs = flow.runs(cut)
-            kept = [flow.calls[i] for i in sorted(cut) if flow.calls[i].sizes]
-            largest = max(kept, key=lambda c: max(c.sizes), default=None)
+            kept, dtype = flow.keeps(cut)
             again = sum(flow.calls[i].touched for i in untimed if runs[i])
-            ways.append(Way(tuple(n for c in kept for n in c.sizes),
-                            "" if largest is None else str(largest.dtype).removeprefix("torch."),
+            ways.append(Way(kept, "" if dtype is None else str(dtype).removeprefix("torch."),
                             again / traffic if traffic else 0.0,
                             [stamp for i, stamp in self.stamps.items() if runs[i]]))
         stamps = list(self.stamps.values())

@@ -160,6 +160,13 @@ class Dataflow:
         writers = self._writers
         return {writers[k][0] for k in map(storage_key, tensors) if k in writers}
 
+    def keeps(self, cut: Iterable[int]) -> tuple[tuple[int, ...], torch.dtype | None]:
+        """The bytes of each storage the calls ``cut`` made (what a recomputation keeping
+        their outputs holds), and the dtype of the largest (None: no bytes)."""
+        kept = [self.calls[i] for i in sorted(cut) if self.calls[i].sizes]
+        largest = max(kept, key=lambda c: max(c.sizes), default=None)
+        return tuple(n for c in kept for n in c.sizes), largest and largest.dtype
+
     def cut(self, given: Iterable[int], returned: Iterable[torch.Tensor] = (),
             weight: float = 0.0) -> set[int]:
         """The calls whose outputs a recomputation keeps with the fewest bytes, the latest of

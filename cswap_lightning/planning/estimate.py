@@ -189,13 +189,13 @@ def _profile(traced: trace.Trace, device: Device, setup: Setup, spec: models.Mod
                     for m in traced.modules],
         # what recomputing each layer below the layer would keep and cost, each way
         "layers": [{"layer": name, "input_bytes": layer.input_bytes,
-                    "forward_ms": 1e3 * layers.get(name, [0.0])[0],
+                    "forward_ms": 1e3 * times[0],
                     "below": [{"weight": weight, "kept": layer.kept_bytes(way),
                                "kept_dtype": layer.dtype[way],
-                               "elementwise_forward_ms":
-                                   1e3 * layers.get(name, [0.0] * (1 + len(WEIGHTS)))[1 + way]}
+                               "elementwise_forward_ms": 1e3 * times[1 + way]}
                               for way, weight in enumerate(WEIGHTS)]}
-                   for name, layer in traced.layers.items()]}
+                   for name, layer in traced.layers.items()
+                   for times in [layers.get(name, [0.0] * (1 + len(WEIGHTS)))]]}
 
 
 @cache

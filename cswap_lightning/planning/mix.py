@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from itertools import product
 
 from .replay import KEEP, RAW, BlockDecision, Codec, Engine, Link, Mix, Prediction, predict
-from .workload import BELOW, Block, Workload
+from .workload import Block, Workload
 
 # How a block of a workload travels when swapped (its inputs, where it is recomputed).
 CodecOf = Callable[[Workload, Block], Codec]
@@ -121,18 +121,18 @@ def _ways_per_block(base: Workload, chosen: Choice, link: Link) -> Choice:
     changed, kept where predicted faster within the budget (the earliest layers swapped may
     carry fewer bytes over the link, later ones run less again). ``base``: the step the ways
     were taken from (``Workload.with_below``)."""
-    index = {f"{b.name}{BELOW}": k for k, b in enumerate(base.blocks) if b.below}
+    index = {b.name: k for k, b in enumerate(base.blocks) if b.below}  # by the parent's name
     way = [0] * len(base.blocks)
     whole = set()  # blocks recomputed whole: merged back into their parent
     for block in chosen.workload.blocks:
         if block.selective is not None:
-            k = index.get(block.name)
+            k = index.get(block.parent)
             if k is None or block.selective not in base.blocks[k].below:
                 return chosen  # not a way of ``base``'s
             way[k] = base.blocks[k].below.index(block.selective)
         elif block.recomputable and block.below:
             whole.add(block.name)
-    order = [index[b.name] for b, decision in zip(chosen.workload.blocks, chosen.decisions(),
+    order = [index[b.parent] for b, decision in zip(chosen.workload.blocks, chosen.decisions(),
                                                   strict=True)
              if b.selective is not None and decision.action == "recompute"]
     if not order:

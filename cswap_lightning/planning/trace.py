@@ -227,12 +227,10 @@ class _Ledger(TorchDispatchMode):
         runs = []
         for way, weight in enumerate(WEIGHTS):
             chosen = flow.cut(given, returned, weight)
-            kept_way = kept.kept[way]
-            for i in sorted(chosen):
-                call = flow.calls[i]
-                kept_way.extend(call.sizes)
-                if call.sizes and max(call.sizes) >= max(kept_way):
-                    kept.dtype[way] = str(call.dtype).removeprefix("torch.")
+            sizes, dtype = flow.keeps(chosen)
+            if sizes and max(sizes) >= max(kept.kept[way], default=0):  # of the layer's calls
+                kept.dtype[way] = str(dtype).removeprefix("torch.")
+            kept.kept[way].extend(sizes)
             runs.append(flow.runs(chosen))
         for kernel, again in zip(forward.kernels, zip(*runs, strict=True), strict=True):
             if kernel is not None and any(again):
