@@ -7,12 +7,13 @@
 #      this device's profile, the planner's mixes from it at 85%, 50% and checkpointing's
 #      peak, then no offload, checkpointing, each budget and the default engine measured
 #      interleaved beside the predictions;
-#   2. selective: Llama-3-8B's layer shapes (4 layers, s4096 b1) recomputed below the layer
+#   2. codec: zvc, rle, int8 and fp8 at 16 and 64 MiB against a device-to-device copy (the
+#      lossy codecs' speeds are what the planner weighs int8 and fp8 on the link by);
+#   3. selective: Llama-3-8B's layer shapes (4 layers, s4096 b1) recomputed below the layer
 #      and whole against plain training: step time, the allocator's peak, gradients bitwise
 #      beside plain against plain, and one step of each under torch.profiler: the time the
 #      GPU ran kernels beside the step's (`benchmarks/selective.py --profile`);
-#   3. overhead: host time per saved tensor on CUDA (`cswap bench overhead --device cuda`);
-#   4. codec: zvc, rle and int8 at 16 and 64 MiB against a device-to-device copy;
+#   4. overhead: host time per saved tensor on CUDA (`cswap bench overhead --device cuda`);
 #   5. exit-codes: the CUDA cases of tests/test_exit.py (exit status with and without close(),
 #      the CUDA codecs; CI runs the CPU ones);
 #   6. llama: the profile of Llama-3-8B's layer shapes, 4 layers, s4096 b1 (LLM fine-tuning);
@@ -103,12 +104,12 @@ fi
 step measure 280 "${ENGINE[@]}" bench measure --models ${MODELS:-gpt2-medium resnet50} --rounds 12 \
     --out "$WORK/measure-$TAG"
 [[ -f $WORK/measure-$TAG.md ]] && grep "^|" "$WORK/measure-$TAG.md" >>"$SUMMARY"
+step codec 40 "${ENGINE[@]}" bench codec --sizes 16MiB 64MiB --codecs zvc rle int8 fp8 \
+    --sparsities 0 50 90 --no-relu --no-nvcomp --out "$WORK/codec-$TAG"
 step selective 90 python3 benchmarks/selective.py --device cuda --layers 4 --seq 4096 \
     --repeats 5 --profile --out "$WORK/selective-$TAG"
 step overhead 60 "${ENGINE[@]}" bench overhead --device cuda --rounds 5 --steady-steps 3 \
     --out "$WORK/overhead-$TAG"
-step codec 40 "${ENGINE[@]}" bench codec --sizes 16MiB 64MiB --codecs zvc rle int8 \
-    --sparsities 0 50 90 --no-relu --no-nvcomp --out "$WORK/codec-$TAG"
 step exit-codes 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_exit.py
 step llama 60 "${CSWAP[@]}" bench measure --models llama --out "$WORK/llama-$TAG"
 step pytest-gpu 150 python3 -m pytest -v -p no:cacheprovider -m gpu --timeout 60 \

@@ -359,11 +359,17 @@ def test_emulated_look_back_combines_tiles_in_order(emulated_harness):
 @pytest.mark.parametrize("name", sorted(LOSSY_REFERENCE))
 def test_emulated_lossy_kernels_match_the_reference(emulated_harness, tmp_path, name):
     """The lossy kernels give the reference payload for the same seed and decode it to the
-    reference values, with quantization blocks smaller and larger than the thread blocks."""
-    cases = [(0, 256, 3), (1, 2, 7), (33, 256, 0), (1001, 64, 2**32 - 3), (5003, 1000, 5)]
+    reference values, with quantization blocks smaller and larger than the thread blocks, a
+    multiple of the 16-byte group of elements or not (6: element by element), elements
+    16-byte aligned or ``shift`` elements past (element by element), and last groups cut
+    short."""
+    # (numel, block_size, seed, shift)
+    cases = [(0, 256, 3, 0), (1, 2, 7, 0), (33, 256, 0, 0), (1001, 64, 2**32 - 3, 0),
+             (5003, 1000, 5, 0), (1003, 256, 11, 1), (777, 6, 13, 0), (4099, 24, 17, 3),
+             (2048, 256, 19, 0)]
     commands, checks = [], []
     for d, dtype in enumerate(LOSSY_DTYPES):
-        for i, (numel, block_size, seed) in enumerate(cases):
+        for i, (numel, block_size, seed, shift) in enumerate(cases):
             grid, block = EMULATED_LAUNCHES[(i + d) % len(EMULATED_LAUNCHES)]
             x = lossy_sample(numel, dtype, seed=numel)
             reference = LOSSY_REFERENCE[name](block_size)
@@ -371,7 +377,7 @@ def test_emulated_lossy_kernels_match_the_reference(emulated_harness, tmp_path, 
             f = {k: tmp_path / f"{d}-{i}-{k}" for k in ("in", "payload", "ref", "out")}
             f["in"].write_bytes(bit_view(x).numpy().tobytes())
             f["ref"].write_bytes(expected.payload.numpy().tobytes())
-            args = [CODEC_IDS[name], LOSSY_DTYPES.index(dtype), numel, grid, block, 0]
+            args = [CODEC_IDS[name], LOSSY_DTYPES.index(dtype), numel, grid, block, shift]
             commands += [["encode", *args, block_size, seed, f["in"], f["payload"]],
                          ["decode", *args, f["ref"], f["out"]]]
             checks.append((f, reference.decode(expected), (dtype, numel, block_size, grid)))

@@ -23,9 +23,11 @@
 //               prefix XOR of the toggles, and decoding proceeds as for zvc, the tiles'
 //               summaries carrying the run state as well as the non-zero count.
 //
-// The lossy codecs need no compaction: a thread block quantizes one quantization block at a
-// time (a block-wide max of |x| gives its scale, then each thread codes its elements), and
-// decoding is one thread per element.
+// The lossy codecs need no compaction: a warp quantizes one quantization block at a time (a
+// warp-wide max of |x| gives its scale, then each lane codes its elements), and a thread
+// decodes a group of elements. Both move 16 bytes of elements per load or store where the
+// elements are 16-byte aligned and the block size a multiple of the 16-byte group, so that
+// they run at the memory's speed; element by element otherwise.
 
 #include "cswap_codec.h"
 
@@ -39,6 +41,7 @@
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <type_traits>
 
 namespace {
@@ -907,74 +910,192 @@ __device__ inline __nv_bfloat16 store_float<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 
-// Max over the thread block, returned to every thread. `warp_max` is 32 floats of shared
-// memory, free again when it returns.
-__device__ float block_max(float v, float *warp_max) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+// A group of N elements of `in` from element i, as floats: one 16-byte load where `vector`
+// and all N lie before `end`, else element by element (those at or past `end` read as 0).
+template <int N, typename T>
+__device__ inline void load_group(const T *in, uint64_t i, uint64_t end, bool vector,
+                                  float (&x)[N]) {
+  if constexpr (N * sizeof(T) == 16) {
+    if (vector && i + N <= end) {
+      const uint4 raw = *reinterpret_cast<const uint4 *>(in + i);
+      T v[N];
+      memcpy(v, &raw, 16);
+      for (int k = 0; k < N; ++k) x[k] = load_float(v[k]);
+      return;
+    }
+  }
+  for (int k = 0; k < N; ++k) x[k] = i + k < end ? load_float(in[i + k]) : 0.f;
+}
+
+// `n` bytes to `dst`, one store where `whole` (dst is then n-byte aligned), else byte by byte.
+template <int N>
+__device__ inline void store_bytes(uint8_t *dst, const uint8_t (&src)[N], int n, bool whole) {
+  if constexpr (N == 8 || N == 4 || N == 2) {
+    using Word = std::conditional_t<N == 8, uint2, std::conditional_t<N == 4, uint32_t, uint16_t>>;
+    if (whole) {
+      Word w;
+      memcpy(&w, src, N);
+      *reinterpret_cast<Word *>(dst) = w;
+      return;
+    }
+  }
+  for (int k = 0; k < n; ++k) dst[k] = src[k];
+}
+
+// The codes of a group of N elements (the first `n` of them real) at element i: a byte each,
+// or for int4 a nibble each, low nibble first, a lone last nibble with 0 above it.
+template <int C, int N>
+__device__ inline void store_codes(uint8_t *codes, uint64_t i, int n, bool vector,
+                                   const int8_t (&q)[N]) {
+  if constexpr (C == CSWAP_CODEC_INT4) {
+    uint8_t bytes[N / 2];
+    for (int m = 0; m < N / 2; ++m)
+      bytes[m] = static_cast<uint8_t>((q[2 * m] & 0xF) | (2 * m + 1 < n ? (q[2 * m + 1] & 0xF) << 4 : 0));
+    store_bytes<N / 2>(codes + i / 2, bytes, (n + 1) / 2, vector && n == N);
+  } else {
+    uint8_t bytes[N];
+    for (int k = 0; k < N; ++k) bytes[k] = static_cast<uint8_t>(q[k]);
+    store_bytes<N>(codes + i, bytes, n, vector && n == N);
+  }
+}
+
+// The codes of a group of N elements (the first `n` of them real) at element i.
+template <int C, int N>
+__device__ inline void load_codes(const uint8_t *codes, uint64_t i, int n, bool vector,
+                                  int8_t (&q)[N]) {
+  constexpr int kBytes = C == CSWAP_CODEC_INT4 ? N / 2 : N;
+  uint8_t bytes[kBytes];
+  const uint8_t *src = codes + (C == CSWAP_CODEC_INT4 ? i / 2 : i);
+  if (vector && n == N) {
+    if constexpr (kBytes == 8) {
+      const uint2 w = *reinterpret_cast<const uint2 *>(src);
+      memcpy(bytes, &w, 8);
+    } else if constexpr (kBytes == 4) {
+      const uint32_t w = *reinterpret_cast<const uint32_t *>(src);
+      memcpy(bytes, &w, 4);
+    } else if constexpr (kBytes == 2) {
+      const uint16_t w = *reinterpret_cast<const uint16_t *>(src);
+      memcpy(bytes, &w, 2);
+    } else {
+      bytes[0] = src[0];
+    }
+  } else {
+    const int have = C == CSWAP_CODEC_INT4 ? (n + 1) / 2 : n;
+    for (int k = 0; k < kBytes; ++k) bytes[k] = k < have ? src[k] : 0;
+  }
+  for (int k = 0; k < N; ++k) {
+    if constexpr (C == CSWAP_CODEC_INT4) {
+      const int nibble = (bytes[k / 2] >> (4 * (k % 2))) & 0xF;
+      q[k] = static_cast<int8_t>((nibble ^ 8) - 8);
+    } else {
+      q[k] = static_cast<int8_t>(bytes[k]);
+    }
+  }
+}
+
+// Max over the warp, returned to every lane.
+__device__ inline float warp_max(float v) {
   for (int d = 16; d > 0; d >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, d));
-  if (lane == 0) warp_max[warp] = v;
-  __syncthreads();
-  v = lane < nwarps ? warp_max[lane] : 0.f;
-  for (int d = 16; d > 0; d >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, d));
-  __syncthreads();
   return v;
+}
+
+// Quantization blocks b = warp, warp + nwarps, ... of `in`, each by one warp, a lane reading
+// groups of N elements (one 16-byte load each where `vector`): a pass for the block's
+// max |x|, then one that codes the elements (reading them again, from the cache).
+template <int C, int N, typename T>
+__device__ void encode_blocks(const T *in, uint64_t numel, uint32_t block_size, uint32_t key,
+                              float *scales, uint8_t *codes, bool vector) {
+  const uint32_t lane = threadIdx.x & 31;
+  const uint64_t nblocks = cdiv(numel, block_size);
+  const uint64_t nwarps = uint64_t{gridDim.x} * (blockDim.x >> 5);
+  for (uint64_t b = blockIdx.x * uint64_t{blockDim.x >> 5} + (threadIdx.x >> 5); b < nblocks;
+       b += nwarps) {
+    const uint64_t first = b * block_size, end = min(first + block_size, numel);
+    float absmax = 0.f;
+    for (uint64_t i = first + N * lane; i < end; i += 32 * N) {
+      float x[N];
+      load_group<N>(in, i, end, vector, x);
+      for (int k = 0; k < N; ++k)
+        if (isfinite(x[k])) absmax = fmaxf(absmax, fabsf(x[k]));
+    }
+    const float scale = lossy_scale<C>(warp_max(absmax));
+    if (lane == 0) scales[b] = scale;
+    for (uint64_t i = first + N * lane; i < end; i += 32 * N) {
+      float x[N];
+      load_group<N>(in, i, end, vector, x);
+      int8_t q[N];
+      for (int k = 0; k < N; ++k) q[k] = quantize<C>(x[k], scale, static_cast<uint32_t>(i + k), key);
+      store_codes<C, N>(codes, i, static_cast<int>(min(uint64_t{N}, end - i)), vector, q);
+    }
+  }
 }
 
 template <int C, typename T>
 __global__ void lossy_encode(const T *in, uint64_t numel, uint32_t block_size, uint32_t seed,
                              uint8_t *payload) {
-  __shared__ float warp_max[32];
+  constexpr int kVector = 16 / sizeof(T);  // elements a 16-byte load holds
   const uint64_t nblocks = cdiv(numel, block_size);
   const uint64_t codes_at = lossy_codes_offset(numel, block_size);
-  float *scales = reinterpret_cast<float *>(payload + kLossyPreamble);
-  uint8_t *codes = payload + codes_at;
   if (blockIdx.x == 0) {
     if (threadIdx.x == 0)
       lossy_preamble<C>(block_size, seed, reinterpret_cast<uint32_t *>(payload));
     for (uint64_t j = kLossyPreamble + 4 * nblocks + threadIdx.x; j < codes_at; j += blockDim.x)
       payload[j] = 0;
   }
+  float *scales = reinterpret_cast<float *>(payload + kLossyPreamble);
+  // The payload is 16-byte aligned and so are its codes: groups of kVector elements that start
+  // a block's group (block sizes a multiple of kVector) are aligned too where the input is.
   const uint32_t key = lowbias32(seed);
-  for (uint64_t b = blockIdx.x; b < nblocks; b += gridDim.x) {
-    const uint64_t first = b * block_size;
-    const uint32_t len = static_cast<uint32_t>(min(uint64_t{block_size}, numel - first));
-    float absmax = 0.f;
-    for (uint32_t j = threadIdx.x; j < len; j += blockDim.x) {
-      const float x = load_float(in[first + j]);
-      if (isfinite(x)) absmax = fmaxf(absmax, fabsf(x));
-    }
-    const float scale = lossy_scale<C>(block_max(absmax, warp_max));
-    if (threadIdx.x == 0) scales[b] = scale;
-    auto code = [&](uint64_t i) {
-      const int8_t q = quantize<C>(load_float(in[i]), scale, static_cast<uint32_t>(i), key);
-      return static_cast<uint8_t>(q);
-    };
-    if constexpr (C == CSWAP_CODEC_INT4) {
-      // Pairs of elements, one byte each: blocks start at even elements, as block_size is even.
-      for (uint32_t j = 2 * threadIdx.x; j < len; j += 2 * blockDim.x) {
-        const uint64_t i = first + j;
-        const int high = j + 1 < len ? code(i + 1) & 0xF : 0;
-        codes[i / 2] = static_cast<uint8_t>((code(i) & 0xF) | high << 4);
+  if (block_size % kVector == 0 && reinterpret_cast<uintptr_t>(in) % 16 == 0)
+    encode_blocks<C, kVector>(in, numel, block_size, key, scales, payload + codes_at, true);
+  else  // pairs, element by element: blocks hold an even number of elements
+    encode_blocks<C, 2>(in, numel, block_size, key, scales, payload + codes_at, false);
+}
+
+// Groups of N elements, one a thread (N elements in one quantization block: block sizes are
+// even and, where `vector`, a multiple of N).
+template <int C, int N, typename T>
+__device__ void decode_groups(const uint8_t *codes, const float *scales, uint64_t numel,
+                              uint32_t block_size, T *out, bool vector) {
+  for (uint64_t i = N * (blockIdx.x * uint64_t{blockDim.x} + threadIdx.x); i < numel;
+       i += N * uint64_t{gridDim.x} * blockDim.x) {
+    const int n = static_cast<int>(min(uint64_t{N}, numel - i));
+    int8_t q[N];
+    load_codes<C, N>(codes, i, n, vector, q);
+    const float scale = scales[static_cast<uint32_t>(i) / block_size];  // numel < 2**32
+    T y[N];
+    for (int k = 0; k < N; ++k) y[k] = store_float<T>(dequantize<C>(q[k], scale));
+    if constexpr (N * sizeof(T) == 16) {
+      if (vector && n == N) {
+        uint4 raw;
+        memcpy(&raw, y, 16);
+        *reinterpret_cast<uint4 *>(out + i) = raw;
+        continue;
       }
-    } else {
-      for (uint32_t j = threadIdx.x; j < len; j += blockDim.x) codes[first + j] = code(first + j);
     }
+    for (int k = 0; k < n; ++k) out[i + k] = y[k];
   }
 }
 
 template <int C, typename T>
 __global__ void lossy_decode(const uint8_t *payload, uint64_t payload_nbytes, uint64_t numel,
                              T *out) {
+  constexpr int kVector = 16 / sizeof(T);
   const uint32_t block_size = *reinterpret_cast<const uint32_t *>(payload);
   const bool valid = block_size >= 2 && block_size % 2 == 0 &&
                      lossy_payload_bytes(C, numel, block_size) == payload_nbytes;
-  const float *scales = reinterpret_cast<const float *>(payload + kLossyPreamble);
-  const uint8_t *codes = payload + (valid ? lossy_codes_offset(numel, block_size) : 0);
-  for (uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; i < numel;
-       i += uint64_t{gridDim.x} * blockDim.x) {
-    const uint32_t b = valid ? static_cast<uint32_t>(i) / block_size : 0;  // numel < 2**32
-    out[i] = store_float<T>(valid ? dequantize<C>(code_at<C>(codes, i), scales[b]) : nanf(""));
+  if (!valid) {  // a damaged payload: NaNs, nothing read past its preamble
+    for (uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; i < numel;
+         i += uint64_t{gridDim.x} * blockDim.x)
+      out[i] = store_float<T>(nanf(""));
+    return;
   }
+  const float *scales = reinterpret_cast<const float *>(payload + kLossyPreamble);
+  const uint8_t *codes = payload + lossy_codes_offset(numel, block_size);
+  if (block_size % kVector == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0)
+    decode_groups<C, kVector>(codes, scales, numel, block_size, out, true);
+  else
+    decode_groups<C, 2>(codes, scales, numel, block_size, out, false);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1291,7 +1412,7 @@ int cswap_lossy_compress(int codec, const void *input, uint64_t numel, int dtype
                 static_cast<unsigned long long>(payload_capacity),
                 static_cast<unsigned long long>(need));
   cudaGetLastError();  // report only errors of this call's launches
-  const uint32_t blocks = clamp_grid(cdiv(numel, block_size), grid);
+  const uint32_t blocks = clamp_grid(cdiv(cdiv(numel, block_size), block / 32), grid);
   auto *bytes = static_cast<uint8_t *>(payload);
   dispatch_lossy(codec, dtype, [&](auto c, auto tag) {
     using T = typename decltype(tag)::type;
@@ -1312,7 +1433,7 @@ int cswap_lossy_decompress(int codec, const void *payload, uint64_t payload_nbyt
                 static_cast<unsigned long long>(kLossyPreamble));
   if (numel == 0) return CSWAP_OK;
   cudaGetLastError();
-  const uint32_t blocks = clamp_grid(cdiv(numel, block), grid);
+  const uint32_t blocks = clamp_grid(cdiv(cdiv(numel, 2), block), grid);  // 2+ elements a thread
   const auto *bytes = static_cast<const uint8_t *>(payload);
   dispatch_lossy(codec, dtype, [&](auto c, auto tag) {
     using T = typename decltype(tag)::type;
