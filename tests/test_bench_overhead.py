@@ -13,9 +13,10 @@ def test_the_overhead_bench_reports_every_method_against_no_engine(tmp_path, cap
     rows = run_overhead_bench(tensors=50, rounds=1, out=str(tmp_path / "overhead"),
                               steady_steps=2)
     progress = capsys.readouterr().err.splitlines()  # each round is said as it ends
-    assert [line.split(" (")[0] for line in progress[-2:]] == [
+    assert [line.split(" (")[0] for line in progress[-3:]] == [
         "cswap bench overhead: interleaved round 1/1",
-        "cswap bench overhead: steady-state round 1/1"]
+        "cswap bench overhead: steady-state round 1/1",
+        "cswap bench overhead: one step of cswap plan=raw under cProfile"]
     methods = [r["method"] for r in rows]
     assert methods == ["no engine", "torch save_on_cpu", "copy in a pack hook",
                        "cswap default, run fits", "cswap budget 50% of keep",
@@ -30,6 +31,12 @@ def test_the_overhead_bench_reports_every_method_against_no_engine(tmp_path, cap
     assert saved["moved_bytes"] == 49 * 16384  # every tensor the chain saved but its leaf input
     report = (tmp_path / "overhead.md").read_text()
     assert "host time per saved tensor" in report and "collections included" in report
+    # where plan=raw's time goes: the engine's own hooks among the functions ranked, each
+    # called once per saved tensor
+    ranked = {r["function"].rsplit(" ", 1)[-1]: r for r in saved["raw_profile"]}
+    assert {"pack", "unpack"} <= set(ranked), sorted(ranked)
+    assert ranked["pack"]["calls_per_tensor"] == ranked["unpack"]["calls_per_tensor"] == 1.0
+    assert "Where plan=raw's host time goes" in report
 
 
 @pytest.mark.gpu

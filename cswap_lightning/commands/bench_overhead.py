@@ -26,13 +26,17 @@ of keeping everything needs and counts the rest; ``plan=keep`` and ``plan=raw`` 
 plans. Every engine runs its measured steps and the step that checks its plan before the
 timed ones: the rows are what the steps after those cost, which keep and move what the
 checked plan says without tracking each tensor (the measured and checking steps track every
-tensor and cost more).
+tensor and cost more). Last, one step of ``plan=raw`` runs under cProfile, and the functions
+with the most time of their own are listed per saved tensor: on a GPU, which of the stream,
+event and copy calls the host time goes to.
 """
 
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import gc
+import pstats
 import statistics
 import time
 from collections.abc import Callable
@@ -88,6 +92,31 @@ def _timed_step(context: Callable[[], contextlib.AbstractContextManager], x: tor
     return seconds
 
 
+def where_the_time_goes(engine: Offloader, x: torch.Tensor, tensors: int,
+                        top: int = 15) -> list[dict]:
+    """One step of ``engine`` under cProfile: the functions that spend the most time of their
+    own, per saved tensor (calls and microseconds). cProfile slows Python calls more than the
+    calls into torch's C++ (each CUDA stream, event and copy call shows as one of those), so
+    it ranks, it does not time."""
+    profile = cProfile.Profile()
+    gc.collect()
+    profile.enable()
+    _timed_step(lambda: engine, x, tensors)
+    profile.disable()
+    stats = pstats.Stats(profile).stats  # (file, line, name) -> (calls, ..., own seconds, ...)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"function": _function_name(where), "calls_per_tensor": calls / tensors,
+             "us_per_tensor": 1e6 * own / tensors}
+            for where, (_, calls, own, _, _) in rows]
+
+
+def _function_name(where: tuple[str, int, str]) -> str:
+    file, line, name = where
+    if file == "~":  # a built-in: the name says it (``<method 'copy_' of ...>``)
+        return name
+    return f"{file.rsplit('/', 2)[-1] if '/' in file else file}:{line} {name}"
+
+
 def run_overhead_bench(tensors: int = 2000, numel: int = 4096, rounds: int = 7,
                        out: str | None = None, steady_steps: int = 8,
                        device: str = "cpu") -> list[dict]:
@@ -141,6 +170,8 @@ def run_overhead_bench(tensors: int = 2000, numel: int = 4096, rounds: int = 7,
                 steady[name].append(statistics.mean(
                     _timed_step(context, x, tensors)[0] for _ in range(steady_steps)))
             progress(f"steady-state round {round_}/{rounds}")
+        progress("one step of cswap plan=raw under cProfile")
+        profile = where_the_time_goes(engines["raw"], x, tensors)
         moved = engines["raw"].last_step().offloaded_bytes
         hooks_off = engines["default"].last_step().hooks_off
         budgeted = engines["budget"].last_step()
@@ -167,6 +198,14 @@ def run_overhead_bench(tensors: int = 2000, numel: int = 4096, rounds: int = 7,
         + [f"| {r['method']} | {1e3 * r['step_cpu_s']:.1f} ms | {r['cpu_ratio']:.2f}x | "
            f"{r['us_per_tensor']:.1f} us | {r['wall_us_per_tensor']:.1f} us | "
            f"{r['steady_us_per_tensor']:.1f} us |" for r in rows])
+    head = "| function (cswap plan=raw, one step under cProfile) | calls per tensor | own us |"
+    where = "\n".join(
+        [head, "|---|---:|---:|"]
+        + [f"| `{r['function']}` | {r['calls_per_tensor']:.2f} | {r['us_per_tensor']:.1f} |"
+           for r in profile])
+    table += ("\n\nWhere plan=raw's host time goes: the functions with the most time of their "
+              "own in one step under cProfile, which slows Python calls more than calls into "
+              "torch's C++ (it ranks, it does not time).\n\n" + where)
     print(table)
     print(f"cswap plan=raw moved {moved / 2**20:.1f} MiB off the device per step; the default's "
           f"plan moved nothing and its steps ran {'without' if hooks_off else 'with'} hooks; "
@@ -176,7 +215,7 @@ def run_overhead_bench(tensors: int = 2000, numel: int = 4096, rounds: int = 7,
         meta = result_meta(dev, tensors=tensors, tensor_bytes=numel * 4,
                            rounds=rounds, steady_steps=steady_steps,
                            python_objects=len(gc.get_objects()))
-        results = {"rows": rows, "moved_bytes": moved, "default_hooks_off": hooks_off,
+        results = {"rows": rows, "raw_profile": profile, "moved_bytes": moved, "default_hooks_off": hooks_off,
                    "budget_moved_tensors": budgeted.offloaded_tensors,
                    "budget_counted_tensors": budgeted.untracked_tensors}
         write_results(out, "cswap bench overhead", meta, results, table)
