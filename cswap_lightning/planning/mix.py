@@ -43,6 +43,43 @@ from .workload import Block, Workload
 CodecOf = Callable[[Workload, Block], Codec]
 
 
+class Replays:
+    """The replay's predictions by workload, mix and settings, and the workloads with parents
+    made whole, kept while the planner weighs one step: at each of several budgets it tries
+    many of the same mixes. A workload is known by its identity, and kept here while known."""
+
+    def __init__(self) -> None:
+        self._merged: dict[tuple[int, frozenset[str]], Workload] = {}
+        self._below: dict[tuple[int, tuple[int, ...]], Workload] = {}
+        self._predictions: dict[tuple, Prediction] = {}
+        self._known: dict[int, Workload] = {}
+
+    def merged(self, workload: Workload, parents: frozenset[str]) -> Workload:
+        """``workload.merged(parents)``, made once."""
+        key = (self._know(workload), parents)
+        if key not in self._merged:
+            self._merged[key] = workload.merged(parents)
+        return self._merged[key]
+
+    def with_below(self, workload: Workload, ways: Sequence[int]) -> Workload:
+        """``workload.with_below(ways)``, made once."""
+        key = (self._know(workload), tuple(ways))
+        if key not in self._below:
+            self._below[key] = workload.with_below(ways)
+        return self._below[key]
+
+    def predict(self, workload: Workload, plan: Mix, link: Link, engine: Engine) -> Prediction:
+        """``replay.predict``, run once per workload, mix, link and engine."""
+        key = (self._know(workload), plan.default, frozenset(plan.blocks.items()), link, engine)
+        if key not in self._predictions:
+            self._predictions[key] = predict(workload, plan, link, engine)
+        return self._predictions[key]
+
+    def _know(self, workload: Workload) -> int:
+        self._known.setdefault(id(workload), workload)
+        return id(workload)
+
+
 @dataclass(frozen=True)
 class Choice:
     """The mix chosen (``plan``), its prediction, and the plain step's, for the table."""
@@ -76,20 +113,23 @@ class Choice:
 
 def choose(workload: Workload, budget_bytes: int | None, link: Link | None = None,
            engine: Engine | None = None, codec_of: CodecOf | None = None,
-           recompute: bool = True, inflight_choices: Sequence[int] = ()) -> Choice:
+           recompute: bool = True, inflight_choices: Sequence[int] = (),
+           replays: Replays | None = None) -> Choice:
     """The fastest plan the replay predicts to fit ``budget_bytes`` (the allocator's peak);
     ``codec_of(workload, block)`` is how a swapped block travels (raw by default);
     ``recompute=False``
     only keeps or swaps; ``inflight_choices``: larger bounds on bytes in flight than
     ``engine``'s the plan may use, where the replay's peak with the copies in flight
-    (``held_peak_bytes``) stays within the budget."""
-    engine = engine or Engine()
-    best = _choose(workload, budget_bytes, link or Link(), engine, codec_of, recompute)
+    (``held_peak_bytes``) stays within the budget; ``replays``: predictions made before, for
+    the same step at other budgets."""
+    engine, replays = engine or Engine(), replays or Replays()
+    best = _choose(workload, budget_bytes, link or Link(), engine, codec_of, recompute, replays)
     for bound in sorted(b for b in inflight_choices if b > engine.inflight_bytes):
         if not best.fits or best.how == "keep everything":
             break
         wider = _choose(workload, budget_bytes, link or Link(),
-                        replace(engine, inflight_bytes=bound), codec_of, recompute, held=True)
+                        replace(engine, inflight_bytes=bound), codec_of, recompute, replays,
+                        held=True)
         if not (wider.fits and wider.prediction.step_s < best.prediction.step_s):
             break  # a wider bound held more than the budget, or gained nothing
         best = wider
@@ -99,23 +139,26 @@ def choose(workload: Workload, budget_bytes: int | None, link: Link | None = Non
 def choose_among(workloads: Sequence[Workload], budget_bytes: int | None,
                  link: Link | None = None, engine: Engine | None = None,
                  inflight_choices: Sequence[int] = (),
-                 codecs: Sequence[CodecOf | None] = (None,)
-                 ) -> tuple[Workload, Choice]:
+                 codecs: Sequence[CodecOf | None] = (None,),
+                 replays: Replays | None = None) -> tuple[Workload, Choice]:
     """``choose`` for each of the same step's workloads (its units of recomputation cut
     otherwise, ``Workload.with_units``) and each way of swapping (``codecs``: raw, or a
-    codec per block): the fastest mix that fits, else the first's."""
-    mixes = [choose(w, budget_bytes, link, engine, codec_of, inflight_choices=inflight_choices)
+    codec per block): the fastest mix that fits, else the first's. ``replays``: predictions
+    made before, for the same step at other budgets."""
+    replays = replays or Replays()
+    mixes = [choose(w, budget_bytes, link, engine, codec_of, inflight_choices=inflight_choices,
+                    replays=replays)
              for w in workloads for codec_of in codecs]
     fitting = [m for m in mixes if m.fits]
     best = min(fitting, key=lambda m: m.prediction.step_s) if fitting else mixes[0]
     base = next((w for w in workloads if any(b.below for b in w.blocks)
                  and not any(b.selective for b in w.blocks)), None)
     if best.fits and base is not None:
-        best = _ways_per_block(base, best, link or Link())
+        best = _ways_per_block(base, best, link or Link(), replays)
     return best.workload, best
 
 
-def _ways_per_block(base: Workload, chosen: Choice, link: Link) -> Choice:
+def _ways_per_block(base: Workload, chosen: Choice, link: Link, replays: Replays) -> Choice:
     """``chosen`` with each block it recomputes below the layer taking a way of its own: its
     decisions replayed with the way of a run of those blocks (the first ones, or the last)
     changed, kept where predicted faster within the budget (the earliest layers swapped may
@@ -149,8 +192,8 @@ def _ways_per_block(base: Workload, chosen: Choice, link: Link) -> Choice:
                     trial[k] = j
             if trial == best_way:
                 continue
-            w = base.with_below(trial).merged(frozenset(whole))
-            p = predict(w, chosen.plan, link, chosen.engine)
+            w = replays.merged(replays.with_below(base, trial), frozenset(whole))
+            p = replays.predict(w, chosen.plan, link, chosen.engine)
             if (p.peak_bytes <= budget and p.held_peak_bytes <= held
                     and p.step_s < best.prediction.step_s):
                 best = replace(best, prediction=p, workload=w,
@@ -170,20 +213,17 @@ class _Unit:
 
 
 def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: Engine,
-            codec_of: CodecOf | None, recompute: bool,
+            codec_of: CodecOf | None, recompute: bool, replays: Replays,
             held: bool = False) -> Choice:
     """``choose`` at one bound on bytes in flight (``held``: the copies in flight count
     against the budget too)."""
     codec_of = codec_of or (lambda w, block: RAW)
-    variants: dict[frozenset[str], Workload] = {}
 
     def merged(parents: frozenset[str]) -> Workload:
-        if parents not in variants:
-            variants[parents] = workload.merged(parents)
-        return variants[parents]
+        return replays.merged(workload, parents)
 
     def run(chosen: tuple[Workload, Mix]) -> Prediction:
-        return predict(*chosen, link, engine)
+        return replays.predict(*chosen, link, engine)
 
     keep = run((workload, Mix()))
     if budget_bytes is None or keep.peak_bytes <= budget_bytes:

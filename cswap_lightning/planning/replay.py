@@ -248,7 +248,12 @@ class _Replay:
         self.host = self.compute = self.d2h_free = self.h2d_free = 0.0
         self.stall = self.wait = self.recompute_s = 0.0
         self.d2h_bytes = self.h2d_bytes = 0
-        self.inflight: list[tuple[float, int]] = []  # copies out: (end, bytes), oldest first
+        # copies out, oldest first (one lane: they end in order): when each ends, and the bytes
+        # of those before it; the host waits on those from ``out_head`` on (the ones it has
+        # not seen end), and the held peak counts those of them still running
+        self.out_ends: list[float] = []
+        self.out_before: list[int] = [0]
+        self.out_head = self.running_head = 0
         # memory: original storages on the device, the saves holding them there, copies back
         self.device: dict[int, int] = {}  # storage -> bytes
         self.device_bytes = 0
@@ -294,12 +299,13 @@ class _Replay:
         now = self.w.start_bytes + self.device_bytes + self.copies + self.grads + other
         if now > self.peak:
             self.peak, self.peak_at = now, where
-        copying = 0
-        for end, n in reversed(self.inflight):  # one lane: the copies end in order
-            if end <= self.compute:
-                break
-            copying += n
-        self.held_peak = max(self.held_peak, now + copying)
+        ends, k = self.out_ends, max(self.running_head, self.out_head)
+        while k < len(ends) and ends[k] <= self.compute:  # the compute clock only goes on
+            k += 1
+        self.running_head = k
+        copying = self.out_before[-1] - self.out_before[k]
+        if now + copying > self.held_peak:
+            self.held_peak = now + copying
 
     def _allocate(self, storage: int) -> None:
         if storage not in self.device:
@@ -366,16 +372,19 @@ class _Replay:
         the bytes in flight would pass the bound (``Transfer._bound``)."""
         nbytes = self.w.saved[storage].storage_nbytes
         stored = round(nbytes * codec.ratio)
-        self.inflight = [(end, n) for end, n in self.inflight if end > self.host]
-        flying = sum(n for _, n in self.inflight)
-        while self.inflight and flying + nbytes > self.engine.inflight_bytes:
-            end, n = self.inflight.pop(0)
-            self.host, flying = max(self.host, end), flying - n
+        ends, before, k = self.out_ends, self.out_before, self.out_head
+        while k < len(ends) and ends[k] <= self.host:  # seen ended
+            k += 1
+        while k < len(ends) and before[-1] - before[k] + nbytes > self.engine.inflight_bytes:
+            self.host = max(self.host, ends[k])  # waits for the oldest
+            k += 1
+        self.out_head = k
         self.host += self.engine.host_s_per_move / 2
         start = max(self.compute, self.host, self.d2h_free)
         end = start + nbytes / codec.encode + stored / self.link.d2h
         self.d2h_free = end
-        self.inflight.append((end, nbytes))
+        self.out_ends.append(end)
+        self.out_before.append(self.out_before[-1] + nbytes)
         self.entries[storage] = _Entry(nbytes, stored, codec, out_end=end)
         self.d2h_bytes += stored
         self._mark("d2h", label, start, end)

@@ -74,10 +74,11 @@ def mixes(est: Estimate, budgets: Sequence[tuple[str, int]], finer: bool = False
     w, link, limit = est.workload(), est.device.link, usable(est.device)
     units = profiled.unit_candidates(w, activations=finer)
     codecs = (None,) if lossy is None else (None, lossy_codec(lossy, est.device))
-    out = []
+    out, replays = [], mix.Replays()
     for label, budget in budgets:
         _, chosen = mix.choose_among(units, min(budget, limit) if clip else budget, link,
-                                     inflight_choices=INFLIGHT_CHOICES, codecs=codecs)
+                                     inflight_choices=INFLIGHT_CHOICES, codecs=codecs,
+                                     replays=replays)
         out.append(Way(label, chosen.how, chosen.prediction,
                        est.optimizer_peak <= limit and chosen.fits))
     return out
