@@ -29,7 +29,16 @@ def config(config_file) -> str:
 def test_plan_prints_labelled_estimates_of_every_way(config, capsys):
     assert cli.main(["plan", config, "--seq", "512", "--batch", "2", "--device", "rtx-4090",
                      "--budgets", "0.5"]) == 0
-    out = " ".join(capsys.readouterr().out.split())  # the header is wrapped
+    printed = capsys.readouterr()
+    out = " ".join(printed.out.split())  # the header is wrapped
+    # the long parts say what they did as they go, on stderr
+    said = [line.split(" (")[0] for line in printed.err.splitlines()]
+    assert said[0] == "cswap plan: planning at 4 budgets"
+    assert [line.split(":")[1] for line in said[1:5]] == [
+        " planned at the device", " planned at 0.5 GiB",
+        " planned at half the peak without help", " planned at checkpointing's peak"]
+    assert said[5:] == [f"cswap plan: the longest sequence that fits {how}"
+                        for how in ("without help", "checkpointing", "the planner")]
     assert "cswap plan: tiny-qwen2, sequence 512, batch 2, bfloat16, full fine-tuning" in out
     assert "GeForce RTX 4090" in out and "measured by this project: nothing" in out
     assert "ESTIMATES, not measurements" in out and "-6% to +11%" in out

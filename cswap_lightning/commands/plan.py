@@ -16,11 +16,13 @@ import argparse
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 
 from ..planning import calibration, models, sizing
 from ..planning.devices import DEVICES, device
 from ..planning.estimate import DTYPES, OPTIMIZERS, Estimate, Setup, estimate
 from .args import number, whole
+from .progress import Progress
 
 GiB = 1 << 30
 DEFAULT_SEQUENCE = 4096
@@ -95,14 +97,17 @@ def _run(args: argparse.Namespace) -> int:
     budgets += [("half the peak without help", base[0].prediction.peak_bytes // 2),
                 ("checkpointing's peak", base[1].prediction.peak_bytes)]
     budgets = [(label if b <= limit else f"{label} {OVER_DEVICE}", b) for label, b in budgets]
-    ways = base + sizing.mixes(est, budgets, finer=args.finer, lossy=args.lossy)
     print(header(est, spec))
-    print(memory(est, ways[0]))
-    print(below_the_layer(est))
-    print(plans(ways))
+    print(memory(est, base[0]))
+    print(below_the_layer(est), flush=True)
+    progress = Progress("cswap plan")
+    progress(f"planning at {len(budgets)} budgets (a minute for a 32-layer model)")
+    ways = base + sizing.mixes(est, budgets, finer=args.finer, lossy=args.lossy,
+                               progress=progress)
+    print(plans(ways), flush=True)
     if args.search:
         ceiling = min(spec.max_sequence or CEILING, CEILING) if spec.sequence else 4096
-        print(longest(est, ceiling, "sequence" if spec.sequence else "batch"))
+        print(longest(est, ceiling, "sequence" if spec.sequence else "batch", progress))
     print(f"({time.monotonic() - began:.0f} s)")
     return 0
 
@@ -189,10 +194,13 @@ def plans(ways: list[sizing.Way]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def longest(est: Estimate, ceiling: int, what: str) -> str:
+def longest(est: Estimate, ceiling: int, what: str,
+            progress: Callable[[str], None] | None = None) -> str:
     parts = []
     for how, label in (("none", "without help"), ("checkpointing", "checkpointing"),
                        ("planner", "the planner")):
+        if progress is not None:
+            progress(f"the longest {what} that fits {label}")
         n = sizing.largest(est, how, ceiling)
         parts.append(f"{label} {'none' if n is None else n}"
                      + (" (the search's ceiling)" if n == ceiling else ""))

@@ -304,8 +304,7 @@ class _Replay:
             k += 1
         self.running_head = k
         copying = self.out_before[-1] - self.out_before[k]
-        if now + copying > self.held_peak:
-            self.held_peak = now + copying
+        self.held_peak = max(self.held_peak, now + copying)
 
     def _allocate(self, storage: int) -> None:
         if storage not in self.device:

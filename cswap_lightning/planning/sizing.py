@@ -66,11 +66,13 @@ def baselines(est: Estimate) -> list[Way]:
 
 
 def mixes(est: Estimate, budgets: Sequence[tuple[str, int]], finer: bool = False,
-          lossy: str | None = None, clip: bool = True) -> list[Way]:
+          lossy: str | None = None, clip: bool = True,
+          progress: Callable[[str], None] | None = None) -> list[Way]:
     """The planner's mix at each budget (a label and the allocator's bytes it may use; with
     ``clip``, at most the device's), over layers recomputed whole or below the layer as
     units of recomputation, ``finer``: and over their activation modules too (slower to
-    plan); ``lossy``: blocks may also travel through that lossy codec (``lossy_codec``)."""
+    plan); ``lossy``: blocks may also travel through that lossy codec (``lossy_codec``);
+    ``progress`` is told each budget's mix as it is chosen."""
     w, link, limit = est.workload(), est.device.link, usable(est.device)
     units = profiled.unit_candidates(w, activations=finer)
     codecs = (None,) if lossy is None else (None, lossy_codec(lossy, est.device))
@@ -81,6 +83,8 @@ def mixes(est: Estimate, budgets: Sequence[tuple[str, int]], finer: bool = False
                                      replays=replays)
         out.append(Way(label, chosen.how, chosen.prediction,
                        est.optimizer_peak <= limit and chosen.fits))
+        if progress is not None:
+            progress(f"planned at {label}: {chosen.how}")
     return out
 
 
