@@ -74,6 +74,7 @@ class Dataflow:
         self._writers: dict[int, tuple[int, ...]] = {}  # storage -> calls that wrote it
         self._saved: set[int] = set()  # calls whose outputs autograd saved
         self.blind = False  # some saves were not seen: every call is needed
+        self._graph: _Graph | None = None  # the last cut's graph and flow (``cut``)
 
     def call(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, out,
              kept: bool = False) -> int:
@@ -179,52 +180,93 @@ class Dataflow:
         is (a view of) what the block returned (``returned``); none where blind. ``weight``:
         each call run again that need not be costs its ``touched`` bytes times it beside the
         bytes kept (a norm's outputs are kept where running it again reads and writes more
-        than ``1 / weight`` times their bytes)."""
+        than ``1 / weight`` times their bytes).
+
+        Cuts of the same ``given`` and ``returned`` at growing weights (the ways, in order)
+        go on from the flow of the one before: a larger weight only widens the source's
+        edges, so that flow is still one, and the latest minimum cut is the same whichever
+        maximum flow it is read from."""
         given = set(given)
         if self.blind:
             return given
-        returned = self.makers(returned)
-        n = len(self.calls)
-        source, sink = 2 * n, 2 * n + 1
-        work = [0 if i in given or c.root or c.always else round(weight * c.touched)
-                for i, c in enumerate(self.calls)]
-        infinite = 1 + sum(sum(c.sizes) for c in self.calls) + sum(work)
+        key = (len(self.calls), len(self._saved), frozenset(given),
+               frozenset(self.makers(returned)))
+        graph = self._graph
+        if graph is None or graph.key != key or not graph.weight <= weight <= graph.ceiling:
+            graph = self._graph = _Graph(self.calls, self._saved, key, weight)
+        graph.weigh(weight)
+        return graph.cut()
+
+
+class _Graph:
+    """The node-split graph of a block's calls for ``Dataflow.cut``, with its flow so far: a
+    call i is an edge 2i -> 2i + 1 of its outputs' bytes (infinite where it cannot be kept),
+    each dependency an infinite edge, the source feeds the given calls (infinitely) and each
+    call that would run again (its work: ``touched`` bytes times the weight), the sink drains
+    what autograd saved and the roots."""
+
+    def __init__(self, calls: list[Call], saved: set[int],
+                 key: tuple[int, int, frozenset[int], frozenset[int]], weight: float) -> None:
+        n, (_, _, given, returned) = len(calls), key
+        self.key, self.weight, self.n = key, weight, n
+        self.source, self.sink = source, sink = 2 * n, 2 * n + 1
+        # the calls a weight makes pay for running again, and the work each pays now
+        self.touched = {i: c.touched for i, c in enumerate(calls)
+                        if c.touched and not (i in given or c.root or c.always)}
+        self.work = dict.fromkeys(self.touched, 0)
+        # more than any cut of finite edges, up to this weight
+        self.ceiling = max(weight, 1.0)
+        infinite = (1 + sum(sum(c.sizes) for c in calls)
+                    + round(self.ceiling * sum(self.touched.values())))
         capacity: dict[int, dict[int, int]] = {v: {} for v in range(2 * n + 2)}
+        self.capacity = capacity
 
         def edge(u: int, v: int, c: int) -> None:
             capacity[u][v] = capacity[u].get(v, 0) + c
             capacity[v].setdefault(u, 0)
 
-        for i, c in enumerate(self.calls):
+        for i, c in enumerate(calls):
             keepable = i in given or not (
                 c.root or c.always or not any(c.sizes) or c.changed or i in returned)
             edge(2 * i, 2 * i + 1, sum(c.sizes) if keepable else infinite)
             if i in given:
                 edge(source, 2 * i, infinite)
             else:
-                if work[i]:  # paid where it runs again: on the sink's side
-                    edge(source, 2 * i, work[i])
+                if i in self.touched:  # paid where it runs again: on the sink's side
+                    edge(source, 2 * i, 0)
                 for d in c.deps:
                     edge(2 * d + 1, 2 * i, infinite)
             if c.root:  # runs again, or is given back
                 edge(2 * i + (i in given), sink, infinite)
-        for i in self._saved:
+        for i in saved:
             edge(2 * i + 1, sink, infinite)
-        while (path := _augmenting(capacity, source, sink)) is not None:
+
+    def weigh(self, weight: float) -> None:
+        """Widen the source's edges to ``weight``'s work, and push flow while it goes."""
+        self.weight = weight
+        for i, touched in self.touched.items():
+            work = round(weight * touched)
+            self.capacity[self.source][2 * i] += work - self.work[i]
+            self.work[i] = work
+        capacity = self.capacity
+        while (path := _augmenting(capacity, self.source, self.sink)) is not None:
             pushed = min(capacity[u][v] for u, v in path)
             for u, v in path:
                 capacity[u][v] -= pushed
                 capacity[v][u] += pushed
-        # the sink's side of the latest minimum cut: what still reaches the sink
-        reaches = {sink}
-        todo = deque([sink])
+
+    def cut(self) -> set[int]:
+        """The calls kept by the latest minimum cut: those whose edge the sink's side (what
+        still reaches the sink) begins at."""
+        capacity, reaches = self.capacity, {self.sink}
+        todo = deque([self.sink])
         while todo:
             v = todo.popleft()
             for u in capacity[v]:
                 if u not in reaches and capacity[u][v] > 0:
                     reaches.add(u)
                     todo.append(u)
-        return {i for i in range(n) if 2 * i not in reaches and 2 * i + 1 in reaches}
+        return {i for i in range(self.n) if 2 * i not in reaches and 2 * i + 1 in reaches}
 
 
 def _augmenting(capacity: dict[int, dict[int, int]], source: int, sink: int
