@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ..config import AUTO_INFLIGHT_BYTES, MAX_STORAGE_TO_VIEW_RATIO, CSwapConfig
-from .workload import Workload
+from .workload import Op, Workload
 
 GB = 1e9
 
@@ -294,11 +294,12 @@ class _Replay:
         if self.record and end > start:
             self.timeline.append(Interval(lane, label, start, end))
 
-    def _point(self, other: int, where: str) -> None:
-        """The allocator's bytes now, with ``other`` beside the saved tensors."""
+    def _point(self, other: int, phase: str, op: Op) -> None:
+        """The allocator's bytes now, with ``other`` beside the saved tensors (during ``op``'s
+        ``phase``)."""
         now = self.w.start_bytes + self.device_bytes + self.copies + self.grads + other
         if now > self.peak:
-            self.peak, self.peak_at = now, where
+            self.peak, self.peak_at = now, f"{phase} {op.module or '(functions)'}"
         ends, k = self.out_ends, max(self.running_head, self.out_head)
         while k < len(ends) and ends[k] <= self.compute:  # the compute clock only goes on
             k += 1
@@ -345,12 +346,13 @@ class _Replay:
             begin = max(self.compute, self.host)
             self.stall += begin - self.compute
             self.compute = begin + op.forward_s
-            self._mark("compute", f"forward {op.module}", begin, self.compute)
+            if self.record:
+                self._mark("compute", f"forward {op.module}", begin, self.compute)
             saves = [i for i in op.saves if i not in self.absent]
             for i in saves:
                 if w.saved[i].storage == i and w.saved[i].activation:
                     self._allocate(i)
-            self._point(op.forward_other, f"forward {op.module or '(functions)'}")
+            self._point(op.forward_other, "forward", op)
             for i in saves:
                 s = w.saved[i]
                 if not s.activation or s.storage in self.entries:  # moved already: shared
@@ -359,16 +361,16 @@ class _Replay:
                     continue  # recomputed in backward
                 swap = decision.action == "swap" or decision.swap_input
                 if swap and self._movable(i):
-                    self._move_out(s.storage, decision.codec, f"out {i} {s.module}")
+                    self._move_out(s.storage, decision.codec, i)
                 else:
                     self._hold(i)
             for storage in {w.saved[i].storage for i in saves}:
                 if self.last_forward_op[storage] == k and storage not in self.holders:
                     self._free(storage)  # forward lets go of it
 
-    def _move_out(self, storage: int, codec: Codec, label: str) -> None:
-        """Queue a storage's copy out after the op that saved it; the host waits first while
-        the bytes in flight would pass the bound (``Transfer._bound``)."""
+    def _move_out(self, storage: int, codec: Codec, save: int) -> None:
+        """Queue a storage's copy out after the op that saved it (``save``); the host waits
+        first while the bytes in flight would pass the bound (``Transfer._bound``)."""
         nbytes = self.w.saved[storage].storage_nbytes
         stored = round(nbytes * codec.ratio)
         ends, before, k = self.out_ends, self.out_before, self.out_head
@@ -386,7 +388,8 @@ class _Replay:
         self.out_before.append(self.out_before[-1] + nbytes)
         self.entries[storage] = _Entry(nbytes, stored, codec, out_end=end)
         self.d2h_bytes += stored
-        self._mark("d2h", label, start, end)
+        if self.record:
+            self._mark("d2h", f"out {save} {self.w.saved[save].module}", start, end)
 
     # -- backward -----------------------------------------------------------------------------
     def _backward(self) -> None:
@@ -412,8 +415,9 @@ class _Replay:
             begin = max(self.compute, self.host, ready)
             self.wait += begin - max(self.compute, self.host)
             self.compute = begin + op.backward_s
-            self._mark("compute", f"backward {op.module}", begin, self.compute)
-            self._point(op.backward_grads, f"backward {op.module or '(functions)'}")
+            if self.record:
+                self._mark("compute", f"backward {op.module}", begin, self.compute)
+            self._point(op.backward_grads, "backward", op)
             self.grads += op.weight_grads
             if w.blocks[op.block].ops.start == k and op.block in input_copy:
                 used |= input_copy.pop(op.block)  # the block is done with its input
@@ -481,7 +485,7 @@ class _Replay:
             entry.prefetched = False
             self.ahead -= entry.nbytes
         elif not entry.back:
-            self._restore(storage, f"back {storage}")
+            self._restore(storage, "back")
         if not entry.used:
             entry.used = True
             self._prefetch_after(storage)
@@ -497,13 +501,14 @@ class _Replay:
             if not (entry.used or entry.back):
                 if self.ahead and self.ahead + entry.nbytes > self.engine.prefetch_bytes:
                     break
-                self._restore(following, f"prefetch {following}")
+                self._restore(following, "prefetch")
                 entry.prefetched = True
                 self.ahead += entry.nbytes
             self.cursor += 1
 
-    def _restore(self, storage: int, label: str) -> None:
-        """Queue a copy back: after the copy out, and the copies back queued before it."""
+    def _restore(self, storage: int, why: str) -> None:
+        """Queue a copy back (``why``: "back" for the op about to run, or "prefetch"): after
+        the copy out, and the copies back queued before it."""
         entry = self.entries[storage]
         start = max(self.host, entry.out_end, self.h2d_free)
         end = start + entry.stored / self.link.h2d + entry.nbytes / entry.codec.decode
@@ -511,7 +516,8 @@ class _Replay:
         entry.back = True
         self.copies += entry.nbytes
         self.h2d_bytes += entry.stored
-        self._mark("h2d", label, start, end)
+        if self.record:
+            self._mark("h2d", f"{why} {storage}", start, end)
 
     def _drop_copies(self, storages: set[int]) -> None:
         """The op is done with these copies back: they are freed."""
