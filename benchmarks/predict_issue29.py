@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from cswap_lightning.commands.bench_step import result_meta, write_results
-from cswap_lightning.planning import models, sizing
+from cswap_lightning.planning import mix, models, sizing
 from cswap_lightning.planning.devices import device
 from cswap_lightning.planning.estimate import Estimate, Setup, estimate
 
@@ -63,14 +63,15 @@ def layer_figures(est: Estimate) -> dict:
             "forward_ms": 1e3 * layer.forward_s, "whole_kept_kib_per_token": layer.whole_kib}
 
 
-def within(est: Estimate, keep: sizing.Way, saved: int, steps: int) -> tuple[float, sizing.Way]:
+def within(est: Estimate, keep: sizing.Way, saved: int, steps: int,
+           replays: mix.Replays) -> tuple[float, sizing.Way]:
     """The largest fraction of the saved activations the planner's lossless mix frees within
     ``SLOWER`` of keeping everything (bisection over ``steps``), and that mix."""
     low, high, best = 0.0, LOWER, None
     for _ in range(steps):
         middle = (low + high) / 2
         budget = keep.prediction.peak_bytes - int(middle * saved)
-        (way,) = sizing.mixes(est, [("", budget)], clip=False)
+        (way,) = sizing.mixes(est, [("", budget)], clip=False, replays=replays)
         if way.prediction.peak_bytes <= budget and way.step_s <= SLOWER * keep.step_s:
             low, best = middle, way
         else:
@@ -89,10 +90,11 @@ def predict(case: str, setup: Setup, codecs: tuple[str | None, ...], lower_goal:
                            keep.prediction.peak_bytes - int(LOWER * saved)))
     rows = [Row.of(case, "none", None, way, keep, checkpointing, saved)
             for way in (keep, checkpointing)]
+    replays = mix.Replays()  # each codec's mixes weigh the raw ones too
     for codec in codecs:
         started = time.monotonic()
-        for (label, _), way in zip(budgets, sizing.mixes(est, budgets, lossy=codec, clip=False),
-                                   strict=True):
+        for (label, _), way in zip(budgets, sizing.mixes(est, budgets, lossy=codec, clip=False,
+                                                         replays=replays), strict=True):
             rows.append(Row.of(case, label, codec, way, keep, checkpointing, saved))
         log(f"{case} {codec or 'lossless'}: {time.monotonic() - started:.0f} s")
     out = {"case": case, "setup": {"model": setup.model, "sequence": setup.sequence,
@@ -103,7 +105,7 @@ def predict(case: str, setup: Setup, codecs: tuple[str | None, ...], lower_goal:
            "fits_the_device": est.optimizer_peak <= sizing.usable(est.device),
            "layer": layer_figures(est), "rows": [vars(r) for r in rows]}
     if lower_goal:
-        fraction, way = within(est, keep, saved, steps)
+        fraction, way = within(est, keep, saved, steps, replays)
         out["lower_within_3_percent"] = {"fraction": fraction,
                                          "how": None if way is None else way.how}
     return out
