@@ -5,7 +5,8 @@
 #
 #   1. measure: `cswap bench measure` on GPT-2 medium (s1024 b8) and ResNet-50 (b128), bf16:
 #      this device's profile, the planner's mixes from it at 85%, 50% and checkpointing's
-#      peak, then no offload, checkpointing, each budget and the default engine measured
+#      peak, then no offload, checkpointing, each budget, the default engine and every
+#      tensor swapped through int8 (how the replay should charge encoding) measured
 #      interleaved beside the predictions;
 #   2. codec: zvc, rle, int8 and fp8 at 16 and 64 MiB against a device-to-device copy (the
 #      lossy codecs' speeds are what the planner weighs int8 and fp8 on the link by);

@@ -103,14 +103,21 @@ def test_a_captured_profile_replays_as_the_h100_ones_do(tmp_path):
 
 def test_measure_bench_runs_every_method_and_labels_a_cpu_run_a_dry_run(tmp_path):
     from cswap_lightning.commands.bench_measure import run_measure_bench
+    from cswap_lightning.planning.sizing import LOSSY_SPEEDS
 
     results = run_measure_bench(["resnet50"], str(tmp_path / "measure"), rounds=1,
                                 device="cpu")
     rows = {r["method"]: r for r in results[0]["rows"]}
     assert set(rows) == {"no offload", "checkpointing", "cswap, budget 85% of no offload",
                          "cswap, budget 50% of no offload",
-                         "cswap, budget checkpointing's peak", "cswap default (fits)"}
+                         "cswap, budget checkpointing's peak", "cswap default (fits)",
+                         "cswap int8, every tensor swapped"}
     assert all(r["timed_steps"] == 1 and r["predicted_step_s"] > 0 for r in rows.values())
+    # every tensor through int8, predicted at the H200's int8 speeds: here (the small model)
+    # none is as large as min_bytes, and the replay and the engine agree that none moves
+    int8 = rows["cswap int8, every tensor swapped"]
+    assert tuple(int8["int8_speeds"]) == LOSSY_SPEEDS["int8"]
+    assert int8["predicted_stored_bytes"] == int8["stored_bytes"] == 0
     assert (tmp_path / "profile-resnet50-cpu.json.gz").exists()
     text = (tmp_path / "measure.md").read_text()
     assert "DRY RUN on the CPU" in text and "| ResNet-50 | checkpointing |" in text

@@ -11,7 +11,10 @@ For each model, in one process:
    no offload, checkpointing, the engine at each budget (``plan="auto"``, recomputation on,
    the model watched: the engine measures, plans and checks on its own; its rows are
    predicted by its own replay of its measured step, for the plan it ran, and the planner's
-   mix from the captured profile is shown beside), and the default engine on a run that fits.
+   mix from the captured profile is shown beside), the default engine on a run that fits, and
+   every tensor swapped through int8 (``plan="int8"``), predicted at the int8 kernels' speeds
+   measured on the H200 (``planning/sizing.LOSSY_SPEEDS``): what tells whether the replay
+   should charge a codec's encoding to the link, as it does, or to the compute stream.
 
 Every method trains its own copy of the model (the engine's recomputation wraps a model's
 blocks, one engine a model), so the allocator holds the other copies' weights beside each step:
@@ -46,9 +49,11 @@ from ..config import INFLIGHT_CHOICES, CSwapConfig
 from ..core.engine import Offloader
 from ..planning import mix
 from ..planning.capture import capture
+from ..planning.devices import DEVICES
 from ..planning.profiled import unit_candidates
 from ..planning.profiler import measure_link
-from ..planning.replay import Engine, checkpoint_all, predict
+from ..planning.replay import KEEP, BlockDecision, Engine, Mix, checkpoint_all, predict
+from ..planning.sizing import LOSSY_SPEEDS, lossy_codec
 from ..planning.workload import from_profile
 from .bench_step import device_name, result_meta, write_results
 from .bench_suite import Checkpointed, checkpoint_blocks, hf_checkpointing
@@ -56,6 +61,7 @@ from .bench_suite import ModelCase as Model
 from .bench_suite import workload as model_workload
 
 LEVELS = (0.85, 0.5)
+INT8_ALL = "cswap int8, every tensor swapped"
 # The models of the first H100 run at their profiled sizes, and a Llama-3-8B layer stack.
 BATCH = {"gpt2-medium": 8, "resnet50": 128, "bert-large": 16, "vgg16": 64}
 
@@ -145,9 +151,10 @@ def _settle(m: Method, spec: Model, batch, dev: torch.device, own_start: int,
             most: int = 16) -> None:
     """Run an engine's steps until its plan is checked and the same two steps in a row (its
     measured steps, its planning and the step that checks the plan come first)."""
-    if m.offloader is None:
-        _step(m, spec, batch, dev, own_start)
-        m.warmup = 1
+    if m.offloader is None or m.offloader.config.plan != "auto":  # nothing to plan
+        for _ in range(2):
+            _step(m, spec, batch, dev, own_start)
+        m.warmup = 2
         return
     cuda = dev.type == "cuda"
     before = torch.cuda.memory_allocated(dev) if cuda else 0
@@ -227,11 +234,13 @@ def run_model(key: str, dev: torch.device, out_dir: Path, rounds: int, small: bo
     for label, b in engines:
         model = copies[label] = clone()
         methods.append(Method(label, model, budget_bytes=b))
+    methods.append(Method(INT8_ALL, clone()))
     # what the other copies hold beside one model's step
     others = (torch.cuda.memory_allocated(dev) - own_start) if dev.type == "cuda" else 0
     for m in methods[2:]:
         budget = "auto" if m.budget_bytes is None else m.budget_bytes + others
-        m.offloader = Offloader(CSwapConfig(budget=budget)).watch(m.model)
+        config = CSwapConfig(plan="int8") if m.name == INT8_ALL else CSwapConfig(budget=budget)
+        m.offloader = Offloader(config).watch(m.model)
         m.context = (lambda off=m.offloader: off)
 
     # predictions from this device's profile
@@ -260,6 +269,13 @@ def run_model(key: str, dev: torch.device, out_dir: Path, rounds: int, small: bo
                        "planning_s": time.monotonic() - planned}
         log(f"{key}: {label}: planner {chosen.how} (predicted "
             f"{p.step_s / keep.step_s:.3f}x no offload)")
+
+    int8 = lossy_codec("int8", DEVICES["h200"])  # the speeds measured there, unscaled
+    p = predict(w, Mix(KEEP, {b.name: BlockDecision("swap", int8(w, b)) for b in w.blocks}),
+                link=link, engine=replay_engine)
+    rows[INT8_ALL] = {"predicted_step_s": p.step_s - p.optimizer_s,
+                      "predicted_peak": p.peak_bytes, "predicted_stored_bytes": p.d2h_bytes,
+                      "int8_speeds": LOSSY_SPEEDS["int8"]}
 
     failed: dict[str, str] = {}
 
