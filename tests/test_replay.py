@@ -176,6 +176,25 @@ def test_a_codec_shrinks_the_link_bytes_and_adds_its_time():
     assert raw.step_s - p.step_s == pytest.approx(2 * (0.040 - 0.030))
 
 
+def test_a_codecs_kernels_take_the_links_time_or_computes():
+    """Where compute hides the link, kernels in the copy's lane cost nothing, and on the
+    compute stream's clock their whole time: 10 ms encoding after the op that saved the 40
+    MB, 10 ms decoding before the op that uses it; where the link sets the pace, the copies
+    pipelined after the encoding come out the same."""
+    half = Codec("half", ratio=0.5, encode=4000 * MB, decode=4000 * MB)
+    on_compute = replace(ENGINE, codecs_on_compute=True)
+    hidden = step([(0.001, 0.001, [40 * MB]), (0.100, 0.100, [])])
+    kept = predict(hidden, engine=ENGINE, link=LINK)
+    lane, sms = (predict(hidden, swap_all(half), LINK, e) for e in (ENGINE, on_compute))
+    assert lane.step_s == pytest.approx(kept.step_s)
+    assert sms.forward_s == pytest.approx(kept.forward_s + 0.010)
+    assert sms.step_s == pytest.approx(kept.step_s + 0.020)
+    assert (sms.d2h_bytes, sms.h2d_bytes) == (lane.d2h_bytes, lane.h2d_bytes) == (20 * MB,) * 2
+    bound = step([(0.001, 0.001, [40 * MB]), (0.001, 0.001, [])])
+    assert predict(bound, swap_all(half), LINK, on_compute).step_s == pytest.approx(
+        predict(bound, swap_all(half), LINK, ENGINE).step_s)
+
+
 def test_plans_are_checked():
     w = step([(0.001, 0.001, [MB])], blocks=[("head", 1, False)])
     with pytest.raises(ValueError, match="does not have"):

@@ -171,6 +171,12 @@ class Engine:
     # measured, not a setting: the engine's host time per moved tensor on CUDA (`cswap bench
     # overhead --device cuda`, plan=raw: 124.5 us on the H200, 2026-11-26)
     host_s_per_move: float = 124.5e-6
+    # where a codec's kernels take their time, not measured yet (`cswap bench measure`'s int8
+    # row tells): False, in the copy's lane (the link waits for them, compute does not); True,
+    # on the compute stream's clock (they take the SMs; the copies go on while the next
+    # tensor encodes), encoding after the op that saved the tensor, decoding before
+    # backward's next op once its copy back is issued
+    codecs_on_compute: bool = False
 
 
 @dataclass(frozen=True)
@@ -247,6 +253,7 @@ class _Replay:
         # clocks (seconds) and what they add up
         self.host = self.compute = self.d2h_free = self.h2d_free = 0.0
         self.stall = self.wait = self.recompute_s = 0.0
+        self.decoding = 0.0  # decode seconds the next op in backward runs first
         self.d2h_bytes = self.h2d_bytes = 0
         # copies out, oldest first (one lane: they end in order): when each ends, and the bytes
         # of those before it; the host waits on those from ``out_head`` on (the ones it has
@@ -381,8 +388,11 @@ class _Replay:
             k += 1
         self.out_head = k
         self.host += self.engine.host_s_per_move / 2
+        if self.engine.codecs_on_compute:
+            self.compute += nbytes / codec.encode
         start = max(self.compute, self.host, self.d2h_free)
-        end = start + nbytes / codec.encode + stored / self.link.d2h
+        encoding = 0.0 if self.engine.codecs_on_compute else nbytes / codec.encode
+        end = start + encoding + stored / self.link.d2h
         self.d2h_free = end
         self.out_ends.append(end)
         self.out_before.append(self.out_before[-1] + nbytes)
@@ -414,7 +424,8 @@ class _Replay:
                     used.add(storage)
             begin = max(self.compute, self.host, ready)
             self.wait += begin - max(self.compute, self.host)
-            self.compute = begin + op.backward_s
+            self.compute = begin + self.decoding + op.backward_s
+            self.decoding = 0.0
             if self.record:
                 self._mark("compute", f"backward {op.module}", begin, self.compute)
             self._point(op.backward_grads, "backward", op)
@@ -458,7 +469,8 @@ class _Replay:
         begin = max(self.compute, self.host, ready)
         self.wait += begin - max(self.compute, self.host)
         seconds = b.recompute_s(w.ops)
-        self.compute = begin + seconds
+        self.compute = begin + self.decoding + seconds
+        self.decoding = 0.0
         self.recompute_s += seconds
         self._mark("compute", f"recompute {b.name}", begin, self.compute)
         ops = w.ops[b.ops.start:b.ops.stop]
@@ -511,7 +523,11 @@ class _Replay:
         the copy out, and the copies back queued before it."""
         entry = self.entries[storage]
         start = max(self.host, entry.out_end, self.h2d_free)
-        end = start + entry.stored / self.link.h2d + entry.nbytes / entry.codec.decode
+        decoding = entry.nbytes / entry.codec.decode
+        if self.engine.codecs_on_compute:
+            self.decoding += decoding
+            decoding = 0.0
+        end = start + entry.stored / self.link.h2d + decoding
         self.h2d_free = entry.back_end = end
         entry.back = True
         self.copies += entry.nbytes
