@@ -40,8 +40,10 @@ The engine's host time per moved tensor (its pack and unpack hooks, the copies' 
 at the unpack: where it adds up past the device's work, the step waits for the host. The two
 directions never copy at once here, as in the engine: backward's first restore waits for
 forward's last copy out (on the H200 each direction ran at 50.3 GB/s with the other busy,
-55.0 alone). Not modelled: the host's own time to issue each op's kernels (a profile holds
-device times only), and the allocator's fragmentation.
+55.0 alone). A codec's kernels take the copy's lane (the link waits for them, compute does
+not); ``Engine.codecs_on_compute`` puts them on the compute stream's clock instead, until a
+GPU measurement says which is nearer. Not modelled: the host's own time to issue each op's
+kernels (a profile holds device times only), and the allocator's fragmentation.
 Every figure the replay gives is a prediction, not a measurement.
 """
 
