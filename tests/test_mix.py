@@ -191,3 +191,27 @@ def test_gpt2_recomputes_activation_modules_and_layers_where_that_is_faster():
     assert acts and whole and not acts & whole, recomputed
     assert chosen.prediction.step_s < 0.98 * mix.choose(layers, budget).prediction.step_s
     assert len(evidence.candidates("vgg16")) == 1  # no activation modules by name
+
+
+def test_replays_kept_across_budgets_give_the_same_mixes_with_fewer_replays(monkeypatch):
+    """``mix.Replays``: the mixes chosen at three budgets with predictions kept across them
+    are those chosen afresh at each, with fewer replays: the same workload and mix replayed
+    with another engine (a wider bound in flight) or link is not taken for a repeat."""
+    layers, finer = evidence.candidates("gpt2-medium")
+    keep = predict(layers).peak_bytes
+    budgets = [int(level * keep) for level in (0.8, 0.6, 0.5)]
+    replays = []
+    real = mix.predict
+    monkeypatch.setattr(mix, "predict", lambda *a, **k: replays.append(1) or real(*a, **k))
+    choices = {}
+    for shared in (None, mix.Replays()):
+        replays.clear()
+        choices[shared is None] = [
+            mix.choose_among((layers, finer), b, inflight_choices=(4 << 30,), replays=shared)[1]
+            for b in budgets]
+        choices[shared is None, "replays"] = len(replays)
+    for fresh, kept in zip(choices[True], choices[False], strict=True):
+        assert (kept.how, kept.prediction, kept.engine) == (fresh.how, fresh.prediction,
+                                                              fresh.engine)
+    assert choices[False, "replays"] < 0.8 * choices[True, "replays"]
+    assert any(c.inflight_bytes == 4 << 30 for c in choices[True])  # the wider bound was tried
