@@ -300,3 +300,42 @@ def test_a_weighted_cut_keeps_more_bytes_where_that_spares_more_work():
     assert flow.runs({1}) == [False, False, True]
     assert flow.cut({0}, weight=0.6) == {1, 2}
     assert flow.runs({1, 2}) == [False, False, False]
+
+
+def test_cuts_at_growing_weights_go_on_from_the_last_flow_and_keep_what_fresh_ones_keep():
+    """A Llama layer's cuts, made one after another at growing weights (the ways), go on from
+    the graph and flow of the one before, and keep what cuts made from nothing keep; a smaller
+    weight, other calls given or other tensors returned start afresh."""
+    model, _cfg = llama_layer()
+    layer = model.model.layers[0]
+    x = torch.randn(1, 32, 64, dtype=torch.bfloat16, requires_grad=True)
+    emb = model.model.rotary_emb(x, torch.arange(32)[None])
+    mode = Recorded()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        mode.flow.saved(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
+        out = layer(x, position_embeddings=emb)
+    out = out[0] if isinstance(out, tuple) else out
+    flow = mode.flow
+    given = {i for i, c in enumerate(flow.calls) if c.kept}
+
+    def fresh(weight: float, given=given, returned=(out,)) -> set[int]:
+        flow._graph = None
+        return flow.cut(given, returned, weight)
+
+    expected = [fresh(weight) for weight in (*WEIGHTS, 0.6)]
+    assert len({frozenset(c) for c in expected}) > 1  # the weights keep different calls
+    flow._graph = None
+    warm = [flow.cut(given, [out], WEIGHTS[0])]
+    graph = flow._graph
+    for weight in (*WEIGHTS[1:], 0.6):
+        warm.append(flow.cut(given, [out], weight))
+        assert flow._graph is graph  # went on from the last flow
+    assert warm == expected
+    assert flow.cut(given, [out], 0.0) == expected[0] and flow._graph is not graph
+    fewer = set(sorted(given)[1:])
+    assert flow.cut(fewer, [out], 0.6) == fresh(0.6, given=fewer)
+    assert flow.cut(given, [], 0.6) == fresh(0.6, returned=())
