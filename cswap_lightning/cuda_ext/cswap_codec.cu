@@ -927,19 +927,37 @@ __device__ inline void load_group(const T *in, uint64_t i, uint64_t end, bool ve
   for (int k = 0; k < N; ++k) x[k] = i + k < end ? load_float(in[i + k]) : 0.f;
 }
 
-// `n` bytes to `dst`, one store where `whole` (dst is then n-byte aligned), else byte by byte.
+// N bytes as one word (2, 4 or 8 bytes: one load or store instruction).
+template <int N>
+using Word = std::conditional_t<N == 8, uint2, std::conditional_t<N == 4, uint32_t, uint16_t>>;
+template <int N>
+constexpr bool kWord = N == 8 || N == 4 || N == 2;
+
+// `n` bytes to `dst`, one store where `whole` (dst is then N-byte aligned), else byte by byte.
 template <int N>
 __device__ inline void store_bytes(uint8_t *dst, const uint8_t (&src)[N], int n, bool whole) {
-  if constexpr (N == 8 || N == 4 || N == 2) {
-    using Word = std::conditional_t<N == 8, uint2, std::conditional_t<N == 4, uint32_t, uint16_t>>;
+  if constexpr (kWord<N>) {
     if (whole) {
-      Word w;
+      Word<N> w;
       memcpy(&w, src, N);
-      *reinterpret_cast<Word *>(dst) = w;
+      *reinterpret_cast<Word<N> *>(dst) = w;
       return;
     }
   }
   for (int k = 0; k < n; ++k) dst[k] = src[k];
+}
+
+// `n` bytes from `src` (the rest 0), one load where `whole` (src is then N-byte aligned).
+template <int N>
+__device__ inline void load_bytes(const uint8_t *src, uint8_t (&dst)[N], int n, bool whole) {
+  if constexpr (kWord<N>) {
+    if (whole) {
+      const Word<N> w = *reinterpret_cast<const Word<N> *>(src);
+      memcpy(dst, &w, N);
+      return;
+    }
+  }
+  for (int k = 0; k < N; ++k) dst[k] = k < n ? src[k] : 0;
 }
 
 // The codes of a group of N elements (the first `n` of them real) at element i: a byte each,
@@ -950,7 +968,8 @@ __device__ inline void store_codes(uint8_t *codes, uint64_t i, int n, bool vecto
   if constexpr (C == CSWAP_CODEC_INT4) {
     uint8_t bytes[N / 2];
     for (int m = 0; m < N / 2; ++m)
-      bytes[m] = static_cast<uint8_t>((q[2 * m] & 0xF) | (2 * m + 1 < n ? (q[2 * m + 1] & 0xF) << 4 : 0));
+      bytes[m] = static_cast<uint8_t>((q[2 * m] & 0xF) |
+                                      (2 * m + 1 < n ? (q[2 * m + 1] & 0xF) << 4 : 0));
     store_bytes<N / 2>(codes + i / 2, bytes, (n + 1) / 2, vector && n == N);
   } else {
     uint8_t bytes[N];
@@ -959,38 +978,15 @@ __device__ inline void store_codes(uint8_t *codes, uint64_t i, int n, bool vecto
   }
 }
 
-// The codes of a group of N elements (the first `n` of them real) at element i.
+// The codes of a group of N elements (the first `n` of them real) at element i (even: a
+// group's int4 codes start on a byte).
 template <int C, int N>
 __device__ inline void load_codes(const uint8_t *codes, uint64_t i, int n, bool vector,
                                   int8_t (&q)[N]) {
-  constexpr int kBytes = C == CSWAP_CODEC_INT4 ? N / 2 : N;
-  uint8_t bytes[kBytes];
-  const uint8_t *src = codes + (C == CSWAP_CODEC_INT4 ? i / 2 : i);
-  if (vector && n == N) {
-    if constexpr (kBytes == 8) {
-      const uint2 w = *reinterpret_cast<const uint2 *>(src);
-      memcpy(bytes, &w, 8);
-    } else if constexpr (kBytes == 4) {
-      const uint32_t w = *reinterpret_cast<const uint32_t *>(src);
-      memcpy(bytes, &w, 4);
-    } else if constexpr (kBytes == 2) {
-      const uint16_t w = *reinterpret_cast<const uint16_t *>(src);
-      memcpy(bytes, &w, 2);
-    } else {
-      bytes[0] = src[0];
-    }
-  } else {
-    const int have = C == CSWAP_CODEC_INT4 ? (n + 1) / 2 : n;
-    for (int k = 0; k < kBytes; ++k) bytes[k] = k < have ? src[k] : 0;
-  }
-  for (int k = 0; k < N; ++k) {
-    if constexpr (C == CSWAP_CODEC_INT4) {
-      const int nibble = (bytes[k / 2] >> (4 * (k % 2))) & 0xF;
-      q[k] = static_cast<int8_t>((nibble ^ 8) - 8);
-    } else {
-      q[k] = static_cast<int8_t>(bytes[k]);
-    }
-  }
+  constexpr bool kInt4 = C == CSWAP_CODEC_INT4;
+  uint8_t bytes[kInt4 ? N / 2 : N];
+  load_bytes(codes + (kInt4 ? i / 2 : i), bytes, kInt4 ? (n + 1) / 2 : n, vector && n == N);
+  for (int k = 0; k < N; ++k) q[k] = code_at<C>(bytes, k);
 }
 
 // Max over the warp, returned to every lane.
