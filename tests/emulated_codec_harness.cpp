@@ -1,9 +1,11 @@
-// Runs the kernels of cswap_codec.cu on the CPU through kernel_emulator.h, behind a command
-// line, so that tests/test_cuda_ext.py can compare their payloads with the reference codecs
-// without a GPU (and, built with -fsanitize=address, catch accesses outside the buffers).
+// Runs the kernels of cswap_codec.cu (compaction.cuh's and lossy.cuh's) on the CPU through
+// kernel_emulator.h, behind a command line, so that tests/test_cuda_ext.py can compare their
+// payloads with the reference codecs without a GPU (and, built with -fsanitize=address, catch
+// accesses outside the buffers).
 //
-// The test writes `cswap_codec_emulated.cpp`, the .cu with its launches rewritten, into a
-// folder on the include path, and builds this file with kernel_emulator.h force-included.
+// The test writes `cswap_codec_emulated.cpp`, the .cu with its headers in place and its
+// launches rewritten, into a folder on the include path, and builds this file with
+// kernel_emulator.h force-included.
 //
 // Usage:
 //   harness encode CODEC TYPE NUMEL GRID BLOCK SHIFT BLOCK_SIZE SEED IN OUT

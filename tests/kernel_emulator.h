@@ -1,7 +1,8 @@
 // A CPU stand-in for the CUDA features cswap_codec.cu uses, so that its kernels run, unchanged,
 // on a machine without a GPU. tests/test_cuda_ext.py force-includes this header into
-// tests/emulated_codec_harness.cpp, which includes a copy of the .cu whose `<<<...>>>` launches
-// and `__shared__` declarations the test has rewritten, and builds it with the host compiler.
+// tests/emulated_codec_harness.cpp, which includes a copy of the .cu (its headers written in
+// place) whose `<<<...>>>` launches and `__shared__` declarations the test has rewritten, and
+// builds it with the host compiler.
 //
 // Every CUDA thread runs on its own OS thread, and all the blocks of a launch run at once, so
 // blocks that wait on each other (the look-back of a single-pass scan) make progress as on a

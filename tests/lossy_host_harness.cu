@@ -1,4 +1,4 @@
-// Runs the lossy codecs' element math of cswap_codec.cu (hash, scale, rounding, codes) on the
+// Runs the lossy codecs' element math of lossy.cuh (hash, scale, rounding, codes) on the
 // host, so that a machine without a GPU can check it bit for bit against the pure-torch
 // reference. The loops below visit the elements as the kernels do, one block at a time; the
 // kernels themselves are checked by the gpu-marked tests.

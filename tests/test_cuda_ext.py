@@ -122,6 +122,12 @@ def test_missing_nvcc_is_a_clear_error(monkeypatch, capsys):
 def test_sources_are_package_data():
     for name in cuda_build.SOURCE_NAMES:
         assert (cuda_build.source_dir() / name).is_file()
+    # every source the build includes is hashed into its key (a changed header builds anew)
+    shipped = {p.name for p in cuda_build.source_dir().iterdir() if p.suffix in (".cu", ".cuh", ".h")}
+    assert shipped == set(cuda_build.SOURCE_NAMES)
+    included = {m for name in cuda_build.SOURCE_NAMES
+                for m in re.findall(r'#include "([^"]+)"', (cuda_build.source_dir() / name).read_text())}
+    assert included <= set(cuda_build.SOURCE_NAMES)
 
 
 # --- the library's host side, which runs without a GPU -------------------------------------
@@ -233,8 +239,21 @@ _STATIC_SHARED = re.compile(r"__shared__ (\w+) (\w+)(\[\w+\])?;")
 EMULATED_LAUNCHES = [(1, 32), (3, 64), (5, 96)]
 
 
+_LOCAL_INCLUDE = re.compile(r'(?m)^#include "(\w+\.cuh)"\n')
+
+
+def one_source(name: str, seen: set[str] | None = None) -> str:
+    """The shipped source ``name`` with the headers of its own folder it includes written in
+    place (each once, as ``#pragma once`` would), so that the emulator rewrites all of it."""
+    seen = set() if seen is None else seen
+    text = (cuda_build.source_dir() / name).read_text().replace("#pragma once\n", "")
+    return _LOCAL_INCLUDE.sub(
+        lambda m: "" if m[1] in seen else (seen.add(m[1]) or one_source(m[1], seen)), text)
+
+
 def emulated_source(cu: str) -> str:
-    """cswap_codec.cu with its launches and shared memory rewritten for the emulator."""
+    """cswap_codec.cu (with its headers in place) with its launches and shared memory
+    rewritten for the emulator."""
     out, launches = _LAUNCH.subn(
         lambda m: f"{m[1]}emu::launch(emu::Config({m[3]}), [&] {{ {m[2]}({m[4]}); }});", cu)
     out, arrays = _DYNAMIC_SHARED.subn(r"\1 *\2 = emu::dynamic_smem<\1>();", out)
@@ -252,7 +271,7 @@ def emulated_harness(tmp_path_factory) -> Path:
     if NVCC is None:
         pytest.skip(f"no nvcc: {cuda_build.NVCC_MISSING}")
     folder = tmp_path_factory.mktemp("emulated")
-    cu = (cuda_build.source_dir() / "cswap_codec.cu").read_text()
+    cu = one_source("cswap_codec.cu")
     (folder / "cswap_codec_emulated.cpp").write_text(emulated_source(cu))
     out = folder / "emulated_codec_harness"
     sanitizers = ["-Xcompiler", "-fsanitize=address", "-Xcompiler", "-fsanitize=alignment",
