@@ -103,6 +103,7 @@ def test_a_captured_profile_replays_as_the_h100_ones_do(tmp_path):
 
 def test_measure_bench_runs_every_method_and_labels_a_cpu_run_a_dry_run(tmp_path):
     from cswap_lightning.commands.bench_measure import run_measure_bench
+    from cswap_lightning.planning.replay import CODEC_KERNELS
     from cswap_lightning.planning.sizing import LOSSY_SPEEDS
 
     results = run_measure_bench(["resnet50"], str(tmp_path / "measure"), rounds=1,
@@ -118,7 +119,9 @@ def test_measure_bench_runs_every_method_and_labels_a_cpu_run_a_dry_run(tmp_path
     int8 = rows["cswap int8, every tensor swapped"]
     assert tuple(int8["int8_speeds"]) == LOSSY_SPEEDS["int8"]
     assert int8["predicted_stored_bytes"] == int8["stored_bytes"] == 0
-    assert int8["predicted_step_s_codecs_on_compute"] == int8["predicted_step_s"]
+    by_lane = int8["predicted_step_s_by_codec_kernels"]
+    assert set(by_lane) == set(CODEC_KERNELS) and set(by_lane.values()) == {
+        int8["predicted_step_s"]}
     assert (tmp_path / "profile-resnet50-cpu.json.gz").exists()
     text = (tmp_path / "measure.md").read_text()
     assert "DRY RUN on the CPU" in text and "| ResNet-50 | checkpointing |" in text

@@ -11,6 +11,7 @@ import pytest
 
 from cswap_lightning.planning import profiled as evidence
 from cswap_lightning.planning.replay import (
+    CODEC_KERNELS,
     RECOMPUTE,
     SWAP,
     BlockDecision,
@@ -176,23 +177,31 @@ def test_a_codec_shrinks_the_link_bytes_and_adds_its_time():
     assert raw.step_s - p.step_s == pytest.approx(2 * (0.040 - 0.030))
 
 
-def test_a_codecs_kernels_take_the_links_time_or_computes():
-    """Where compute hides the link, kernels in the copy's lane cost nothing, and on the
-    compute stream's clock their whole time: 10 ms encoding after the op that saved the 40
-    MB, 10 ms decoding before the op that uses it; where the link sets the pace, the copies
-    pipelined after the encoding come out the same."""
+def test_a_codecs_kernels_take_their_own_stream_the_links_time_or_computes():
+    """Where compute hides the link, kernels on their own stream or in the copy's lane cost
+    nothing, and on the compute stream's clock their whole time: 10 ms encoding after the op
+    that saved the 40 MB, 10 ms decoding before the op that uses it. Where the link sets the
+    pace, the copy's lane encodes and copies one after the other (10 + 20 ms a tensor), while
+    on its own stream the second tensor encodes during the first one's copy: its copy ends
+    10 ms sooner, and so does the step."""
     half = Codec("half", ratio=0.5, encode=4000 * MB, decode=4000 * MB)
-    on_compute = replace(ENGINE, codecs_on_compute=True)
+    lanes = {where: replace(ENGINE, codec_kernels=where) for where in CODEC_KERNELS}
+    assert ENGINE.codec_kernels == "own stream"
     hidden = step([(0.001, 0.001, [40 * MB]), (0.100, 0.100, [])])
     kept = predict(hidden, engine=ENGINE, link=LINK)
-    lane, sms = (predict(hidden, swap_all(half), LINK, e) for e in (ENGINE, on_compute))
+    own, lane, sms = (predict(hidden, swap_all(half), LINK, lanes[where])
+                      for where in ("own stream", "copy lane", "compute"))
+    assert own.step_s == pytest.approx(kept.step_s)
     assert lane.step_s == pytest.approx(kept.step_s)
     assert sms.forward_s == pytest.approx(kept.forward_s + 0.010)
     assert sms.step_s == pytest.approx(kept.step_s + 0.020)
-    assert (sms.d2h_bytes, sms.h2d_bytes) == (lane.d2h_bytes, lane.h2d_bytes) == (20 * MB,) * 2
-    bound = step([(0.001, 0.001, [40 * MB]), (0.001, 0.001, [])])
-    assert predict(bound, swap_all(half), LINK, on_compute).step_s == pytest.approx(
-        predict(bound, swap_all(half), LINK, ENGINE).step_s)
+    assert {(p.d2h_bytes, p.h2d_bytes) for p in (own, lane, sms)} == {(20 * MB, 20 * MB)}
+    bound = step([(0.001, 0.001, [40 * MB]), (0.001, 0.001, [40 * MB]), (0.001, 0.001, [])])
+    own, lane = (predict(bound, swap_all(half), LINK, lanes[where])
+                 for where in ("own stream", "copy lane"))
+    assert lane.step_s - own.step_s == pytest.approx(0.010)
+    with pytest.raises(ValueError, match="codec_kernels.*'gpu'"):
+        Engine(codec_kernels="gpu")
 
 
 def test_plans_are_checked():

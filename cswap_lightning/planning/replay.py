@@ -40,10 +40,14 @@ The engine's host time per moved tensor (its pack and unpack hooks, the copies' 
 at the unpack: where it adds up past the device's work, the step waits for the host. The two
 directions never copy at once here, as in the engine: backward's first restore waits for
 forward's last copy out (on the H200 each direction ran at 50.3 GB/s with the other busy,
-55.0 alone). A codec's kernels take the copy's lane (the link waits for them, compute does
-not); ``Engine.codecs_on_compute`` puts them on the compute stream's clock instead, until a
-GPU measurement says which is nearer. Not modelled: the host's own time to issue each op's
-kernels (a profile holds device times only), and the allocator's fragmentation.
+55.0 alone). A codec's encoding runs on a lane of its own, as the engine queues it on its
+compress stream: the copy out waits for its tensor's encoding, and the next tensor encodes
+while this one is copied; decoding takes the copy back's lane (the engine decodes on the
+restore stream). What the kernels take from compute's SMs is not modelled; until a GPU
+measurement says which is nearer, ``Engine.codec_kernels`` can put them in the copy's lane
+(as the replay did before) or on the compute stream's clock instead. Not modelled either:
+the host's own time to issue each op's kernels (a profile holds device times only), and the
+allocator's fragmentation.
 Every figure the replay gives is a prediction, not a measurement.
 """
 
@@ -163,6 +167,9 @@ def swap_all(codec: Codec = RAW) -> Mix:
     return Mix(BlockDecision("swap", codec))
 
 
+CODEC_KERNELS = ("own stream", "copy lane", "compute")  # where a codec's kernels run
+
+
 @dataclass(frozen=True)
 class Engine:
     """The engine's settings the replay follows (``CSwapConfig``'s)."""
@@ -174,11 +181,18 @@ class Engine:
     # overhead --device cuda`, plan=raw: 124.5 us on the H200, 2026-11-26)
     host_s_per_move: float = 124.5e-6
     # where a codec's kernels take their time, not measured yet (`cswap bench measure`'s int8
-    # row tells): False, in the copy's lane (the link waits for them, compute does not); True,
-    # on the compute stream's clock (they take the SMs; the copies go on while the next
-    # tensor encodes), encoding after the op that saved the tensor, decoding before
-    # backward's next op once its copy back is issued
-    codecs_on_compute: bool = False
+    # row tells; one of CODEC_KERNELS): "own stream", encoding on a lane of its own before the
+    # copy out, decoding in the copy back's lane (the engine's streams); "copy lane", both in
+    # the copy's lane (the link waits for them, compute does not); "compute", on the compute
+    # stream's clock (they take the SMs; the copies go on while the next tensor encodes),
+    # encoding after the op that saved the tensor, decoding before backward's next op once
+    # its copy back is issued
+    codec_kernels: str = "own stream"
+
+    def __post_init__(self) -> None:
+        if self.codec_kernels not in CODEC_KERNELS:
+            raise ValueError(f"Engine.codec_kernels must be one of {CODEC_KERNELS}, got "
+                             f"{self.codec_kernels!r}")
 
 
 @dataclass(frozen=True)
@@ -253,7 +267,7 @@ class _Replay:
         self.record = timeline
         self.timeline: list[Interval] = []
         # clocks (seconds) and what they add up
-        self.host = self.compute = self.d2h_free = self.h2d_free = 0.0
+        self.host = self.compute = self.d2h_free = self.h2d_free = self.encode_free = 0.0
         self.stall = self.wait = self.recompute_s = 0.0
         self.decoding = 0.0  # decode seconds the next op in backward runs first
         self.d2h_bytes = self.h2d_bytes = 0
@@ -390,10 +404,14 @@ class _Replay:
             k += 1
         self.out_head = k
         self.host += self.engine.host_s_per_move / 2
-        if self.engine.codecs_on_compute:
-            self.compute += nbytes / codec.encode
-        start = max(self.compute, self.host, self.d2h_free)
-        encoding = 0.0 if self.engine.codecs_on_compute else nbytes / codec.encode
+        encoding, ready = nbytes / codec.encode, max(self.compute, self.host)
+        if encoding and self.engine.codec_kernels == "compute":
+            self.compute += encoding
+            ready, encoding = max(self.compute, self.host), 0.0
+        elif encoding and self.engine.codec_kernels == "own stream":
+            ready = self.encode_free = max(ready, self.encode_free) + encoding
+            encoding = 0.0
+        start = max(ready, self.d2h_free)
         end = start + encoding + stored / self.link.d2h
         self.d2h_free = end
         self.out_ends.append(end)
@@ -526,7 +544,7 @@ class _Replay:
         entry = self.entries[storage]
         start = max(self.host, entry.out_end, self.h2d_free)
         decoding = entry.nbytes / entry.codec.decode
-        if self.engine.codecs_on_compute:
+        if self.engine.codec_kernels == "compute":
             self.decoding += decoding
             decoding = 0.0
         end = start + entry.stored / self.link.h2d + decoding
