@@ -7,18 +7,11 @@ import pytest
 import torch
 from conftest import with_checkpointing_of_5_17
 
-from cswap_lightning.commands.bench_suite import (
-    GOALS,
-    HF_OFFLOAD,
-    METHODS,
-    MODELS,
-    DeviceLedger,
-    HookTap,
-    Settings,
-    measure,
-    workload,
-)
 from cswap_lightning.commands.cli import main
+from cswap_lightning.commands.suite_cases import HF_OFFLOAD, METHODS, MODELS, workload
+from cswap_lightning.commands.suite_ledger import DeviceLedger, HookTap
+from cswap_lightning.commands.suite_report import GOALS
+from cswap_lightning.commands.suite_runs import Settings, measure
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +147,7 @@ def test_full_size_reports_print_the_replays_prediction_beside_each_run():
     prediction (ratios to no offload's); a cswap budget is predicted as the planner mixes."""
     import argparse
 
-    from cswap_lightning.commands.bench_suite import model_markdown
+    from cswap_lightning.commands.suite_report import model_markdown
 
     runs = [{"method": m, "budget": b, "label": m, "samples_per_s": 1.0, "peak_bytes": 1,
              "link_bytes": 0, "vs_no_offload": 1.0, "peak_fraction": 1.0}

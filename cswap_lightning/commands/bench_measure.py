@@ -64,9 +64,9 @@ from ..planning.replay import (
 from ..planning.sizing import LOSSY_SPEEDS, lossy_codec
 from ..planning.workload import from_profile
 from .bench_step import device_name, result_meta, write_results
-from .bench_suite import Checkpointed, checkpoint_blocks, hf_checkpointing
-from .bench_suite import ModelCase as Model
-from .bench_suite import workload as model_workload
+from .suite_cases import Checkpointed, checkpoint_blocks, hf_checkpointing
+from .suite_cases import ModelCase as Model
+from .suite_cases import workload as model_workload
 
 LEVELS = (0.85, 0.5)
 INT8_ALL = "cswap int8, every tensor swapped"
