@@ -141,10 +141,11 @@ def goals(cases: dict[str, dict]) -> list[tuple[str, str, bool]]:
         found.append(((f"{case}: at checkpointing's peak, at least 1.25x its throughput with "
                       "int8 or fp8"), (f"{lossy['vs_checkpointing']:.3f}x with {lossy['codec']} "
                       f"({lossy['how']})"), lossy["vs_checkpointing"] >= 1.25))
-    gpt2 = row("GPT-2 medium", "checkpointing", "lossless")
+    gpt2 = [row("GPT-2 medium", "checkpointing", c) for c in ("lossless", "int8")]
     found.append(("GPT-2 medium: at checkpointing's peak, at least 1.15x its throughput",
-                  f"{gpt2['vs_checkpointing']:.3f}x ({gpt2['how']})",
-                  gpt2["vs_checkpointing"] >= 1.15))
+                  "; ".join(f"{r['vs_checkpointing']:.3f}x {r['codec']} ({r['how']})"
+                            for r in gpt2),
+                  max(r["vs_checkpointing"] for r in gpt2) >= 1.15))
     return found
 
 
@@ -154,9 +155,10 @@ NOTE = ("Every figure is the replay's prediction of an estimated step on an H100
         "every layer kept, swapped, recomputed whole or below the layer (its elementwise work "
         "again, from the fewest bytes kept or swapped); with a codec, blocks may "
         "also travel through it (its speeds: the H200's measured int8 kernels scaled to the "
-        "device's memory rate; fp8 taken as int8's). Budgets are the allocator's bytes and are "
-        "not clipped to the device's 80 GB (full fine-tuning with AdamW does not fit one "
-        "anyway).")
+        "device's memory rate; fp8 taken as int8's; encoding on a stream of its own, as the "
+        "engine does, its kernels' share of the SMs not modelled). Budgets are the allocator's "
+        "bytes and are not clipped to the device's 80 GB (full fine-tuning with AdamW does not "
+        "fit one anyway).")
 
 
 def markdown(cases: dict[str, dict]) -> str:
