@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cswap_lightning.commands import cli
-from cswap_lightning.planning import models
+from cswap_lightning.planning import models, sizing
 from cswap_lightning.planning.devices import DEVICES
 
 pytest.importorskip("transformers")
@@ -70,6 +70,9 @@ def test_plan_says_what_a_layer_keeps_below_the_layer_and_weighs_a_lossy_codec(c
     assert cli.main(["plan", config, "--seq", "512", "--device", "h100-pcie", "--lossy", "int8",
                      "--no-search"]) == 0
     out = " ".join(capsys.readouterr().out.split())
+    encode, decode = (f"{s / 1e9:.0f} GB/s" for s in sizing.lossy_speeds("int8", DEVICES["h100-pcie"]))
+    assert f"int8: encoding at {encode} and decoding at {decode}" in out
+    assert "not modelled" in out
     found = re.search(r"a layer \((\S+)\) saves (\d+) KiB per token; recomputed below the "
                       r"layer .* it keeps (\d+) KiB per token for ([\d.]+) ms \((\d+)% of its "
                       r"forward\)(.*); recomputed whole (\d+) KiB for ([\d.]+) ms \(estimated\)",

@@ -97,7 +97,7 @@ def _run(args: argparse.Namespace) -> int:
     budgets += [("half the peak without help", base[0].prediction.peak_bytes // 2),
                 ("checkpointing's peak", base[1].prediction.peak_bytes)]
     budgets = [(label if b <= limit else f"{label} {OVER_DEVICE}", b) for label, b in budgets]
-    print(header(est, spec))
+    print(header(est, spec, args.lossy))
     print(memory(est, base[0]))
     print(below_the_layer(est), flush=True)
     progress = Progress("cswap plan")
@@ -112,7 +112,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def header(est: Estimate, spec: models.Model) -> str:
+def header(est: Estimate, spec: models.Model, lossy: str | None = None) -> str:
     s, dev = est.setup, est.device
     tuning = (f"LoRA rank {s.lora.rank} (dropout {s.lora.dropout:g}) on every linear layer "
               "but the head" if s.lora else "full fine-tuning")
@@ -135,6 +135,12 @@ def header(est: Estimate, spec: models.Model) -> str:
               "saved copies the trace does not make). The allocator's fragmentation is not "
               "modelled.")
     lines = [title, where, caveat]
+    if lossy is not None:
+        encode, decode = sizing.lossy_speeds(lossy, dev)
+        lines.append(f"{lossy}: encoding at {encode / 1e9:.0f} GB/s and decoding at "
+                     f"{decode / 1e9:.0f} GB/s (the H200's measured int8 kernels, scaled to "
+                     "this device's memory rate), encoding on a stream of its own as the "
+                     "engine does; what its kernels take from compute is not modelled.")
     return "\n".join(textwrap.fill(line, WIDTH) for line in lines) + "\n"
 
 

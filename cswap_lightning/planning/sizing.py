@@ -98,16 +98,23 @@ LOSSY_SPEEDS = {"int8": (206e9, 458e9), "fp8": (206e9, 458e9)}
 _FLOATING = ("float32", "float16", "bfloat16")
 
 
-def lossy_codec(name: str, device: Device) -> mix.CodecOf:
-    """How a block of an estimated step travels through a lossy codec on ``device``: its
-    floating activations at the codec's exact size (dense: an estimate knows no sparsity),
-    the others raw, at the H200's measured speeds (``LOSSY_SPEEDS``) scaled by the device's
-    memory rate against the H200's (an estimate)."""
+def lossy_speeds(name: str, device: Device) -> tuple[float, float]:
+    """A lossy codec's encode and decode speeds on ``device`` (bytes of bfloat16 tensors per
+    second): the H200's measured ones (``LOSSY_SPEEDS``) scaled by the device's memory rate
+    against the H200's (an estimate)."""
     if name not in LOSSY_SPEEDS:
         raise ValueError(f"no speeds for lossy codec {name!r}; known: {', '.join(LOSSY_SPEEDS)}")
     h200 = DEVICES["h200"]
     scale = (device.bandwidth * device.rates.memory) / (h200.bandwidth * h200.rates.memory)
-    encode, decode = (speed * scale for speed in LOSSY_SPEEDS[name])
+    encode, decode = LOSSY_SPEEDS[name]
+    return encode * scale, decode * scale
+
+
+def lossy_codec(name: str, device: Device) -> mix.CodecOf:
+    """How a block of an estimated step travels through a lossy codec on ``device``: its
+    floating activations at the codec's exact size (dense: an estimate knows no sparsity),
+    the others raw, at ``lossy_speeds``."""
+    encode, decode = lossy_speeds(name, device)
     codec = get_codec(name)
 
     def codec_of(w: Workload, block: Block) -> Codec:
