@@ -24,6 +24,7 @@ from cswap_lightning.commands.bench_step import result_meta, write_results
 from cswap_lightning.planning import mix, models, sizing
 from cswap_lightning.planning.devices import device
 from cswap_lightning.planning.estimate import Estimate, Setup, estimate
+from cswap_lightning.planning.replay import CODEC_KERNELS, Engine
 
 GiB = 1 << 30
 SLOWER = 1.03  # the goal's "at most 3% slower"
@@ -64,7 +65,8 @@ def layer_figures(est: Estimate) -> dict:
 
 
 def within(est: Estimate, keep: sizing.Way, saved: int, steps: int, replays: mix.Replays,
-           known: tuple[float, str | None] = (0.0, None)) -> tuple[float, str | None]:
+           known: tuple[float, str | None] = (0.0, None),
+           engine: Engine | None = None) -> tuple[float, str | None]:
     """The largest fraction of the saved activations the planner's lossless mix frees within
     ``SLOWER`` of keeping everything, and that mix: bisection over ``steps`` from ``known``,
     a fraction (and its mix) a planned row already frees within ``SLOWER``, to all of them."""
@@ -72,7 +74,7 @@ def within(est: Estimate, keep: sizing.Way, saved: int, steps: int, replays: mix
     for _ in range(steps):
         middle = (low + high) / 2
         budget = keep.prediction.peak_bytes - int(middle * saved)
-        (way,) = sizing.mixes(est, [("", budget)], clip=False, replays=replays)
+        (way,) = sizing.mixes(est, [("", budget)], clip=False, replays=replays, engine=engine)
         if way.prediction.peak_bytes <= budget and way.step_s <= SLOWER * keep.step_s:
             low = middle
             freed = (keep.prediction.peak_bytes - way.prediction.peak_bytes) / saved
@@ -84,7 +86,7 @@ def within(est: Estimate, keep: sizing.Way, saved: int, steps: int, replays: mix
 
 
 def predict(case: str, setup: Setup, codecs: tuple[str | None, ...], lower_goal: bool,
-            steps: int, log=print) -> dict:
+            steps: int, engine: Engine | None = None, log=print) -> dict:
     est = estimate(setup, device("h100-pcie"))
     keep, checkpointing = sizing.baselines(est)
     saved = est.saved_bytes
@@ -98,20 +100,22 @@ def predict(case: str, setup: Setup, codecs: tuple[str | None, ...], lower_goal:
     for codec in codecs:
         started = time.monotonic()
         for (label, _), way in zip(budgets, sizing.mixes(est, budgets, lossy=codec, clip=False,
-                                                         replays=replays), strict=True):
+                                                         replays=replays, engine=engine),
+                                   strict=True):
             rows.append(Row.of(case, label, codec, way, keep, checkpointing, saved))
         log(f"{case} {codec or 'lossless'}: {time.monotonic() - started:.0f} s")
     out = {"case": case, "setup": {"model": setup.model, "sequence": setup.sequence,
                                    "batch": setup.batch, "dtype": str(setup.dtype),
                                    "lora": setup.lora is not None, "layers": setup.layers},
            "device": est.device.name, "saved_activations_gib": saved / GiB,
+           "codec_kernels": (engine or Engine()).codec_kernels,
            "optimizer_peak_gib": est.optimizer_peak / GiB,
            "fits_the_device": est.optimizer_peak <= sizing.usable(est.device),
            "layer": layer_figures(est), "rows": [vars(r) for r in rows]}
     if lower_goal:
         met = max(((r.saved_lower, r.how) for r in rows
                    if r.codec == "lossless" and r.vs_keep <= SLOWER), default=(0.0, None))
-        fraction, how = within(est, keep, saved, steps, replays, met)
+        fraction, how = within(est, keep, saved, steps, replays, met, engine)
         out["lower_within_3_percent"] = {"fraction": fraction, "how": how}
     return out
 
@@ -155,14 +159,19 @@ NOTE = ("Every figure is the replay's prediction of an estimated step on an H100
         "every layer kept, swapped, recomputed whole or below the layer (its elementwise work "
         "again, from the fewest bytes kept or swapped); with a codec, blocks may "
         "also travel through it (its speeds: the H200's measured int8 kernels scaled to the "
-        "device's memory rate; fp8 taken as int8's; encoding on a stream of its own, as the "
-        "engine does, its kernels' share of the SMs not modelled). Budgets are the allocator's "
+        "device's memory rate; fp8 taken as int8's; {kernels}). Budgets are the allocator's "
         "bytes and are not clipped to the device's 80 GB (full fine-tuning with AdamW does not "
         "fit one anyway).")
+KERNELS = {  # where the replay runs a codec's kernels (replay.CODEC_KERNELS)
+    "own stream": "encoding on a stream of its own, as the engine does, its kernels' share "
+                  "of the SMs not modelled",
+    "copy lane": "encoding and copying one after the other in the copy's lane",
+    "compute": "its kernels' whole time on the compute stream's clock"}
 
 
 def markdown(cases: dict[str, dict]) -> str:
-    lines = [NOTE, "", "## Goals", "", "| goal | predicted | met |", "|---|---|---|"]
+    kernels = next(iter(cases.values())).get("codec_kernels", "own stream")
+    lines = [NOTE.format(kernels=KERNELS[kernels]), "", "## Goals", "", "| goal | predicted | met |", "|---|---|---|"]
     for goal, predicted, met in goals(cases):
         lines.append(f"| {goal} | {predicted} | {'yes' if met else 'NO'} |")
     for case in cases.values():
@@ -196,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="OUT.md and OUT.json are written")
     p.add_argument("--steps", type=int, default=6,
                    help="bisection steps of the 3%% search")
+    p.add_argument("--codec-kernels", choices=CODEC_KERNELS, default=Engine.codec_kernels,
+                   help="where the replay runs a codec's kernels (replay.Engine.codec_kernels)")
     p.add_argument("--quick", action="store_true",
                    help="2 layers of each at a short sequence: to see it run, not the goals")
     args = p.parse_args(argv)
@@ -208,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
             ("Llama-3-8B full fine-tuning", Setup(**llama), CODECS, True),
             ("GPT-2 medium", Setup("gpt2-medium", 1024, 8, layers=layers), (None, "int8"),
              False)):
-        cases[case] = predict(case, setup, codecs, lower, 1 if args.quick else args.steps)
+        cases[case] = predict(case, setup, codecs, lower, 1 if args.quick else args.steps,
+                              Engine(codec_kernels=args.codec_kernels))
     meta = result_meta(torch.device("cpu"), command=" ".join(
         ["python", *sys.argv] if argv is None else ["python", __file__, *argv]),
         kind="prediction (meta-device trace, roofline calibrated on the H100 and H200 "

@@ -34,3 +34,13 @@ def test_the_goals_are_predicted_labelled_and_judged(tmp_path, monkeypatch):
     assert len(goals) == 7 and all(isinstance(met, bool) for *_, met in goals)
     text = (tmp_path / "p.md").read_text()
     assert "- kind: prediction" in text and "| goal | predicted | met |" in text
+    assert script.KERNELS["own stream"] in text
+
+
+@pytest.mark.slow
+def test_the_codecs_kernels_can_be_put_on_computes_clock(tmp_path, monkeypatch):
+    script = load_benchmark("predict_issue29", monkeypatch)
+    assert script.main(["--quick", "--codec-kernels", "compute", "--out", str(tmp_path / "p")]) == 0
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert {c["codec_kernels"] for c in data["cases"].values()} == {"compute"}
+    assert script.KERNELS["compute"] in (tmp_path / "p.md").read_text()

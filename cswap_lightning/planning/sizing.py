@@ -20,7 +20,17 @@ from ..config import INFLIGHT_CHOICES
 from . import mix, models, profiled
 from .devices import DEVICES, Device
 from .estimate import Estimate, cached
-from .replay import KEEP, RAW, BlockDecision, Codec, Mix, Prediction, checkpoint_all, predict
+from .replay import (
+    KEEP,
+    RAW,
+    BlockDecision,
+    Codec,
+    Engine,
+    Mix,
+    Prediction,
+    checkpoint_all,
+    predict,
+)
 from .workload import Block, Workload
 
 CONTEXT_BYTES = 1 << 30
@@ -68,20 +78,21 @@ def baselines(est: Estimate) -> list[Way]:
 def mixes(est: Estimate, budgets: Sequence[tuple[str, int]], finer: bool = False,
           lossy: str | None = None, clip: bool = True,
           progress: Callable[[str], None] | None = None,
-          replays: mix.Replays | None = None) -> list[Way]:
+          replays: mix.Replays | None = None, engine: Engine | None = None) -> list[Way]:
     """The planner's mix at each budget (a label and the allocator's bytes it may use; with
     ``clip``, at most the device's), over layers recomputed whole or below the layer as
     units of recomputation, ``finer``: and over their activation modules too (slower to
     plan); ``lossy``: blocks may also travel through that lossy codec (``lossy_codec``);
     ``progress`` is told each budget's mix as it is chosen; ``replays``: the replay's
-    predictions made before for the same estimate (kept across calls)."""
+    predictions made before for the same estimate (kept across calls); ``engine``: the
+    engine's settings the replay follows (its defaults if None)."""
     w, link, limit = est.workload(), est.device.link, usable(est.device)
     units = profiled.unit_candidates(w, activations=finer)
     codecs = (None,) if lossy is None else (None, lossy_codec(lossy, est.device))
     out, replays = [], replays or mix.Replays()
     for label, budget in budgets:
         _, chosen = mix.choose_among(units, min(budget, limit) if clip else budget, link,
-                                     inflight_choices=INFLIGHT_CHOICES, codecs=codecs,
+                                     engine, inflight_choices=INFLIGHT_CHOICES, codecs=codecs,
                                      replays=replays)
         out.append(Way(label, chosen.how, chosen.prediction,
                        est.optimizer_peak <= limit and chosen.fits))
