@@ -10,6 +10,7 @@ import re
 import stat
 import subprocess
 import warnings
+from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
@@ -120,14 +121,18 @@ def test_missing_nvcc_is_a_clear_error(monkeypatch, capsys):
 
 
 def test_sources_are_package_data():
-    for name in cuda_build.SOURCE_NAMES:
-        assert (cuda_build.source_dir() / name).is_file()
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"]["cswap_lightning"]
+    src, names = cuda_build.source_dir(), set(cuda_build.SOURCE_NAMES)
+    for name in names:
+        assert (src / name).is_file()
+        assert any(fnmatch(f"cuda_ext/{name}", g) for g in globs), name  # in the wheel
     # every source the build includes is hashed into its key (a changed header builds anew)
-    shipped = {p.name for p in cuda_build.source_dir().iterdir() if p.suffix in (".cu", ".cuh", ".h")}
-    assert shipped == set(cuda_build.SOURCE_NAMES)
-    included = {m for name in cuda_build.SOURCE_NAMES
-                for m in re.findall(r'#include "([^"]+)"', (cuda_build.source_dir() / name).read_text())}
-    assert included <= set(cuda_build.SOURCE_NAMES)
+    assert {p.name for p in src.iterdir() if p.suffix in (".cu", ".cuh", ".h")} == names
+    included = {m for name in names
+                for m in re.findall(r'#include "([^"]+)"', (src / name).read_text())}
+    assert included <= names
 
 
 # --- the library's host side, which runs without a GPU -------------------------------------

@@ -70,7 +70,8 @@ def test_plan_says_what_a_layer_keeps_below_the_layer_and_weighs_a_lossy_codec(c
     assert cli.main(["plan", config, "--seq", "512", "--device", "h100-pcie", "--lossy", "int8",
                      "--no-search"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    encode, decode = (f"{s / 1e9:.0f} GB/s" for s in sizing.lossy_speeds("int8", DEVICES["h100-pcie"]))
+    speeds = sizing.lossy_speeds("int8", DEVICES["h100-pcie"])
+    encode, decode = (f"{s / 1e9:.0f} GB/s" for s in speeds)
     assert f"int8: encoding at {encode} and decoding at {decode}" in out
     assert "not modelled" in out
     found = re.search(r"a layer \((\S+)\) saves (\d+) KiB per token; recomputed below the "

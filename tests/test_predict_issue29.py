@@ -34,13 +34,35 @@ def test_the_goals_are_predicted_labelled_and_judged(tmp_path, monkeypatch):
     assert len(goals) == 7 and all(isinstance(met, bool) for *_, met in goals)
     text = (tmp_path / "p.md").read_text()
     assert "- kind: prediction" in text and "| goal | predicted | met |" in text
-    assert script.KERNELS["own stream"] in text
+    assert script.CODEC_KERNELS["own stream"] in text
 
 
 @pytest.mark.slow
 def test_the_codecs_kernels_can_be_put_on_computes_clock(tmp_path, monkeypatch):
     script = load_benchmark("predict_issue29", monkeypatch)
-    assert script.main(["--quick", "--codec-kernels", "compute", "--out", str(tmp_path / "p")]) == 0
+    out = str(tmp_path / "p")
+    assert script.main(["--quick", "--codec-kernels", "compute", "--out", out]) == 0
     data = json.loads((tmp_path / "p.json").read_text())
     assert {c["codec_kernels"] for c in data["cases"].values()} == {"compute"}
-    assert script.KERNELS["compute"] in (tmp_path / "p.md").read_text()
+    assert script.CODEC_KERNELS["compute"] in (tmp_path / "p.md").read_text()
+
+
+def test_a_goal_at_checkpointings_peak_needs_the_row_within_that_peak(monkeypatch):
+    """A mix faster than checkpointing is no win at its peak if it holds more."""
+    script = load_benchmark("predict_issue29", monkeypatch)
+
+    def row(budget: str, codec: str, peak: float, ratio: float) -> dict:
+        return {"budget": budget, "codec": codec, "how": "mix", "peak_gib": peak,
+                "vs_checkpointing": ratio, "vs_keep": 1.0, "saved_lower": 0.8}
+
+    def case(peak: float) -> dict:
+        rows = [row("75% lower saved activations", "lossless", 30.0, 1.3)]
+        rows += [row("checkpointing's peak", c, peak, 1.3) for c in ("lossless", "int8", "fp8")]
+        return {"rows": rows, "checkpointing_peak_gib": 31.0,
+                "lower_within_3_percent": {"fraction": 0.8, "how": "mix"}}
+
+    for peak, met in ((31.0, True), (31.5, False)):
+        cases = {name: case(peak) for name in
+                 ("Llama-3-8B LoRA", "Llama-3-8B full fine-tuning", "GPT-2 medium")}
+        judged = [m for goal, _, m in script.goals(cases) if "checkpointing's peak" in goal]
+        assert len(judged) == 5 and all(m is met for m in judged)

@@ -200,6 +200,9 @@ def test_a_codecs_kernels_take_their_own_stream_the_links_time_or_computes():
     own, lane = (predict(bound, swap_all(half), LINK, lanes[where])
                  for where in ("own stream", "copy lane"))
     assert lane.step_s - own.step_s == pytest.approx(0.010)
+    timeline = predict(bound, swap_all(half), LINK, lanes["own stream"], timeline=True).timeline
+    encodes = [(i.start, i.end) for i in timeline if i.lane == "encode"]
+    assert encodes == [pytest.approx((0.001, 0.011)), pytest.approx((0.011, 0.021))]
     with pytest.raises(ValueError, match="codec_kernels.*'gpu'"):
         Engine(codec_kernels="gpu")
 

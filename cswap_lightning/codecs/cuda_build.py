@@ -42,7 +42,8 @@ class BuildError(RuntimeError):
 
 
 def source_dir() -> Path:
-    """The folder of the shipped ``.cu``/``.h`` sources (package data of ``cswap_lightning``)."""
+    """The folder of the shipped ``.cu``/``.cuh``/``.h`` sources (package data of
+    ``cswap_lightning``)."""
     return Path(str(resources.files("cswap_lightning") / "cuda_ext"))
 
 

@@ -70,8 +70,6 @@ from .suite_cases import workload as model_workload
 
 LEVELS = (0.85, 0.5)
 INT8_ALL = "cswap int8, every tensor swapped"
-CODEC_KERNEL_WORDS = {"own stream": "on their own stream", "copy lane": "in the copy's lane",
-                      "compute": "on the compute stream's clock"}  # replay.CODEC_KERNELS
 # The models of the first H100 run at their profiled sizes, and a Llama-3-8B layer stack.
 BATCH = {"gpt2-medium": 8, "resnet50": 128, "bert-large": 16, "vgg16": 64}
 
@@ -448,9 +446,8 @@ def markdown(results: list[dict], dev: torch.device) -> str:
                 "" if r.get("within_budget", True) else " (OVER)")
             ran, step, peak, profiled = r["method"], r["predicted_step_s"], r["predicted_peak"], ""
             if "predicted_step_s_by_codec_kernels" in r:
-                profiled = "the codec's kernels " + ", ".join(
-                    f"{CODEC_KERNEL_WORDS[where]}: {1e3 * s:.1f} ms"
-                    for where, s in r["predicted_step_s_by_codec_kernels"].items())
+                profiled = "; ".join(f"{CODEC_KERNELS[where]}: {1e3 * s:.1f} ms" for where, s
+                                     in r["predicted_step_s_by_codec_kernels"].items())
             if "engine_predicted_step_s" in r:
                 ran = r["engine_how"] + (", hooks off" if r.get("hooks_off") else "")
                 step, peak = r["engine_predicted_step_s"], r["engine_predicted_peak"]

@@ -167,7 +167,13 @@ def swap_all(codec: Codec = RAW) -> Mix:
     return Mix(BlockDecision("swap", codec))
 
 
-CODEC_KERNELS = ("own stream", "copy lane", "compute")  # where a codec's kernels run
+CodecKernels = Literal["own stream", "copy lane", "compute"]
+# where a codec's kernels run (``Engine.codec_kernels``), as results name it
+CODEC_KERNELS: dict[str, str] = {
+    "own stream": "encoding on a stream of its own, as the engine does, what its kernels take "
+                  "from compute's SMs not modelled",
+    "copy lane": "encoding and copying one after the other in the copy's lane",
+    "compute": "the kernels' whole time on the compute stream's clock"}
 
 
 @dataclass(frozen=True)
@@ -187,17 +193,18 @@ class Engine:
     # stream's clock (they take the SMs; the copies go on while the next tensor encodes),
     # encoding after the op that saved the tensor, decoding before backward's next op once
     # its copy back is issued
-    codec_kernels: str = "own stream"
+    codec_kernels: CodecKernels = "own stream"
 
     def __post_init__(self) -> None:
         if self.codec_kernels not in CODEC_KERNELS:
-            raise ValueError(f"Engine.codec_kernels must be one of {CODEC_KERNELS}, got "
-                             f"{self.codec_kernels!r}")
+            raise ValueError(f"Engine.codec_kernels must be one of {tuple(CODEC_KERNELS)}, "
+                             f"got {self.codec_kernels!r}")
 
 
 @dataclass(frozen=True)
 class Interval:
-    """Something the step did on a lane (``compute``, ``d2h``, ``h2d``), in seconds."""
+    """Something the step did on a lane (``compute``, ``encode``, ``d2h``, ``h2d``), in
+    seconds."""
 
     lane: str
     label: str
@@ -410,6 +417,9 @@ class _Replay:
             ready, encoding = max(self.compute, self.host), 0.0
         elif encoding and self.engine.codec_kernels == "own stream":
             ready = self.encode_free = max(ready, self.encode_free) + encoding
+            if self.record:
+                self._mark("encode", f"encode {save} {self.w.saved[save].module}",
+                           ready - encoding, ready)
             encoding = 0.0
         start = max(ready, self.d2h_free)
         end = start + encoding + stored / self.link.d2h
