@@ -20,7 +20,9 @@
 #   6. llama: the profile of Llama-3-8B's layer shapes, 4 layers, s4096 b1 (LLM fine-tuning);
 #   7. pytest-gpu: `pytest -m gpu -v` with what time is left (each test named in the log as it
 #      ends, so a step cut short still says which failed);
-#   8. measure-more: BERT-large and VGG-16, if time remains.
+#   8. measure-more: Llama-3-8B's layer shapes (4 layers, s4096 b1: LLM fine-tuning, the
+#      planner's mixes and int8 against checkpointing), then BERT-large and VGG-16, if time
+#      remains.
 #
 # How to call it (from a session whose device `status` says a machine is lent):
 #   once, here, in the repository root (the wheels the image lacks, and the codec library built
@@ -115,8 +117,8 @@ step exit-codes 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_e
 step llama 60 "${CSWAP[@]}" bench measure --models llama --out "$WORK/llama-$TAG"
 step pytest-gpu 150 python3 -m pytest -v -p no:cacheprovider -m gpu --timeout 60 \
     --junitxml="$WORK/pytest-gpu.xml"
-step measure-more 200 "${ENGINE[@]}" bench measure --models bert-large vgg16 --rounds 10 \
-    --out "$WORK/measure-more-$TAG"
+step measure-more 240 "${ENGINE[@]}" bench measure --models llama3-8b-4l bert-large vgg16 \
+    --rounds 10 --out "$WORK/measure-more-$TAG"
 pack
 echo "done in $SECONDS s; in $OUT:"
 ls -la "$OUT"

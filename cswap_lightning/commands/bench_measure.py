@@ -64,7 +64,7 @@ from ..planning.replay import (
 from ..planning.sizing import LOSSY_SPEEDS, lossy_codec
 from ..planning.workload import from_profile
 from .bench_step import device_name, result_meta, write_results
-from .suite_cases import Checkpointed, checkpoint_blocks, hf_checkpointing
+from .suite_cases import Checkpointed, checkpoint_blocks, hf_checkpointing, llama_config
 from .suite_cases import ModelCase as Model
 from .suite_cases import workload as model_workload
 
@@ -394,15 +394,9 @@ def run_llama(dev: torch.device, out_dir: Path, small: bool,
               log: Callable[[str], None] = print) -> dict:
     """The profile of an LLM fine-tuning shape: Llama-3-8B's layer shapes (4 layers, random
     init), SDPA, sequence 4096, batch 1, bf16 (on the CPU a tiny one)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    seq = 64 if small else 4096
-    cfg = LlamaConfig(
-        hidden_size=64 if small else 4096, intermediate_size=224 if small else 14336,
-        num_hidden_layers=2 if small else 4, num_attention_heads=4 if small else 32,
-        num_key_value_heads=2 if small else 8, vocab_size=1000 if small else 128256,
-        max_position_embeddings=seq, rope_theta=500000.0, use_cache=False,
-        attn_implementation="sdpa")
+    cfg, seq = llama_config(small)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     began = time.monotonic()
     with dev:
@@ -446,8 +440,9 @@ def markdown(results: list[dict], dev: torch.device) -> str:
                 "" if r.get("within_budget", True) else " (OVER)")
             ran, step, peak, profiled = r["method"], r["predicted_step_s"], r["predicted_peak"], ""
             if "predicted_step_s_by_codec_kernels" in r:
-                profiled = "; ".join(f"{CODEC_KERNELS[where]}: {1e3 * s:.1f} ms" for where, s
-                                     in r["predicted_step_s_by_codec_kernels"].items())
+                profiled = "the codec's kernels (replay.Engine.codec_kernels) " + ", ".join(
+                    f"{where}: {1e3 * s:.1f} ms"
+                    for where, s in r["predicted_step_s_by_codec_kernels"].items())
             if "engine_predicted_step_s" in r:
                 ran = r["engine_how"] + (", hooks off" if r.get("hooks_off") else "")
                 step, peak = r["engine_predicted_step_s"], r["engine_predicted_peak"]

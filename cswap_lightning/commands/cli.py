@@ -133,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         "measure", help="this device's profile, the planner's predictions from it, and the "
         "methods measured beside them, interleaved (a GPU; on the CPU a dry run)")
     measure.add_argument("--models", nargs="+", default=["gpt2-medium", "resnet50"],
-                         choices=("gpt2-medium", "bert-large", "resnet50", "vgg16", "llama"))
+                         choices=("gpt2-medium", "bert-large", "resnet50", "vgg16", "llama",
+                                  "llama3-8b-4l"),
+                         help="llama: the profile of Llama-3-8B's layer shapes (4 layers, "
+                         "sequence 4096) only; llama3-8b-4l: the same model measured like "
+                         "the others")
     measure.add_argument("--rounds", type=_whole(1), default=12,
                          help="interleaved timed rounds (one step of each method)")
     measure.add_argument("--device", type=_device, default="auto")

@@ -12,6 +12,7 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,6 +21,9 @@ from ..config import CSwapConfig
 from ..core.engine import Offloader
 from ..hf_checkpointing import checkpointing_switch, has_offload
 from .bench_step import _Counted
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig
 
 NO_OFFLOAD = "no offload"
 CHECKPOINTING = "activation checkpointing"
@@ -70,6 +74,21 @@ class ModelCase:
 
 
 MODELS = ("resnet50", "vgg16", "bert-large", "gpt2-medium")
+LLAMA = "llama3-8b-4l"  # LLM fine-tuning's shapes: `cswap bench measure` takes it too
+
+
+def llama_config(small: bool) -> tuple[LlamaConfig, int]:
+    """Llama-3-8B's layer shapes with 4 layers (random init, SDPA) and the sequence to train
+    them at, 4096; ``small``: a tiny one at 64 for the CPU."""
+    from transformers import LlamaConfig
+
+    seq = 64 if small else 4096
+    return LlamaConfig(
+        hidden_size=64 if small else 4096, intermediate_size=224 if small else 14336,
+        num_hidden_layers=2 if small else 4, num_attention_heads=4 if small else 32,
+        num_key_value_heads=2 if small else 8, vocab_size=1000 if small else 128256,
+        max_position_embeddings=seq, rope_theta=500000.0, use_cache=False,
+        attn_implementation="sdpa"), seq
 
 
 def workload(key: str, small: bool) -> ModelCase:
@@ -95,6 +114,22 @@ def workload(key: str, small: bool) -> ModelCase:
 
         return ModelCase(key, label, f"width {width}, 3x{side}x{side} images, {classes} classes",
                         batch, partial(net, width, classes), images, cross_entropy, hf=False)
+    if key == LLAMA:
+        cfg, seq = llama_config(small)
+
+        def llama() -> nn.Module:
+            from transformers import LlamaForCausalLM
+
+            return LlamaForCausalLM(cfg)
+
+        def ids(n: int, dev: torch.device):
+            tokens = torch.randint(0, cfg.vocab_size, (n, seq),
+                                   generator=torch.Generator().manual_seed(n)).to(dev)
+            return {"input_ids": tokens, "labels": tokens}
+
+        return ModelCase(key, "Llama-3-8B, 4 layers" + (" (small)" if small else ""),
+                         f"hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, sequence "
+                         f"{seq}", 1, llama, ids, _hf_loss, hf=True)
     if key in ("bert-large", "gpt2-medium"):
         bert = key == "bert-large"
         hidden, layers, heads, seq, batch, vocab = (
@@ -121,15 +156,16 @@ def workload(key: str, small: bool) -> ModelCase:
             labels = torch.randint(0, 2, (n,), generator=g) if bert else ids
             return {"input_ids": ids.to(dev), "labels": labels.to(dev)}
 
-        def hf_loss(model: nn.Module, batch) -> torch.Tensor:
-            return model(**batch).loss
-
         label = "BERT-large" if bert else "GPT-2 medium"
         if small:
             label += " (small)"
         return ModelCase(key, label, f"hidden {hidden}, {layers} layers, {heads} heads, sequence "
-                        f"{seq}", batch, build, tokens, hf_loss, hf=True)
-    raise ValueError(f"unknown model {key!r}; choose from {', '.join(MODELS)}")
+                        f"{seq}", batch, build, tokens, _hf_loss, hf=True)
+    raise ValueError(f"unknown model {key!r}; choose from {', '.join((*MODELS, LLAMA))}")
+
+
+def _hf_loss(model: nn.Module, batch) -> torch.Tensor:
+    return model(**batch).loss
 
 
 class Checkpointed(nn.Module):
