@@ -3,6 +3,8 @@
 # after each step the results so far are packed into $OUT, so a call cut short still returns
 # what it reached. The device (H100 or H200) is named in every result file.
 #
+#   0. kernels: the CUDA codecs' gpu tests against the reference (a fault would take the
+#      measure step's process down: without a pass, the engine's steps use the reference);
 #   1. measure: `cswap bench measure` on GPT-2 medium (s1024 b8) and ResNet-50 (b128), bf16:
 #      this device's profile, the planner's mixes from it at 85%, 50% and checkpointing's
 #      peak, then no offload, checkpointing, each budget, the default engine and every
@@ -101,6 +103,15 @@ GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
     awk '{print tolower($2)}')
 TAG=${GPU:-gpu}-$(date +%F)
 step build-ext 60 "${CSWAP[@]}" build-ext
+# The codec kernels against the reference first: a kernel that faults would take the measure
+# step's process (every model in it) down with it, so without a pass the engine's steps run
+# on the reference codecs (the codec step still measures the kernels, in a process of its own).
+step kernels 60 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/test_cuda_ext.py \
+    -k "gpu_matches_reference or gpu_lossy_matches_reference or misaligned or views_and_special"
+if [[ -z ${DRY:-} ]] && selected kernels && ! grep -q "^kernels: ok" "$SUMMARY"; then
+    ENGINE=("${CSWAP[@]}")
+    echo "kernels did not pass: the engine's steps run on the reference codecs" | tee -a "$SUMMARY"
+fi
 if [[ -n ${TESTS:-} ]]; then  # named tests first (TESTS='tests/test_x.py::test_y ...')
     step tests 60 python3 -m pytest -q -p no:cacheprovider $TESTS
 fi
