@@ -120,6 +120,16 @@ def test_missing_nvcc_is_a_clear_error(monkeypatch, capsys):
     assert "install the CUDA toolkit" in capsys.readouterr().err
 
 
+def test_the_cuda_codecs_encode_without_waiting_unless_the_reference_stands_in(monkeypatch):
+    from cswap_lightning.codecs.reference import RLECodec, ZVCCodec
+
+    assert ZVCCodec.encode_waits and RLECodec.encode_waits and not get_codec("int8").encode_waits
+    monkeypatch.setattr(cuda_codecs, "load_extension", lambda: None)
+    assert cuda_codecs.CudaZVCCodec().encode_waits
+    monkeypatch.setattr(cuda_codecs, "load_extension", lambda: object())
+    assert not any(c().encode_waits for c in (cuda_codecs.CudaZVCCodec, cuda_codecs.CudaRLECodec))
+
+
 def test_sources_are_package_data():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())

@@ -282,6 +282,10 @@ def test_compression_widens_the_links_window_so_the_planner_recomputes_less():
     stored = (MB // 32 + MB) + (8 * MB // 32 + 8 * MB // 4)
     assert codec_of(steps[0], steps[0].blocks[0]).ratio == pytest.approx(stored / (9 * MB),
                                                                          rel=1e-3)
+    # the reference zvc reads its count back to the host while it encodes; int8 does not
+    assert codec_of(steps[0], steps[0].blocks[0]).waits
+    int8_of = live.block_codec(profiles, lambda p: "int8", _InstantCodecs())
+    assert not int8_of(steps[0], steps[0].blocks[0]).waits
     raw = live.choose_recompute(steps, 24 * MB, link, engine)
     compressed = live.choose_recompute(steps, 24 * MB, link, engine, codecs=[codec_of])
     assert raw.names == ("b0", "b1")

@@ -207,6 +207,18 @@ def test_a_codecs_kernels_take_their_own_stream_the_links_time_or_computes():
         Engine(codec_kernels="gpu")
 
 
+def test_a_codec_that_reads_a_size_back_holds_forward_until_it_has_encoded():
+    """The reference zvc's compaction reads its count on the host: forward's next op waits
+    for the 10 ms encoding that its own stream would otherwise run beside it."""
+    half = Codec("half", ratio=0.5, encode=4000 * MB, decode=4000 * MB)
+    waiting = replace(half, waits=True)
+    w = step([(0.001, 0.001, [40 * MB]), (0.100, 0.100, [])])
+    free, held = (predict(w, swap_all(c), LINK, ENGINE) for c in (half, waiting))
+    assert free.forward_s == pytest.approx(0.101)
+    assert held.forward_s == pytest.approx(0.111)
+    assert held.forward_stall_s == pytest.approx(0.010)
+
+
 def test_plans_are_checked():
     w = step([(0.001, 0.001, [MB])], blocks=[("head", 1, False)])
     with pytest.raises(ValueError, match="does not have"):

@@ -169,6 +169,12 @@ class _CudaCodec(_Launches):
         stream = torch.cuda.current_stream(device).cuda_stream
         return grid, block, workspace, workspace_bytes, stream
 
+    @property
+    def encode_waits(self) -> bool:
+        """Untrimmed, the kernels leave the payload's length on the device; the reference
+        codec, which runs where the library is missing, reads it back."""
+        return load_extension() is None
+
     def capacity(self, numel: int, elem_size: int) -> int:
         lib = load_extension()
         if lib is None:

@@ -29,6 +29,9 @@ class Codec(abc.ABC):
     lossless: bool = True
     max_numel: int = 2**63 - 1
     exact_size: bool = True  # the payload's size follows from the shape: no read-back
+    # encoding, untrimmed as the engine calls it, waits for the device: the host reads a size
+    # its compaction needs (data-dependent indexing)
+    encode_waits: bool = False
 
     def encode(self, t: torch.Tensor, trim: bool = True) -> Packed:
         """Pack ``t`` (any shape and strides) in logical row-major order; payload on ``t.device``.
@@ -103,6 +106,7 @@ class ZVCCodec(Codec):
 
     name = "zvc"
     exact_size = False
+    encode_waits = True
     max_numel = _U32_LIMIT - 1
 
     def payload_nbytes(self, numel: int, nnz: int, elem_size: int, nruns: int = 0) -> int:
@@ -135,6 +139,7 @@ class RLECodec(Codec):
 
     name = "rle"
     exact_size = False
+    encode_waits = True
     max_numel = _U32_LIMIT - 1
 
     def payload_nbytes(self, numel: int, nnz: int, elem_size: int, nruns: int = 0) -> int:

@@ -19,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from ..codecs import get_codec
 from ..records import WEIGHTS
 from . import mix, replay
 from .advisor import predicted_stored_bytes
@@ -151,7 +152,8 @@ def block_codec(profiles: Sequence[SiteProfile], codec_for: Callable[[SiteProfil
     """How a block of the measured step travels with each of its movable sites through the
     codec ``codec_for`` names for it (``"raw"``, a compressor, a lossy codec): the bytes
     they would store (each format's size at their measured sparsity) against their raw
-    bytes, at the speeds each codec was measured at for them. What a recomputation below the
+    bytes, at the speeds each codec was measured at for them, the host waiting for the
+    encoding where a codec's does (``Codec.encode_waits``). What a recomputation below the
     layer keeps counts as dense sites of the block's dtype."""
 
     def codec_of(w: Workload, block: Block) -> replay.Codec:
@@ -169,7 +171,8 @@ def block_codec(profiles: Sequence[SiteProfile], codec_for: Callable[[SiteProfil
                    for way in ("encode", "decode")]
         encode, decode = (raw / s if s > 0 else float("inf") for s in seconds)
         names = sorted(set(codecs) - {"raw"})
-        return replay.Codec("+".join(names) or "raw", stored / raw, encode, decode)
+        waits = any(get_codec(name).encode_waits for name in names)
+        return replay.Codec("+".join(names) or "raw", stored / raw, encode, decode, waits)
 
     return codec_of
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..codecs import get_codec
 from ..config import AUTO_INFLIGHT_BYTES, INFLIGHT_CHOICES, CSwapConfig
 from ..records import StepStats
 from . import live, mix
@@ -282,4 +283,4 @@ def _codec(decision: Decision, model: CodecTimeModel, p: SiteProfile) -> replaye
                for way in ("encode", "decode")]
     encode, decode = (p.nbytes / s if s > 0 else float("inf") for s in seconds)
     return replayed.Codec(decision.decision, max(decision.stored_bytes, 1) / p.nbytes, encode,
-                          decode)
+                          decode, get_codec(decision.decision).encode_waits)

@@ -43,9 +43,11 @@ forward's last copy out (on the H200 each direction ran at 50.3 GB/s with the ot
 55.0 alone). A codec's encoding runs on a lane of its own, as the engine queues it on its
 compress stream: the copy out waits for its tensor's encoding, and the next tensor encodes
 while this one is copied; decoding takes the copy back's lane (the engine decodes on the
-restore stream). What the kernels take from compute's SMs is not modelled; until a GPU
-measurement says which is nearer, ``Engine.codec_kernels`` can put them in the copy's lane
-(as the replay did before) or on the compute stream's clock instead. Not modelled either:
+restore stream). A codec whose encoding reads a size back to the host (the reference zvc
+and rle: ``Codec.waits``) holds forward until its encoding is done. What the kernels take
+from compute's SMs is not modelled; until a GPU measurement says which is nearer,
+``Engine.codec_kernels`` can put them in the copy's lane (as the replay did before) or on
+the compute stream's clock instead. Not modelled either:
 the host's own time to issue each op's kernels (a profile holds device times only), and the
 allocator's fragmentation.
 Every figure the replay gives is a prediction, not a measurement.
@@ -83,12 +85,14 @@ class Link:
 @dataclass(frozen=True)
 class Codec:
     """How a swapped tensor travels: ``ratio`` of its bytes stored, encoded before the copy
-    out and decoded after the copy back at these speeds (bytes of the tensor per second)."""
+    out and decoded after the copy back at these speeds (bytes of the tensor per second);
+    ``waits``: the host waits for its encoding (a compaction that reads a size back)."""
 
     name: str = "raw"
     ratio: float = 1.0
     encode: float = math.inf
     decode: float = math.inf
+    waits: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.ratio:
@@ -422,6 +426,8 @@ class _Replay:
                            ready - encoding, ready)
             encoding = 0.0
         start = max(ready, self.d2h_free)
+        if codec.waits:  # forward goes on once the encoding is done
+            self.host = max(self.host, start + encoding if encoding else ready)
         end = start + encoding + stored / self.link.d2h
         self.d2h_free = end
         self.out_ends.append(end)
