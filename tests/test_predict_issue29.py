@@ -66,3 +66,32 @@ def test_a_goal_at_checkpointings_peak_needs_the_row_within_that_peak(monkeypatc
                  ("Llama-3-8B LoRA", "Llama-3-8B full fine-tuning", "GPT-2 medium")}
         judged = [m for goal, _, m in script.goals(cases) if "checkpointing's peak" in goal]
         assert len(judged) == 5 and all(m is met for m in judged)
+
+
+def test_the_readme_states_what_the_committed_predictions_say(monkeypatch):
+    """The README's count of issue 29's goals met, with its bracket, and its int8 figures at
+    checkpointing's peak, are those of the committed prediction files."""
+    from pathlib import Path
+
+    script = load_benchmark("predict_issue29", monkeypatch)
+    root = Path(__file__).parents[1]
+    results = root / "benchmarks" / "results"
+    readme = " ".join((root / "README.md").read_text().split())
+    words = dict(enumerate(("none", "one", "two", "three", "four", "five", "six", "all")))
+    met = {}
+    for kernels in ("encode-lane", "codecs-on-compute"):
+        data = json.loads((results / f"predictions-issue29-h100-pcie-2026-11-27-{kernels}.json")
+                          .read_text())
+        goals = script.goals(data["cases"])
+        met[kernels] = sum(m for *_, m in goals)
+        assert len(goals) == 7
+        if kernels == "encode-lane":
+            int8 = {case: next(r for r in c["rows"] if r["codec"] == "int8"
+                               and r["budget"] == "checkpointing's peak")["vs_checkpointing"]
+                    for case, c in data["cases"].items()}
+    n = met["encode-lane"]
+    assert f"{words[n]} of the seven goals are met, {words[7 - n]} missed" in readme
+    assert f"({words[met['codecs-on-compute']]} met where the int8 codec's kernels" in readme
+    assert (f"{int8['Llama-3-8B LoRA']:.2f}x with LoRA and "
+            f"{int8['Llama-3-8B full fine-tuning']:.2f}x in full fine-tuning") in readme
+    assert f"{int8['GPT-2 medium']:.2f}x with int8" in readme
