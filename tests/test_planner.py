@@ -292,6 +292,7 @@ def test_compression_widens_the_links_window_so_the_planner_recomputes_less():
     assert compressed.names == ()
     swapped = [d.codec.name for d in compressed.mix.decisions() if d.action == "swap"]
     assert swapped == ["zvc", "zvc"]
+    assert compressed.mix.how.endswith("; swapped through zvc") and "through" not in raw.mix.how
     assert compressed.mix.prediction.step_s < raw.mix.prediction.step_s
     assert compressed.mix.prediction.peak_bytes <= 24 * MB
 

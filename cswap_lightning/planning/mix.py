@@ -197,7 +197,8 @@ def _ways_per_block(base: Workload, chosen: Choice, link: Link, replays: Replays
             if (p.peak_bytes <= budget and p.held_peak_bytes <= held
                     and p.step_s < best.prediction.step_s):
                 best = replace(best, prediction=p, workload=w,
-                               how=best.how.split(";")[0] + _weighed(w, chosen.plan))
+                               how=best.how.split(";")[0] + _weighed(w, chosen.plan)
+                               + _through(chosen.plan))
                 best_way = trial
     return best
 
@@ -279,7 +280,7 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
                              for d in chosen[1].blocks.values())
             how = (f"swap the earliest {swapped} blocks" + (" (below the layer)" if below else "")
                    + f", recompute {recomputed}" + (" of the finest units" if n else "")
-                   + _weighed(*chosen))
+                   + _weighed(*chosen) + _through(chosen[1]))
             candidates[how] = (chosen, run(chosen))
             if k == 0:  # swapping more would only add link time
                 break
@@ -303,8 +304,8 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
     if not candidates and full:
         k = _first(len(whole.blocks) + 1, lambda k: fits(moved(k)))
         if k is not None:
-            candidates[f"recompute all, swap the earliest {k} inputs or blocks"] = (
-                moved(k), run(moved(k)))
+            candidates[f"recompute all, swap the earliest {k} inputs or blocks"
+                       + _through(moved(k)[1])] = (moved(k), run(moved(k)))
     if candidates:
         how, ((w, plan), prediction) = min(candidates.items(), key=lambda kv: kv[1][1].step_s)
         return Choice(plan, prediction, keep, budget_bytes, True, how,
@@ -313,6 +314,13 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
     w, plan = moved(len(whole.blocks))
     return Choice(plan, run((w, plan)), keep, budget_bytes, False, "does not fit",
                engine=engine, workload=w)
+
+
+def _through(plan: Mix) -> str:
+    """The codecs a mix's swapped blocks and inputs travel through, where not raw."""
+    names = sorted({d.codec.name for d in plan.blocks.values()
+                    if d.action == "swap" or d.swap_input} - {RAW.name})
+    return f"; swapped through {', '.join(names)}" if names else ""
 
 
 def _weighed(workload: Workload, plan: Mix) -> str:
