@@ -104,7 +104,7 @@ def test_a_captured_profile_replays_as_the_h100_ones_do(tmp_path):
 @pytest.mark.parametrize(("key", "label"), [("resnet50", "ResNet-50"),
                                             ("llama3-8b-4l", "Llama-3-8B, 4 layers (small)")])
 def test_measure_bench_runs_every_method_and_labels_a_cpu_run_a_dry_run(tmp_path, key, label):
-    from cswap_lightning.commands.bench_measure import run_measure_bench
+    from cswap_lightning.commands.bench_measure import nearest, run_measure_bench
     from cswap_lightning.planning.replay import CODEC_KERNELS
     from cswap_lightning.planning.sizing import LOSSY_SPEEDS
 
@@ -123,6 +123,8 @@ def test_measure_bench_runs_every_method_and_labels_a_cpu_run_a_dry_run(tmp_path
     by_lane = int8["predicted_step_s_by_codec_kernels"]
     assert set(by_lane) == set(CODEC_KERNELS) and set(by_lane.values()) == {
         int8["predicted_step_s"]}
+    assert int8["nearest_codec_kernels"] == "own stream"  # all alike: the first
+    assert nearest({"own stream": 0.10, "copy lane": 0.12, "compute": 0.15}, 0.13) == "copy lane"
     assert (tmp_path / f"profile-{key}-cpu.json.gz").exists()
     text = (tmp_path / "measure.md").read_text()
     assert "DRY RUN on the CPU" in text and f"| {label} | checkpointing |" in text

@@ -346,6 +346,9 @@ def run_model(key: str, dev: torch.device, out_dir: Path, rounds: int, small: bo
         b = row.get("budget_bytes")
         if b:
             row["within_budget"] = row["peak_bytes"] <= 1.03 * b
+        if "predicted_step_s_by_codec_kernels" in row:
+            row["nearest_codec_kernels"] = nearest(row["predicted_step_s_by_codec_kernels"],
+                                                   row["step_s"])
     return {"model": key, "label": spec.label, "batch": batch_size, "shape": spec.shape,
             "dtype": str(dtype).removeprefix("torch."), "link": vars(link) | {},
             "others_bytes": others, "own_start_bytes": own_start,
@@ -388,6 +391,12 @@ def link_check(dev: torch.device, nbytes: int = 256 << 20, repeats: int = 5) -> 
     out |= {"matmul_s": compute, "matmul_with_d2h_s": loaded,
             "d2h_under_matmul_lower_bound": nbytes / loaded}
     return {k: (v / 1e9 if not k.endswith("_s") else v) for k, v in out.items()}
+
+
+def nearest(predicted: dict[str, float], measured: float) -> str:
+    """The key of the prediction nearest ``measured`` (the first of equals): which of the
+    replay's ways of placing a codec's kernels a measured step bears out."""
+    return min(predicted, key=lambda k: abs(predicted[k] - measured))
 
 
 def run_llama(dev: torch.device, out_dir: Path, small: bool,
@@ -443,6 +452,8 @@ def markdown(results: list[dict], dev: torch.device) -> str:
                 profiled = "the codec's kernels (replay.Engine.codec_kernels) " + ", ".join(
                     f"{where}: {1e3 * s:.1f} ms"
                     for where, s in r["predicted_step_s_by_codec_kernels"].items())
+                if "nearest_codec_kernels" in r:
+                    profiled += f"; the measurement nearest {r['nearest_codec_kernels']}"
             if "engine_predicted_step_s" in r:
                 ran = r["engine_how"] + (", hooks off" if r.get("hooks_off") else "")
                 step, peak = r["engine_predicted_step_s"], r["engine_predicted_peak"]
