@@ -47,9 +47,8 @@ restore stream). A codec whose encoding reads a size back to the host (the refer
 and rle: ``Codec.waits``) holds forward until its encoding is done. What the kernels take
 from compute's SMs is not modelled; until a GPU measurement says which is nearer,
 ``Engine.codec_kernels`` can put them in the copy's lane (as the replay did before) or on
-the compute stream's clock instead. Not modelled either:
-the host's own time to issue each op's kernels (a profile holds device times only), and the
-allocator's fragmentation.
+the compute stream's clock instead. Not modelled either: the host's own time to issue each
+op's kernels (a profile holds device times only), and the allocator's fragmentation.
 Every figure the replay gives is a prediction, not a measurement.
 """
 
