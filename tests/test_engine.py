@@ -33,13 +33,20 @@ def assert_bitwise_equal(a, b):
         assert torch.equal(ga, gb)
 
 
+# Steps until the last one runs a plan that moves tensors: "auto" on CUDA measures a step
+# swapping, times a plain one, measures one keeping every tensor where there is room, then
+# plans.
+STEPS = {"auto": 4}
+
+
 def assert_lossless(name, plan, device):
     model, x, y = model_and_batch(name, device)
-    ref = grads(copy.deepcopy(model), x, y, steps=2)
+    steps = STEPS.get(plan, 2)
+    ref = grads(copy.deepcopy(model), x, y, steps=steps)
     # The control: plain training must repeat itself bit for bit, or no engine could.
-    assert_bitwise_equal(ref, grads(copy.deepcopy(model), x, y, steps=2))
+    assert_bitwise_equal(ref, grads(copy.deepcopy(model), x, y, steps=steps))
     off = Offloader(CSwapConfig(plan=plan, min_bytes=0, budget=None))
-    got = grads(copy.deepcopy(model), x, y, off, steps=2)
+    got = grads(copy.deepcopy(model), x, y, off, steps=steps)
     assert_bitwise_equal(ref, got)
     step = off.last_step()
     assert step.offloaded_bytes > 0, step.table()
@@ -61,6 +68,27 @@ def test_lossless_plans_give_bitwise_equal_gradients(name, plan):
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_lossless_on_cuda(name, plan):
     assert_lossless(name, plan, "cuda")
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_auto_follows_its_cuda_sequence_on_the_cpu_bitwise(name, monkeypatch):
+    """The steps "auto" runs on CUDA (measured swapping, plain and timed, measured keeping,
+    then the plan), run on the CPU: each step's gradients bitwise, the plan's step moving."""
+    from cswap_lightning.core import learning
+
+    monkeypatch.setattr(learning, "hooks_idle", lambda device: True)
+    monkeypatch.setattr(learning, "room_to_keep", lambda *args, **kwargs: True)
+    model, x, y = model_and_batch(name)
+    off = Offloader(CSwapConfig(plan="auto", min_bytes=0, budget=None))
+    plain, hooked = copy.deepcopy(model), copy.deepcopy(model)
+    seen = []
+    for _ in range(STEPS["auto"]):
+        assert_bitwise_equal(grads(plain, x, y), grads(hooked, x, y, off))
+        step = off.last_step()
+        seen.append((step.offloaded_bytes > 0, step.hooks_off, off.plan is not None))
+    off.close()
+    assert seen == [(True, False, False), (False, True, False), (False, False, False),
+                    (True, False, True)]
 
 
 def test_offload_in_a_loop_reuses_one_session_and_learns():
