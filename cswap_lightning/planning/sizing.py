@@ -102,10 +102,9 @@ def mixes(est: Estimate, budgets: Sequence[tuple[str, int]], finer: bool = False
 
 
 # The lossy codecs' speeds in bytes of bfloat16 tensors per second, measured on the H200
-# (`cswap bench codec`, 2026-11-26, 64 MiB, the slower of its sparsities: int8 compress 206
-# GB/s, decompress 458 GB/s; benchmarks/results/codec-h200-2026-11-26.md). fp8 was not
-# measured there: its kernels do the work of int8's, and it is given int8's speeds.
-LOSSY_SPEEDS = {"int8": (206e9, 458e9), "fp8": (206e9, 458e9)}
+# (`cswap bench codec`, 2026-11-27, 64 MiB, the slower of its sparsities: int8 compress 389
+# GB/s, decompress 1002 GB/s; fp8 443 and 883; benchmarks/results/codec-h200-2026-11-27.md).
+LOSSY_SPEEDS = {"int8": (389e9, 1002e9), "fp8": (443e9, 883e9)}
 _FLOATING = ("float32", "float16", "bfloat16")
 
 
