@@ -115,6 +115,10 @@ def test_measure_bench_runs_every_method_and_labels_a_cpu_run_a_dry_run(tmp_path
                          "cswap, budget checkpointing's peak", "cswap default (fits)",
                          "cswap int8, every tensor swapped"}
     assert all(r["timed_steps"] == 1 and r["predicted_step_s"] > 0 for r in rows.values())
+    # the host's times beside the device's (on CUDA they tell a host-bound step); on the CPU
+    # the host's time is the step's
+    assert all(r["host_forward_s"] == r["forward_s"] < r["host_step_s"] == r["step_s"]
+               for r in rows.values())
     # every tensor through int8, predicted at the H200's int8 speeds: here (the small model)
     # none is as large as min_bytes, and the replay and the engine agree that none moves
     int8 = rows["cswap int8, every tensor swapped"]
@@ -128,3 +132,4 @@ def test_measure_bench_runs_every_method_and_labels_a_cpu_run_a_dry_run(tmp_path
     assert (tmp_path / f"profile-{key}-cpu.json.gz").exists()
     text = (tmp_path / "measure.md").read_text()
     assert "DRY RUN on the CPU" in text and f"| {label} | checkpointing |" in text
+    assert "| forward (ms) device / host |" in text

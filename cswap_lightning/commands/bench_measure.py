@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -84,7 +85,7 @@ class Method:
     offloader: Offloader | None = None
     budget_bytes: int | None = None  # one model's budget (the engine gets the others' more)
     # step ms, forward ms, peak as one model's, allocated at the step's start
-    steps: list[tuple[float, float, int, int]] = field(default_factory=list)
+    steps: list[Timed] = field(default_factory=list)
     warmup: int = 0
     settled: bool = True
     held_bytes: int = 0  # device memory its engine holds between steps, once settled
@@ -124,35 +125,49 @@ def _bf16_batch(batch):
     return batch.to(torch.bfloat16) if batch.is_floating_point() else batch
 
 
-def _step(m: Method, spec: Model, batch, dev: torch.device, own_start: int
-          ) -> tuple[float, float, int, int]:
-    """One forward and backward of ``m``: device ms of the step and of forward, the peak as
-    one model's (the module docstring), and the allocator's bytes at the step's start."""
+class Timed(NamedTuple):
+    """One timed step: device milliseconds of the step and of its forward, the peak as one
+    model's (the module docstring), the allocator's bytes at its start, and the host's
+    milliseconds until its last kernel was queued and until forward returned (on the CPU, the
+    step's; on CUDA, near the device's time where the host sets the pace)."""
+
+    step_ms: float
+    forward_ms: float
+    peak: int
+    before: int
+    host_step_ms: float
+    host_forward_ms: float
+
+
+def _step(m: Method, spec: Model, batch, dev: torch.device, own_start: int) -> Timed:
+    """One forward and backward of ``m``, timed."""
     cuda = dev.type == "cuda"
+    peak = before = 0
     if cuda:
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         before = torch.cuda.memory_allocated(dev)
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
         marks[0].record()
-    else:
-        began = time.perf_counter()
+    began = time.perf_counter()
     with m.context():
         loss = spec.loss(m.model, batch)
     if cuda:
         marks[1].record()
-    else:
-        forward = time.perf_counter()
+    forward = time.perf_counter()
     loss.backward()
     del loss
     m.model.zero_grad(set_to_none=True)
     if cuda:
         marks[2].record()
-        torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev) - before + own_start
-        return marks[0].elapsed_time(marks[2]), marks[0].elapsed_time(marks[1]), peak, before
     end = time.perf_counter()
-    return 1e3 * (end - began), 1e3 * (forward - began), 0, 0
+    host = 1e3 * (end - began), 1e3 * (forward - began)
+    if not cuda:
+        return Timed(*host, peak, before, *host)
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - before + own_start
+    return Timed(marks[0].elapsed_time(marks[2]), marks[0].elapsed_time(marks[1]), peak,
+                 before, *host)
 
 
 def _settle(m: Method, spec: Model, batch, dev: torch.device, own_start: int,
@@ -234,7 +249,7 @@ def run_model(key: str, dev: torch.device, out_dir: Path, rounds: int, small: bo
     methods = [Method("no offload", base)]
     ckpt = _checkpointed(clone(), spec.hf)
     methods.append(Method("checkpointing", ckpt))
-    ckpt_peak = max(_step(methods[1], spec, batch, dev, own_start)[2] for _ in range(2))
+    ckpt_peak = max(_step(methods[1], spec, batch, dev, own_start).peak for _ in range(2))
     budgets = [(f"{level:.0%} of no offload", int(level * keep_peak)) for level in LEVELS]
     budgets.append(("checkpointing's peak", ckpt_peak or keep_peak // 3))
     engines = [(f"cswap, budget {label}", b) for label, b in budgets] + [
@@ -319,10 +334,12 @@ def run_model(key: str, dev: torch.device, out_dir: Path, rounds: int, small: bo
     for m in methods:
         row = rows[m.name]
         row |= {"method": m.name,
-                "step_s": statistics.median(s[0] for s in m.steps) / 1e3,
-                "forward_s": statistics.median(s[1] for s in m.steps) / 1e3,
-                "peak_bytes": max(s[2] for s in m.steps), "timed_steps": len(m.steps),
-                "allocated_at_start": statistics.median(s[3] for s in m.steps)}
+                "step_s": statistics.median(s.step_ms for s in m.steps) / 1e3,
+                "forward_s": statistics.median(s.forward_ms for s in m.steps) / 1e3,
+                "host_step_s": statistics.median(s.host_step_ms for s in m.steps) / 1e3,
+                "host_forward_s": statistics.median(s.host_forward_ms for s in m.steps) / 1e3,
+                "peak_bytes": max(s.peak for s in m.steps), "timed_steps": len(m.steps),
+                "allocated_at_start": statistics.median(s.before for s in m.steps)}
         if m.offloader is not None:
             row |= _engine_summary(m)
             for raw in ("engine_predicted_peak", "engine_beside_bytes"):
@@ -435,14 +452,14 @@ def markdown(results: list[dict], dev: torch.device) -> str:
     """One table: predicted beside measured, the error of each, and what the planner chose
     from the captured profile."""
     head = ("| model | method | budget | what ran | step (ms) predicted / measured | error | "
-            "peak (GiB) predicted / measured | error | time vs no offload | "
+            "forward (ms) device / host | peak (GiB) predicted / measured | error | time vs no offload | "
             "peak vs no offload | throughput vs checkpointing | the planner on the profile |")
-    lines = [head, "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [head, "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for result in results:
         for r in result["rows"]:
             if "failed" in r:
                 lines.append(f"| {result['label']} | {r['method']} | | FAILED: "
-                             f"{r['failed'][:120]} | | | | | | | | |")
+                             f"{r['failed'][:120]} | | | | | | | | | |")
                 continue
             b = r.get("budget_bytes")
             budget = "" if not b else f"{b / 2**30:.2f} GiB" + (
@@ -464,6 +481,7 @@ def markdown(results: list[dict], dev: torch.device) -> str:
                 f"| {result['label']} | {r['method']} | {budget} | {ran} | "
                 f"{1e3 * step:.1f} / {1e3 * r['step_s']:.1f} | "
                 f"{100 * r['step_error']:+.0f}% | "
+                f"{1e3 * r['forward_s']:.1f} / {1e3 * r['host_forward_s']:.1f} | "
                 f"{peak / 2**30:.2f} / {r['peak_bytes'] / 2**30:.2f} | "
                 f"{100 * r['peak_error']:+.0f}% | {r['time_vs_no_offload']:.3f}x | "
                 f"{r['peak_vs_no_offload']:.0%} | {r['throughput_vs_checkpointing']:.2f}x | "
@@ -475,8 +493,9 @@ def markdown(results: list[dict], dev: torch.device) -> str:
             "link; for the engine's rows, its own replay of its measured step for the plan it "
             "ran (`offloader.recomputation`), and in the last column what the planner chose "
             "from the captured profile at the same budget. Measured: median device time of "
-            "forward and backward over the interleaved rounds, and the allocator's peak as one "
-            "model's (see `cswap_lightning/commands/bench_measure.py`).\n\n" + "\n".join(lines))
+            "forward and backward over the interleaved rounds, the host's time until forward "
+            "returned beside the device's forward (near it, the host sets the pace), and the "
+            "allocator's peak as one model's (see `cswap_lightning/commands/bench_measure.py`).\n\n" + "\n".join(lines))
 
 
 def run_measure_bench(models: list[str], out: str, rounds: int = 12,
