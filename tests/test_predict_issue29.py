@@ -95,3 +95,26 @@ def test_the_readme_states_what_the_committed_predictions_say(monkeypatch):
     assert (f"{int8['Llama-3-8B LoRA']:.2f}x with LoRA and "
             f"{int8['Llama-3-8B full fine-tuning']:.2f}x in full fine-tuning") in readme
     assert f"{int8['GPT-2 medium']:.2f}x with int8" in readme
+
+
+@pytest.mark.slow
+def test_the_measured_llm_shape_is_predicted_beside_its_measurement(monkeypatch):
+    """The one LLM shape measured end to end (Llama-3-8B, 4 layers, s4096, an H200) is
+    predicted from its config and set beside the committed measurement, way by way."""
+    script = load_benchmark("predict_issue29", monkeypatch)
+    check = script.measured_check()
+    measured = {r["method"]: r for r in next(
+        r for r in json.loads(script.MEASURED.read_text())["results"]
+        if r["model"] == "llama3-8b-4l")["rows"]}
+    assert [r["way"] for r in check["rows"]] == list(script.MEASURED_WAYS)
+    keep, ckpt = check["rows"][0], check["rows"][1]
+    assert keep["how"] == "keep everything" and ckpt["how"] == "recompute every block"
+    for r in check["rows"]:
+        m = measured[script.MEASURED_WAYS[r["way"]]]
+        assert r["measured_ms"] == pytest.approx(1e3 * m["step_s"])
+        assert r["measured_vs_checkpointing"] == pytest.approx(
+            ckpt["measured_ms"] / r["measured_ms"])
+        assert r["predicted_vs_checkpointing"] == pytest.approx(
+            ckpt["predicted_ms"] / r["predicted_ms"])
+    # each budgeted mix is the planner's, within its budget's peak
+    assert check["rows"][3]["predicted_peak_gib"] <= ckpt["predicted_peak_gib"] + 1e-9
