@@ -9,7 +9,9 @@
 #      this device's profile, the planner's mixes from it at 85%, 50% and checkpointing's
 #      peak, then no offload, checkpointing, each budget, the default engine and every
 #      tensor swapped through int8 (how the replay should charge encoding) measured
-#      interleaved beside the predictions;
+#      interleaved beside the predictions, each with the host's time beside the device's,
+#      and one more step of each traced (the device's kernel and copy time: what it waited
+#      for);
 #   2. codec: zvc, rle, int8 and fp8 at 16 and 64 MiB against a device-to-device copy (the
 #      lossy codecs' speeds are what the planner weighs int8 and fp8 on the link by);
 #   3. selective: Llama-3-8B's layer shapes (4 layers, s4096 b1) recomputed below the layer
@@ -116,7 +118,7 @@ if [[ -n ${TESTS:-} ]]; then  # named tests first (TESTS='tests/test_x.py::test_
     step tests 60 python3 -m pytest -q -p no:cacheprovider $TESTS
 fi
 step measure 280 "${ENGINE[@]}" bench measure --models ${MODELS:-gpt2-medium resnet50} --rounds 12 \
-    --out "$WORK/measure-$TAG"
+    --trace --out "$WORK/measure-$TAG"
 [[ -f $WORK/measure-$TAG.md ]] && grep "^|" "$WORK/measure-$TAG.md" >>"$SUMMARY"
 step codec 40 "${ENGINE[@]}" bench codec --sizes 16MiB 64MiB --codecs zvc rle int8 fp8 \
     --sparsities 0 50 90 --no-relu --no-nvcomp --out "$WORK/codec-$TAG"
@@ -129,7 +131,7 @@ step llama 60 "${CSWAP[@]}" bench measure --models llama --out "$WORK/llama-$TAG
 step pytest-gpu 150 python3 -m pytest -v -p no:cacheprovider -m gpu --timeout 60 \
     --junitxml="$WORK/pytest-gpu.xml"
 step measure-more 240 "${ENGINE[@]}" bench measure --models llama3-8b-4l bert-large vgg16 \
-    --rounds 10 --out "$WORK/measure-more-$TAG"
+    --rounds 10 --trace --out "$WORK/measure-more-$TAG"
 pack
 echo "done in $SECONDS s; in $OUT:"
 ls -la "$OUT"

@@ -23,16 +23,15 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import transformers
-from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
 
 import cswap_lightning as cswap
 from cswap_lightning.commands.bench_step import result_meta, write_results
+from cswap_lightning.commands.traced import traced_step
 from cswap_lightning.core.recompute import below, units
 from cswap_lightning.planning import models, sizing
 from cswap_lightning.planning.dataflow import WEIGHTS
@@ -72,23 +71,6 @@ def deterministic(dev: torch.device) -> Iterator[None]:
     finally:
         torch.backends.cudnn.deterministic = False
         torch.use_deterministic_algorithms(False)
-
-
-def profiled(step: Callable[[], object], dev: torch.device, path: Path) -> float | None:
-    """One ``step`` under ``torch.profiler``: its operators' table (the dearest first) written
-    to ``path``; the seconds the device ran kernels (None on the CPU), to set beside the
-    step's time: what the GPU waited for the host."""
-    cuda = dev.type == "cuda"
-    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
-    with profile(activities=activities) as prof:
-        step()
-    events = prof.key_averages()
-    path.write_text(events.table(sort_by="self_device_time_total" if cuda
-                                 else "self_cpu_time_total", row_limit=40))
-    if not cuda:
-        return None
-    return sum(e.self_device_time_total for e in events
-               if e.device_type == DeviceType.CUDA) / 1e6
 
 
 def measure(layers: int, sequence: int, repeats: int, dev: torch.device,
@@ -143,7 +125,8 @@ def measure(layers: int, sequence: int, repeats: int, dev: torch.device,
         allocated = torch.cuda.max_memory_allocated(dev) if cuda else None  # the last step's
         busy = None
         if profiles is not None:
-            busy = profiled(step, dev, profiles / f"profile-{way.replace(' ', '-')}.txt")
+            traced = traced_step(step, dev, profiles / f"profile-{way.replace(' ', '-')}.txt")
+            busy = None if traced is None else traced.kernels_s + traced.copies_s
         if not chosen:
             stats = plain  # the measured step's rows
         ways[way] = {"sites": len(stats.sites), "peak_resident_bytes": stats.peak_resident_bytes,

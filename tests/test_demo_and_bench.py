@@ -108,8 +108,13 @@ def test_measure_bench_runs_every_method_and_labels_a_cpu_run_a_dry_run(tmp_path
     from cswap_lightning.planning.replay import CODEC_KERNELS
     from cswap_lightning.planning.sizing import LOSSY_SPEEDS
 
-    results = run_measure_bench([key], str(tmp_path / "measure"), rounds=1, device="cpu")
+    trace = key == "resnet50"
+    results = run_measure_bench([key], str(tmp_path / "measure"), rounds=1, device="cpu",
+                                trace=trace)
     rows = {r["method"]: r for r in results[0]["rows"]}
+    if trace:  # a table per method; the device's times only on CUDA
+        assert len(list((tmp_path / "measure-traces").glob(f"{key}-*.txt"))) == len(rows)
+        assert not any("traced_kernels_s" in r for r in rows.values())
     assert set(rows) == {"no offload", "checkpointing", "cswap, budget 85% of no offload",
                          "cswap, budget 50% of no offload",
                          "cswap, budget checkpointing's peak", "cswap default (fits)",
@@ -133,3 +138,29 @@ def test_measure_bench_runs_every_method_and_labels_a_cpu_run_a_dry_run(tmp_path
     text = (tmp_path / "measure.md").read_text()
     assert "DRY RUN on the CPU" in text and f"| {label} | checkpointing |" in text
     assert "| forward (ms) device / host |" in text
+
+
+def test_a_traced_step_writes_its_operators_and_on_cuda_times_kernels_and_copies(tmp_path):
+    from cswap_lightning.commands.traced import traced_step
+
+    x = torch.randn(64, 64)
+    assert traced_step(lambda: x @ x, torch.device("cpu"), tmp_path / "cpu.txt") is None
+    assert "aten::mm" in (tmp_path / "cpu.txt").read_text()
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_traced_step_parts_kernels_from_copies(tmp_path):
+    from cswap_lightning.commands.traced import traced_step
+
+    dev = torch.device("cuda")
+    x = torch.randn(2048, 2048, device=dev)
+    host = torch.empty(2048, 2048, pin_memory=True)
+
+    def step():
+        host.copy_(x @ x, non_blocking=True)
+        torch.cuda.synchronize(dev)
+
+    traced = traced_step(step, dev, tmp_path / "cuda.txt")
+    assert traced is not None and traced.kernels_s > 0 and traced.copies_s > 0
+    # 16 MiB over a PCIe link takes at least a fifth of a millisecond
+    assert traced.copies_s > 1.6e7 / 100e9

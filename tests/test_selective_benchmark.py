@@ -15,8 +15,9 @@ pytest.importorskip("transformers")
 @pytest.mark.slow
 def test_each_way_is_measured_and_bitwise_with_plain_training(tmp_path, monkeypatch):
     script = load_benchmark("selective", monkeypatch)
-    assert script.main(["--layers", "1", "--seq", "16", "--repeats", "1",
+    assert script.main(["--layers", "1", "--seq", "16", "--repeats", "1", "--profile",
                         "--out", str(tmp_path / "s")]) == 0
+    assert len(list((tmp_path / "s-profiles").glob("profile-*.txt"))) == 4
     data = json.loads((tmp_path / "s.json").read_text())
     ways = data["ways"]
     assert list(ways) == ["plain", "below the layer", "below the layer, weight 0.35", "whole"]

@@ -68,6 +68,7 @@ from .bench_step import device_name, result_meta, write_results
 from .suite_cases import Checkpointed, checkpoint_blocks, hf_checkpointing, llama_config
 from .suite_cases import ModelCase as Model
 from .suite_cases import workload as model_workload
+from .traced import traced_step
 
 LEVELS = (0.85, 0.5)
 INT8_ALL = "cswap int8, every tensor swapped"
@@ -220,8 +221,9 @@ def _engine_summary(m: Method) -> dict:
 
 
 def run_model(key: str, dev: torch.device, out_dir: Path, rounds: int, small: bool,
-              log: Callable[[str], None] = print) -> dict:
-    """One model: profile, predictions, interleaved measurements (module docstring)."""
+              log: Callable[[str], None] = print, traces: Path | None = None) -> dict:
+    """One model: profile, predictions, interleaved measurements (module docstring);
+    ``traces``: a folder where one more step of each method is traced (``traced_step``)."""
     spec = _spec(key, small)
     batch_size = spec.batch_size if small else BATCH.get(key, spec.batch_size)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -328,6 +330,12 @@ def run_model(key: str, dev: torch.device, out_dir: Path, rounds: int, small: bo
         order = methods[r % len(methods):] + methods[:r % len(methods)]
         for m in order:
             guarded(m, lambda m=m: m.steps.append(_step(m, spec, batch, dev, own_start)))
+    for m in methods if traces is not None else ():
+        path = traces / f"{key}-{m.name.replace(' ', '-').replace(',', '')}.txt"
+        traced = traced_step(lambda m=m: _step(m, spec, batch, dev, own_start), dev, path)
+        if traced is not None:
+            rows[m.name] |= {"traced_kernels_s": traced.kernels_s,
+                             "traced_copies_s": traced.copies_s}
     for name, reason in failed.items():
         rows[name] |= {"method": name, "failed": reason}
 
@@ -452,14 +460,14 @@ def markdown(results: list[dict], dev: torch.device) -> str:
     """One table: predicted beside measured, the error of each, and what the planner chose
     from the captured profile."""
     head = ("| model | method | budget | what ran | step (ms) predicted / measured | error | "
-            "forward (ms) device / host | peak (GiB) predicted / measured | error | time vs no offload | "
+            "forward (ms) device / host | traced step: kernels / copies (ms) | peak (GiB) predicted / measured | error | time vs no offload | "
             "peak vs no offload | throughput vs checkpointing | the planner on the profile |")
-    lines = [head, "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [head, "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for result in results:
         for r in result["rows"]:
             if "failed" in r:
                 lines.append(f"| {result['label']} | {r['method']} | | FAILED: "
-                             f"{r['failed'][:120]} | | | | | | | | | |")
+                             f"{r['failed'][:120]} | | | | | | | | | | |")
                 continue
             b = r.get("budget_bytes")
             budget = "" if not b else f"{b / 2**30:.2f} GiB" + (
@@ -477,11 +485,14 @@ def markdown(results: list[dict], dev: torch.device) -> str:
                 profiled = (f"{r['planner_how']}: {1e3 * r['predicted_step_s']:.1f} ms, "
                             f"{r['predicted_peak'] / 2**30:.2f} GiB" if "planner_how" in r
                             else "")
+            traced = (f"{1e3 * r['traced_kernels_s']:.1f} / {1e3 * r['traced_copies_s']:.1f}"
+                      if "traced_kernels_s" in r else "")
             lines.append(
                 f"| {result['label']} | {r['method']} | {budget} | {ran} | "
                 f"{1e3 * step:.1f} / {1e3 * r['step_s']:.1f} | "
                 f"{100 * r['step_error']:+.0f}% | "
                 f"{1e3 * r['forward_s']:.1f} / {1e3 * r['host_forward_s']:.1f} | "
+                f"{traced} | "
                 f"{peak / 2**30:.2f} / {r['peak_bytes'] / 2**30:.2f} | "
                 f"{100 * r['peak_error']:+.0f}% | {r['time_vs_no_offload']:.3f}x | "
                 f"{r['peak_vs_no_offload']:.0%} | {r['throughput_vs_checkpointing']:.2f}x | "
@@ -499,14 +510,19 @@ def markdown(results: list[dict], dev: torch.device) -> str:
 
 
 def run_measure_bench(models: list[str], out: str, rounds: int = 12,
-                      device: str = "auto") -> list[dict]:
-    """Each model profiled, predicted and measured; the result files rewritten after each."""
+                      device: str = "auto", trace: bool = False) -> list[dict]:
+    """Each model profiled, predicted and measured; the result files rewritten after each.
+    ``trace``: one more step of each method under torch.profiler, its table in
+    ``OUT-traces/`` and the device's kernel and copy time in its row."""
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        ("cpu" if device == "auto" else device))
     small = dev.type != "cuda"
     out_dir = Path(out).parent
     out_dir.mkdir(parents=True, exist_ok=True)
     results: list[dict] = []
+    traces = Path(f"{out}-traces") if trace else None
+    if traces is not None:
+        traces.mkdir(parents=True, exist_ok=True)
     link = link_check(dev)
     print(f"link (GB/s; seconds for *_s): {link}", flush=True)
     for key in models:
@@ -515,7 +531,7 @@ def run_measure_bench(models: list[str], out: str, rounds: int = 12,
             torch.cuda.empty_cache()
         try:
             results.append(run_llama(dev, out_dir, small) if key == "llama"
-                           else run_model(key, dev, out_dir, rounds, small))
+                           else run_model(key, dev, out_dir, rounds, small, traces=traces))
         except Exception as err:  # noqa: BLE001 - one model failing leaves the others' rows
             print(f"{key}: FAILED: {type(err).__name__}: {err}", flush=True)
             results.append({"model": key, "failed": f"{type(err).__name__}: {err}"})

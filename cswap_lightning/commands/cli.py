@@ -141,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     measure.add_argument("--rounds", type=_whole(1), default=12,
                          help="interleaved timed rounds (one step of each method)")
     measure.add_argument("--device", type=_device, default="auto")
+    measure.add_argument("--trace", action="store_true",
+                         help="one more step of each method under torch.profiler: its table "
+                         "in OUT-traces/, the device's kernel and copy time beside the step's")
     measure.add_argument("--out", required=True, help="write markdown and JSON results here "
                          "(stem); profiles go beside")
     from .bench_suite import add_parser as add_suite_parser
@@ -241,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.bench == "measure":
         from .bench_measure import run_measure_bench
 
-        run_measure_bench(args.models, args.out, args.rounds, args.device)
+        run_measure_bench(args.models, args.out, args.rounds, args.device, args.trace)
         return 0
     if args.bench == "suite":
         from .bench_suite import run_suite
