@@ -63,3 +63,35 @@ def test_the_printed_error_range_is_the_held_out_profiles():
 def test_the_readme_shows_the_checks_as_they_are():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert calibration.table(calibration.validate()) in readme
+
+
+def test_the_readme_states_what_recomputation_measured_against_the_replays_charge():
+    """Measured checkpointing's cost over no offload (the H200 run of 2026-11-27), over what
+    the replay of the same run's profile charges for recomputing every block: the README's
+    ratios."""
+    import gzip
+    import json
+
+    from cswap_lightning.planning.workload import from_profile
+
+    root = Path(__file__).parents[1]
+    evidence = root / "cswap_lightning" / "planning" / "evidence" / "h200-2026-11-27"
+    rows = {}
+    for name in ("measure", "measure-more"):
+        data = json.loads((root / "benchmarks" / "results" / f"{name}-h200-2026-11-27.json")
+                          .read_text())
+        rows |= {r["model"]: {m["method"]: m["step_s"] for m in r["rows"]}
+                 for r in data["results"]}
+    ratio = {}
+    for model, profile in (("gpt2-medium", "gpt2-medium"), ("llama3-8b-4l", "llama3-8b-4l"),
+                           ("resnet50", "resnet50"), ("vgg16", "vgg16")):
+        w = from_profile(json.loads(gzip.open(evidence / f"profile-{profile}-h200.json.gz")
+                                    .read()))
+        charged = sum(op.forward_s for b in w.blocks if b.recomputable
+                      for op in w.ops[b.ops.start:b.ops.stop])
+        ratio[model] = (rows[model]["checkpointing"] - rows[model]["no offload"]) / charged
+    readme = " ".join((root / "README.md").read_text().split())
+    assert (f"recomputing a transformer layer cost {ratio['llama3-8b-4l']:.2f}x (Llama) and "
+            f"{ratio['gpt2-medium']:.2f}x (GPT-2 medium) of what the replay charges it, a "
+            f"CNN's block {min(ratio['resnet50'], ratio['vgg16']):.2f}-"
+            f"{max(ratio['resnet50'], ratio['vgg16']):.2f}x") in readme

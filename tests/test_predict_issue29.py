@@ -80,12 +80,14 @@ def test_the_readme_states_what_the_committed_predictions_say(monkeypatch):
     words = dict(enumerate(("none", "one", "two", "three", "four", "five", "six", "all")))
     met = {}
     for kernels in ("encode-lane", "codecs-on-compute"):
-        data = json.loads((results / f"predictions-issue29-h100-pcie-2026-11-27-{kernels}.json")
+        name = "h200-codec-speeds" + ("" if kernels == "encode-lane" else f"-{kernels}")
+        data = json.loads((results / f"predictions-issue29-h100-pcie-2026-11-27-{name}.json")
                           .read_text())
         goals = script.goals(data["cases"])
         met[kernels] = sum(m for *_, m in goals)
         assert len(goals) == 7
         if kernels == "encode-lane":
+            check = {r["way"]: r for r in data["measured_check"]["rows"]}
             int8 = {case: next(r for r in c["rows"] if r["codec"] == "int8"
                                and r["budget"] == "checkpointing's peak")["vs_checkpointing"]
                     for case, c in data["cases"].items()}
@@ -95,6 +97,11 @@ def test_the_readme_states_what_the_committed_predictions_say(monkeypatch):
     assert (f"{int8['Llama-3-8B LoRA']:.2f}x with LoRA and "
             f"{int8['Llama-3-8B full fine-tuning']:.2f}x in full fine-tuning") in readme
     assert f"{int8['GPT-2 medium']:.2f}x with int8" in readme
+    at, ckpt = check["checkpointing's peak"], check["checkpointing"]
+    assert (f"({at['predicted_ms']:.1f} ms, measured {at['measured_ms']:.1f})" in readme
+            and f"({ckpt['predicted_ms']:.1f} ms, measured {ckpt['measured_ms']:.1f})" in readme)
+    assert (f"{at['predicted_vs_checkpointing']:.2f}x checkpointing's throughput predicted, "
+            f"{at['measured_vs_checkpointing']:.2f}x measured") in readme
 
 
 @pytest.mark.slow
