@@ -129,7 +129,7 @@ def header(est: Estimate, spec: models.Model, lossy: str | None = None) -> str:
     held_out = sum(not case.calibrates for case in profiled)
     caveat = ("ESTIMATES, not measurements: the step traced on the meta device (saved tensors "
               f"and allocator bytes), times from a roofline calibrated on {len(profiled)} "
-              f"profiles measured on H100s and an H200; on the {held_out} it was not fitted "
+              f"profiles measured on H100s and H200s; on the {held_out} it was not fitted "
               "to, the plain step came "
               f"within {low:+.0%} to {high:+.0%} and the saved bytes exact (one H100 profile "
               "saved copies the trace does not make). The allocator's fragmentation is not "

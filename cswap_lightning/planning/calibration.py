@@ -1,11 +1,11 @@
 """The estimate against the measured profiles: what calibrates it, and how far off it is on
 the profiles that did not.
 
-Eleven profiles were measured in three GPU runs, two on an H100 and one on an H200
+Sixteen profiles were measured in four GPU runs, two on an H100 and two on an H200
 (``evidence/``). Each is estimated from its model's config as it ran (sequence, batch, bf16,
 dropout on or off as its saved tensors show) and compared on the plain step (forward and
 backward, no hooks) and the saved activations. Four of them calibrate a figure of
-``devices.py`` (``Profiled.calibrates``) and are not evidence of its error; the other seven
+``devices.py`` (``Profiled.calibrates``) and are not evidence of its error; the other twelve
 are: ``check`` gives their errors, ``HELD_OUT_STEP_ERROR``
 their range, which ``cswap plan`` prints beside its predictions (the tests keep it true).
 The allocator's peak is compared too: the trace's ledger, and the replay of the estimated
@@ -30,7 +30,7 @@ from .replay import predict
 from .workload import from_profile
 
 EVIDENCE = Path(__file__).parent / "evidence"
-HELD_OUT_STEP_ERROR = (-0.06, 0.11)  # the held-out profiles' plain steps, rounded outward
+HELD_OUT_STEP_ERROR = (-0.06, 0.13)  # the held-out profiles' plain steps, rounded outward
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,18 @@ PROFILED = (
              "h100-2026-11-26/profile-resnet50-h100.json.gz"),
     Profiled("Llama-3-8B, 4 layers, H100", "h100-sxm", Setup("llama-3-8b", 4096, 1, layers=4),
              "h100-2026-11-26/profile-llama3-8b-4l-s4096-b1-h100.json.gz"),
+    # the second H200 run (2026-11-27), held out: the same device a day on, VGG-16 new there
+    Profiled("GPT-2 medium, H200 (11-27)", "h200", Setup("gpt2-medium", 1024, 8),
+             "h200-2026-11-27/profile-gpt2-medium-h200.json.gz"),
+    Profiled("BERT-large, H200 (11-27)", "h200", Setup("bert-large", 512, 16),
+             "h200-2026-11-27/profile-bert-large-h200.json.gz"),
+    Profiled("ResNet-50, H200 (11-27)", "h200", Setup("resnet50", 1, 128),
+             "h200-2026-11-27/profile-resnet50-h200.json.gz"),
+    Profiled("VGG-16, H200", "h200", Setup("vgg16", 1, 64),
+             "h200-2026-11-27/profile-vgg16-h200.json.gz"),
+    Profiled("Llama-3-8B, 4 layers, H200 (11-27)", "h200",
+             Setup("llama-3-8b", 4096, 1, layers=4),
+             "h200-2026-11-27/profile-llama3-8b-4l-h200.json.gz"),
 )
 # Saved bytes the trace cannot reproduce, and why (the tests keep this list true).
 SAVED_MISSES = {
