@@ -18,12 +18,11 @@ import json
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from cswap_lightning.commands.bench_step import result_meta, write_results
-from cswap_lightning.planning import mix, models, sizing
+from cswap_lightning.planning import calibration, mix, models, sizing
 from cswap_lightning.planning.devices import device
 from cswap_lightning.planning.estimate import Estimate, Setup, estimate
 from cswap_lightning.planning.replay import CODEC_KERNELS, Engine
@@ -123,45 +122,25 @@ def predict(case: str, setup: Setup, codecs: tuple[str | None, ...], lower_goal:
     return out
 
 
-# The one LLM fine-tuning shape measured end to end (an H200, 2026-11-27: `cswap bench measure
-# --models llama3-8b-4l`), predicted here by the same machinery from its config alone.
-MEASURED = Path(__file__).parent / "results" / "measure-more-h200-2026-11-27.json"
-MEASURED_WAYS = {"no offload": "no offload", "checkpointing": "checkpointing",
-                 "85% of no offload's peak": "cswap, budget 85% of no offload",
-                 "checkpointing's peak": "cswap, budget checkpointing's peak"}
-
-
 def measured_check(engine: Engine | None = None) -> dict:
-    """Llama-3-8B's shapes, 4 layers, sequence 4096, batch 1, full fine-tuning, on the H200:
-    the estimate's predictions of no offload, checkpointing and the planner's lossless mix at
-    85% of no offload's peak and at checkpointing's, beside what was measured (the engine
-    ran its own mix at the same budgets)."""
-    result = next(r for r in json.loads(MEASURED.read_text())["results"]
-                  if r["model"] == "llama3-8b-4l")
-    measured = {r["method"]: r for r in result["rows"]}
-    est = estimate(Setup("llama-3-8b", 4096, 1, torch.bfloat16, layers=4), device("h200"))
-    keep, checkpointing = sizing.baselines(est)
-    # the estimate counts more beside the saved tensors than the measured step held (its
-    # peak is not the allocator's of one model copy): the 85% budget frees the same bytes
-    freed = int(0.15 * measured["no offload"]["peak_bytes"])
-    budgets = [("85% of no offload's peak", keep.prediction.peak_bytes - freed),
-               ("checkpointing's peak", checkpointing.prediction.peak_bytes)]
-    ways = dict(zip(MEASURED_WAYS, [keep, checkpointing, *sizing.mixes(
-        est, budgets, clip=False, engine=engine)], strict=True))
-    m_keep, m_ckpt = measured["no offload"]["step_s"], measured["checkpointing"]["step_s"]
+    """The one LLM fine-tuning shape measured end to end (``calibration.end_to_end``:
+    Llama-3-8B's shapes, 4 layers, sequence 4096, full fine-tuning, an H200), each way
+    predicted from its config beside what was measured."""
     rows = []
-    for label, way in ways.items():
-        m = measured[MEASURED_WAYS[label]]
-        rows.append({"way": label, "how": way.how, "predicted_ms": 1e3 * way.step_s,
-                     "predicted_peak_gib": way.prediction.peak_bytes / GiB,
-                     "measured_peak_gib": m["peak_bytes"] / GiB,
-                     "predicted_vs_keep": way.step_s / keep.step_s,
-                     "predicted_vs_checkpointing": checkpointing.step_s / way.step_s,
-                     "measured_how": m.get("engine_how", label), "measured_ms": 1e3 * m["step_s"],
-                     "measured_vs_keep": m["step_s"] / m_keep,
-                     "measured_vs_checkpointing": m_ckpt / m["step_s"]})
-    return {"measurement": str(MEASURED.relative_to(Path(__file__).parent.parent)),
-            "device": result.get("device", "NVIDIA H200"), "rows": rows}
+    for r in calibration.end_to_end(engine):
+        rows.append({"way": r.way, "how": r.how, "predicted_ms": 1e3 * r.predicted_s,
+                     "predicted_peak_gib": r.predicted_peak / GiB,
+                     "measured_peak_gib": r.measured_peak / GiB,
+                     "measured_how": r.measured_how, "measured_ms": 1e3 * r.measured_s})
+    keep, ckpt = rows[0], rows[1]
+    for r in rows:
+        r |= {"predicted_vs_keep": r["predicted_ms"] / keep["predicted_ms"],
+              "predicted_vs_checkpointing": ckpt["predicted_ms"] / r["predicted_ms"],
+              "measured_vs_keep": r["measured_ms"] / keep["measured_ms"],
+              "measured_vs_checkpointing": ckpt["measured_ms"] / r["measured_ms"]}
+    with open(calibration.EVIDENCE / calibration.END_TO_END) as f:
+        source = json.load(f)
+    return {"measurement": source["measured"], "device": source["device"], "rows": rows}
 
 
 def goals(cases: dict[str, dict]) -> list[tuple[str, str, bool]]:
@@ -223,7 +202,7 @@ def markdown(cases: dict[str, dict], check: dict | None = None) -> str:
         lines += ["", "## Checked against a measurement", "",
                   (f"The same machinery's prediction for the one LLM shape measured end to end "
                    f"(Llama-3-8B's shapes, 4 layers, sequence 4096, batch 1, full fine-tuning, "
-                   f"{check['device']}; `{check['measurement']}`): step time and throughput "
+                   f"{check['device']}; {check['measurement']}): step time and throughput "
                    "against checkpointing, predicted beside measured. The 85% row's budget "
                    "frees the same bytes below no offload's peak as the measured one (the "
                    "estimate's peak counts more beside the saved tensors than one measured "

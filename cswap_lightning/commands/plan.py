@@ -134,11 +134,12 @@ def header(est: Estimate, spec: models.Model, lossy: str | None = None) -> str:
               f"within {low:+.0%} to {high:+.0%} and the saved bytes exact (one H100 profile "
               "saved copies the trace does not make). The allocator's fragmentation is not "
               "modelled.")
-    lines = [title, where, caveat]
+    lines = [title, where, caveat + " " + calibration.end_to_end_summary(
+        calibration.end_to_end())]
     if lossy is not None:
         encode, decode = sizing.lossy_speeds(lossy, dev)
         lines.append(f"{lossy}: encoding at {encode / 1e9:.0f} GB/s and decoding at "
-                     f"{decode / 1e9:.0f} GB/s (the H200's measured int8 kernels, scaled to "
+                     f"{decode / 1e9:.0f} GB/s (the H200's measured {lossy} kernels, scaled to "
                      "this device's memory rate), encoding on a stream of its own as the "
                      "engine does; what its kernels take from compute is not modelled.")
     return "\n".join(textwrap.fill(line, WIDTH) for line in lines) + "\n"
