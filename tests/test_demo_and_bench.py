@@ -124,6 +124,8 @@ def test_measure_bench_runs_every_method_and_labels_a_cpu_run_a_dry_run(tmp_path
     # the host's time is the step's
     assert all(r["host_forward_s"] == r["forward_s"] < r["host_step_s"] == r["step_s"]
                for r in rows.values())
+    # the allocator's driver calls are CUDA's: none counted on the CPU
+    assert all(r["device_mallocs"] == r["alloc_retries"] == 0 for r in rows.values())
     # every tensor through int8, predicted at the H200's int8 speeds: here (the small model)
     # none is as large as min_bytes, and the replay and the engine agree that none moves
     int8 = rows["cswap int8, every tensor swapped"]
@@ -137,7 +139,7 @@ def test_measure_bench_runs_every_method_and_labels_a_cpu_run_a_dry_run(tmp_path
     assert (tmp_path / f"profile-{key}-cpu.json.gz").exists()
     text = (tmp_path / "measure.md").read_text()
     assert "DRY RUN on the CPU" in text and f"| {label} | checkpointing |" in text
-    assert "| forward (ms) device / host |" in text
+    assert "| forward (ms) device / host |" in text and "| cudaMalloc / retries" in text
 
 
 def test_a_traced_step_writes_its_operators_and_on_cuda_times_kernels_and_copies(tmp_path):

@@ -130,7 +130,9 @@ class Timed(NamedTuple):
     """One timed step: device milliseconds of the step and of its forward, the peak as one
     model's (the module docstring), the allocator's bytes at its start, and the host's
     milliseconds until its last kernel was queued and until forward returned (on the CPU, the
-    step's; on CUDA, near the device's time where the host sets the pace)."""
+    step's; on CUDA, near the device's time where the host sets the pace). On CUDA also the
+    caching allocator's calls to the driver in the step (``cudaMalloc``s, and retries after
+    freeing its cache, which synchronize the device): either stalls the host."""
 
     step_ms: float
     forward_ms: float
@@ -138,6 +140,11 @@ class Timed(NamedTuple):
     before: int
     host_step_ms: float
     host_forward_ms: float
+    device_mallocs: int = 0
+    alloc_retries: int = 0
+
+
+_DRIVER_CALLS = ("num_device_alloc", "num_alloc_retries")
 
 
 def _step(m: Method, spec: Model, batch, dev: torch.device, own_start: int) -> Timed:
@@ -148,6 +155,8 @@ def _step(m: Method, spec: Model, batch, dev: torch.device, own_start: int) -> T
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         before = torch.cuda.memory_allocated(dev)
+        stats = torch.cuda.memory_stats(dev)
+        calls = [stats.get(key, 0) for key in _DRIVER_CALLS]
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
         marks[0].record()
     began = time.perf_counter()
@@ -167,8 +176,10 @@ def _step(m: Method, spec: Model, batch, dev: torch.device, own_start: int) -> T
         return Timed(*host, peak, before, *host)
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - before + own_start
+    stats = torch.cuda.memory_stats(dev)
     return Timed(marks[0].elapsed_time(marks[2]), marks[0].elapsed_time(marks[1]), peak,
-                 before, *host)
+                 before, *host, *(stats.get(key, 0) - c for key, c in zip(_DRIVER_CALLS, calls,
+                                                                          strict=True)))
 
 
 def _settle(m: Method, spec: Model, batch, dev: torch.device, own_start: int,
@@ -346,6 +357,8 @@ def run_model(key: str, dev: torch.device, out_dir: Path, rounds: int, small: bo
                 "forward_s": statistics.median(s.forward_ms for s in m.steps) / 1e3,
                 "host_step_s": statistics.median(s.host_step_ms for s in m.steps) / 1e3,
                 "host_forward_s": statistics.median(s.host_forward_ms for s in m.steps) / 1e3,
+                "device_mallocs": sum(s.device_mallocs for s in m.steps),
+                "alloc_retries": sum(s.alloc_retries for s in m.steps),
                 "peak_bytes": max(s.peak for s in m.steps), "timed_steps": len(m.steps),
                 "allocated_at_start": statistics.median(s.before for s in m.steps)}
         if m.offloader is not None:
@@ -460,14 +473,15 @@ def markdown(results: list[dict], dev: torch.device) -> str:
     """One table: predicted beside measured, the error of each, and what the planner chose
     from the captured profile."""
     head = ("| model | method | budget | what ran | step (ms) predicted / measured | error | "
-            "forward (ms) device / host | traced step: kernels / copies (ms) | peak (GiB) predicted / measured | error | time vs no offload | "
+            "forward (ms) device / host | traced step: kernels / copies (ms) | "
+            "cudaMalloc / retries in the timed steps | peak (GiB) predicted / measured | error | time vs no offload | "
             "peak vs no offload | throughput vs checkpointing | the planner on the profile |")
-    lines = [head, "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [head, "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for result in results:
         for r in result["rows"]:
             if "failed" in r:
                 lines.append(f"| {result['label']} | {r['method']} | | FAILED: "
-                             f"{r['failed'][:120]} | | | | | | | | | | |")
+                             f"{r['failed'][:120]} | | | | | | | | | | | |")
                 continue
             b = r.get("budget_bytes")
             budget = "" if not b else f"{b / 2**30:.2f} GiB" + (
@@ -492,7 +506,7 @@ def markdown(results: list[dict], dev: torch.device) -> str:
                 f"{1e3 * step:.1f} / {1e3 * r['step_s']:.1f} | "
                 f"{100 * r['step_error']:+.0f}% | "
                 f"{1e3 * r['forward_s']:.1f} / {1e3 * r['host_forward_s']:.1f} | "
-                f"{traced} | "
+                f"{traced} | {r['device_mallocs']} / {r['alloc_retries']} | "
                 f"{peak / 2**30:.2f} / {r['peak_bytes'] / 2**30:.2f} | "
                 f"{100 * r['peak_error']:+.0f}% | {r['time_vs_no_offload']:.3f}x | "
                 f"{r['peak_vs_no_offload']:.0%} | {r['throughput_vs_checkpointing']:.2f}x | "
@@ -505,8 +519,9 @@ def markdown(results: list[dict], dev: torch.device) -> str:
             "ran (`offloader.recomputation`), and in the last column what the planner chose "
             "from the captured profile at the same budget. Measured: median device time of "
             "forward and backward over the interleaved rounds, the host's time until forward "
-            "returned beside the device's forward (near it, the host sets the pace), and the "
-            "allocator's peak as one model's (see `cswap_lightning/commands/bench_measure.py`).\n\n" + "\n".join(lines))
+            "returned beside the device's forward (near it, the host sets the pace), the "
+            "caching allocator's calls to the driver over the timed steps (each stalls the "
+            "host; a retry synchronizes the device), and the allocator's peak as one model's (see `cswap_lightning/commands/bench_measure.py`).\n\n" + "\n".join(lines))
 
 
 def run_measure_bench(models: list[str], out: str, rounds: int = 12,
