@@ -118,7 +118,7 @@ fi
 if [[ -n ${TESTS:-} ]]; then  # named tests first (TESTS='tests/test_x.py::test_y ...')
     step tests 60 python3 -m pytest -q -p no:cacheprovider $TESTS
 fi
-step measure 280 "${ENGINE[@]}" bench measure --models ${MODELS:-gpt2-medium resnet50} --rounds 12 \
+step measure 300 "${ENGINE[@]}" bench measure --models ${MODELS:-gpt2-medium resnet50} --rounds 12 \
     --trace --out "$WORK/measure-$TAG"
 [[ -f $WORK/measure-$TAG.md ]] && grep "^|" "$WORK/measure-$TAG.md" >>"$SUMMARY"
 step codec 40 "${ENGINE[@]}" bench codec --sizes 16MiB 64MiB --codecs zvc rle int8 fp8 \
@@ -131,7 +131,7 @@ step exit-codes 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_e
 step llama 60 "${CSWAP[@]}" bench measure --models llama --out "$WORK/llama-$TAG"
 step pytest-gpu 150 python3 -m pytest -v -p no:cacheprovider -m gpu --timeout 60 \
     --ignore tests/test_exit.py --junitxml="$WORK/pytest-gpu.xml"  # the exit-codes step ran it
-step measure-more 240 "${ENGINE[@]}" bench measure --models llama3-8b-4l bert-large vgg16 \
+step measure-more 270 "${ENGINE[@]}" bench measure --models llama3-8b-4l bert-large vgg16 \
     --rounds 10 --trace --out "$WORK/measure-more-$TAG"
 pack
 echo "done in $SECONDS s; in $OUT:"

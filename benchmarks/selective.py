@@ -31,7 +31,7 @@ import transformers
 
 import cswap_lightning as cswap
 from cswap_lightning.commands.bench_step import result_meta, write_results
-from cswap_lightning.commands.traced import traced_step
+from cswap_lightning.commands.traced import trace_path, traced_step
 from cswap_lightning.core.recompute import below, units
 from cswap_lightning.planning import models, sizing
 from cswap_lightning.planning.dataflow import WEIGHTS
@@ -125,7 +125,7 @@ def measure(layers: int, sequence: int, repeats: int, dev: torch.device,
         allocated = torch.cuda.max_memory_allocated(dev) if cuda else None  # the last step's
         busy = None
         if profiles is not None:
-            traced = traced_step(step, dev, profiles / f"profile-{way.replace(' ', '-')}.txt")
+            traced = traced_step(step, dev, trace_path(profiles, f"profile {way}"))
             busy = None if traced is None else traced.kernels_s + traced.copies_s
         if not chosen:
             stats = plain  # the measured step's rows

@@ -83,7 +83,7 @@ def test_the_readme_states_what_recomputation_measured_against_the_replays_charg
         rows |= {r["model"]: {m["method"]: m["step_s"] for m in r["rows"]}
                  for r in data["results"]}
     ratio = {}
-    for model in ("gpt2-medium", "llama3-8b-4l", "resnet50", "vgg16"):
+    for model in ("gpt2-medium", "llama3-8b-4l", "resnet50", "vgg16", "bert-large"):
         with gzip.open(evidence / f"profile-{model}-h200.json.gz") as f:
             w = from_profile(json.load(f))
         charged = sum(op.forward_s for b in w.blocks if b.recomputable
@@ -93,4 +93,5 @@ def test_the_readme_states_what_recomputation_measured_against_the_replays_charg
     assert (f"recomputing a transformer layer cost {ratio['llama3-8b-4l']:.2f}x (Llama) and "
             f"{ratio['gpt2-medium']:.2f}x (GPT-2 medium) of what the replay charges it, a "
             f"CNN's block {min(ratio['resnet50'], ratio['vgg16']):.2f}-"
-            f"{max(ratio['resnet50'], ratio['vgg16']):.2f}x") in readme
+            f"{max(ratio['resnet50'], ratio['vgg16']):.2f}x, and a BERT-large layer "
+            f"{ratio['bert-large']:.2f}x") in readme

@@ -446,6 +446,8 @@ def train(built: Built, steps: int, offloader: cswap.Offloader | None = None,
                 loss = built.loss(model, inputs)
         model.train(modes[1])
         loss.backward()
+        # a recomputation runs as forward ran and leaves every flag as backward found it
+        assert all(m.training == modes[1] for m in model.modules())
         rng = torch.get_rng_state()
         stats = offloader.last_step() if offloader is not None else None
         grads = {f"param {n}": None if p.grad is None else p.grad.clone()

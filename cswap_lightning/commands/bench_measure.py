@@ -68,7 +68,7 @@ from .bench_step import device_name, result_meta, write_results
 from .suite_cases import Checkpointed, checkpoint_blocks, hf_checkpointing, llama_config
 from .suite_cases import ModelCase as Model
 from .suite_cases import workload as model_workload
-from .traced import traced_step
+from .traced import trace_path, traced_step
 
 LEVELS = (0.85, 0.5)
 INT8_ALL = "cswap int8, every tensor swapped"
@@ -85,7 +85,6 @@ class Method:
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     offloader: Offloader | None = None
     budget_bytes: int | None = None  # one model's budget (the engine gets the others' more)
-    # step ms, forward ms, peak as one model's, allocated at the step's start
     steps: list[Timed] = field(default_factory=list)
     warmup: int = 0
     settled: bool = True
@@ -130,7 +129,8 @@ class Timed(NamedTuple):
     """One timed step: device milliseconds of the step and of its forward, the peak as one
     model's (the module docstring), the allocator's bytes at its start, and the host's
     milliseconds until its last kernel was queued and until forward returned (on the CPU, the
-    step's; on CUDA, near the device's time where the host sets the pace). On CUDA also the
+    step's; on CUDA, near the device's time where the host set the pace or waited for the
+    device: the in-flight bound, the allocator; a traced step tells which). On CUDA also the
     caching allocator's calls to the driver in the step (``cudaMalloc``s, and retries after
     freeing its cache, which synchronize the device): either stalls the host."""
 
@@ -342,8 +342,13 @@ def run_model(key: str, dev: torch.device, out_dir: Path, rounds: int, small: bo
         for m in order:
             guarded(m, lambda m=m: m.steps.append(_step(m, spec, batch, dev, own_start)))
     for m in methods if traces is not None else ():
-        path = traces / f"{key}-{m.name.replace(' ', '-').replace(',', '')}.txt"
-        traced = traced_step(lambda m=m: _step(m, spec, batch, dev, own_start), dev, path)
+        try:
+            traced = traced_step(lambda m=m: _step(m, spec, batch, dev, own_start), dev,
+                                 trace_path(traces, f"{key} {m.name}"))
+        except Exception as err:  # noqa: BLE001 - the timed rounds stand without it
+            rows[m.name]["trace_failed"] = f"{type(err).__name__}: {str(err)[:300]}"
+            log(f"{key}: {m.name}: trace FAILED: {rows[m.name]['trace_failed']}")
+            continue
         if traced is not None:
             rows[m.name] |= {"traced_kernels_s": traced.kernels_s,
                              "traced_copies_s": traced.copies_s}
@@ -474,8 +479,8 @@ def markdown(results: list[dict], dev: torch.device) -> str:
     from the captured profile."""
     head = ("| model | method | budget | what ran | step (ms) predicted / measured | error | "
             "forward (ms) device / host | traced step: kernels / copies (ms) | "
-            "cudaMalloc / retries in the timed steps | peak (GiB) predicted / measured | error | time vs no offload | "
-            "peak vs no offload | throughput vs checkpointing | the planner on the profile |")
+            "cudaMalloc / retries in the timed steps | peak (GiB) predicted / measured | "
+            "error | time vs no offload | peak vs no offload | throughput vs checkpointing | the planner on the profile |")
     lines = [head, "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for result in results:
         for r in result["rows"]:
@@ -519,9 +524,11 @@ def markdown(results: list[dict], dev: torch.device) -> str:
             "ran (`offloader.recomputation`), and in the last column what the planner chose "
             "from the captured profile at the same budget. Measured: median device time of "
             "forward and backward over the interleaved rounds, the host's time until forward "
-            "returned beside the device's forward (near it, the host sets the pace), the "
-            "caching allocator's calls to the driver over the timed steps (each stalls the "
-            "host; a retry synchronizes the device), and the allocator's peak as one model's (see `cswap_lightning/commands/bench_measure.py`).\n\n" + "\n".join(lines))
+            "returned beside the device's forward (near it, the host set the pace or waited "
+            "for the device), the caching allocator's calls to the driver over the timed "
+            "steps (each stalls the host; a retry synchronizes the device), and the "
+            "allocator's peak as one model's (see "
+            "`cswap_lightning/commands/bench_measure.py`).\n\n" + "\n".join(lines))
 
 
 def run_measure_bench(models: list[str], out: str, rounds: int = 12,

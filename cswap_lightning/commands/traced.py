@@ -6,6 +6,7 @@ hooks) or by waits, which no replay of kernel times sees."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +18,9 @@ from torch.profiler import ProfilerActivity, profile
 
 @dataclass(frozen=True)
 class DeviceTime:
-    """Seconds the device spent in one step: kernels, and copies (``Memcpy``/``Memset``,
-    between host and device or on the device), each summed over every stream."""
+    """Seconds the device spent in one step: kernels, and copies and fills (``Memcpy``,
+    between host and device or on the device, and ``Memset``), each summed over every
+    stream."""
 
     kernels_s: float
     copies_s: float
@@ -37,10 +39,16 @@ def traced_step(step: Callable[[], object], dev: torch.device, path: Path
                                  else "self_cpu_time_total", row_limit=40))
     if not cuda:
         return None
-    device = [e for e in events if e.device_type == DeviceType.CUDA]
-    copies = sum(e.self_device_time_total for e in device if _is_copy(e.key))
-    return DeviceTime(sum(e.self_device_time_total for e in device) / 1e6 - copies / 1e6,
-                      copies / 1e6)
+    # a user annotation (record_function) on the device would count its kernels again
+    device = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+    copies_us = sum(e.self_device_time_total for e in device if _is_copy(e.key))
+    total_us = sum(e.self_device_time_total for e in device)
+    return DeviceTime((total_us - copies_us) / 1e6, copies_us / 1e6)
+
+
+def trace_path(folder: Path, name: str) -> Path:
+    """Where the table of a step named ``name`` goes (spaces and punctuation as dashes)."""
+    return folder / (re.sub(r"[^\w.-]+", "-", name).strip("-") + ".txt")
 
 
 def _is_copy(name: str) -> bool:

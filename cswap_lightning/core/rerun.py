@@ -85,16 +85,15 @@ def as_first(first: FirstRun) -> Iterator[None]:
     as they were; norms' running statistics on the side), and put back all of it as it is
     now afterwards. A changed buffer is shown as a fresh copy of its first value, swapped in
     for the buffer: tensors saved before keep the buffer's own values."""
-    # training flags set only where they differ: a module's __setattr__ is slow in Python
-    flips = [(m, flag) for m, flag in zip(first.parts.modules, first.flags, strict=True)
-             if m.training != flag]
+    modules = first.parts.modules
+    flags = [m.training for m in modules]  # read freely; written only where they differ:
+    # a module's __setattr__ is slow in Python
     buffers = [(m, n, m._buffers[n]) for m, n, _ in first.changed]
     norms = [(b, b.clone()) for m, n in first.parts.norms
              if (b := m._buffers.get(n)) is not None]
     generators = [(g, g.get_state()) for g, _ in first.generators]
     caches = first.caches.again() if first.caches is not None else None
-    for module, flag in flips:
-        module.training = flag
+    _set_flags(modules, first.flags)
     for module, name, value in first.changed:
         module._buffers[name] = value.clone()  # a second backward recomputes from it again
     for generator, state in first.generators:
@@ -104,8 +103,7 @@ def as_first(first: FirstRun) -> Iterator[None]:
     try:
         yield
     finally:
-        for module, flag in flips:
-            module.training = not flag
+        _set_flags(modules, flags)
         for module, name, buffer in buffers:
             module._buffers[name] = buffer
         with torch.no_grad():
@@ -115,6 +113,12 @@ def as_first(first: FirstRun) -> Iterator[None]:
             generator.set_state(state)
         if caches is not None:
             caches.restore()
+
+
+def _set_flags(modules: list[nn.Module], flags: list[bool]) -> None:
+    for module, flag in zip(modules, flags, strict=True):
+        if module.training != flag:
+            module.training = flag
 
 
 def generators_among(values: Iterable[Any]) -> list[torch.Generator]:
