@@ -89,7 +89,7 @@ def within(est: Estimate, keep: sizing.Way, saved: int, steps: int, replays: mix
 def predict(case: str, setup: Setup, codecs: tuple[str | None, ...], lower_goal: bool,
             steps: int, engine: Engine | None = None, log=print) -> dict:
     est = estimate(setup, device("h100-pcie"))
-    keep, checkpointing = sizing.baselines(est)
+    keep, checkpointing = sizing.baselines(est, engine)
     saved = est.saved_bytes
     budgets = [("checkpointing's peak", checkpointing.prediction.peak_bytes)]
     if lower_goal:
@@ -110,6 +110,7 @@ def predict(case: str, setup: Setup, codecs: tuple[str | None, ...], lower_goal:
                                    "lora": setup.lora is not None, "layers": setup.layers},
            "device": est.device.name, "saved_activations_gib": saved / GiB,
            "codec_kernels": (engine or Engine()).codec_kernels,
+           "recompute_scale": (engine or Engine()).recompute_scale,
            "checkpointing_peak_gib": checkpointing.prediction.peak_bytes / GiB,
            "optimizer_peak_gib": est.optimizer_peak / GiB,
            "fits_the_device": est.optimizer_peak <= sizing.usable(est.device),
@@ -193,9 +194,13 @@ NOTE = ("Every figure is the replay's prediction of an estimated step on an H100
 
 
 def markdown(cases: dict[str, dict], check: dict | None = None) -> str:
-    kernels = next(iter(cases.values()))["codec_kernels"]
-    lines = [NOTE.format(kernels=CODEC_KERNELS[kernels]), "", "## Goals", "",
-             "| goal | predicted | met |", "|---|---|---|"]
+    first = next(iter(cases.values()))
+    note = NOTE.format(kernels=CODEC_KERNELS[first["codec_kernels"]])
+    scale = first.get("recompute_scale", 1.0)
+    if scale != 1.0:
+        note += (f" Recomputation is charged {scale:g}x its profiled forward (a bracket: what "
+                 "the models' checkpointing measured against the replay's charge on an H200).")
+    lines = [note, "", "## Goals", "", "| goal | predicted | met |", "|---|---|---|"]
     for goal, predicted, met in goals(cases):
         lines.append(f"| {goal} | {predicted} | {'yes' if met else 'NO'} |")
     if check is not None:
@@ -251,12 +256,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="bisection steps of the 3%% search")
     p.add_argument("--codec-kernels", choices=CODEC_KERNELS, default=Engine.codec_kernels,
                    help="where the replay runs a codec's kernels (replay.Engine.codec_kernels)")
+    p.add_argument("--recompute-scale", type=float, default=Engine.recompute_scale,
+                   help="what recomputing a block costs against its forward "
+                   "(replay.Engine.recompute_scale; a bracket, not a calibration)")
     p.add_argument("--quick", action="store_true",
                    help="2 layers of each at a short sequence: to see it run, not the goals")
     args = p.parse_args(argv)
     layers, sequence = (2, 1024) if args.quick else (None, 8192)
     llama = {"model": "llama-3-8b", "sequence": sequence, "batch": 1, "dtype": torch.bfloat16,
              "layers": layers}
+    engine = Engine(codec_kernels=args.codec_kernels, recompute_scale=args.recompute_scale)
     cases = {}
     for case, setup, codecs, lower in (
             ("Llama-3-8B LoRA", Setup(**llama, lora=models.LoRA()), CODECS, True),
@@ -264,12 +273,12 @@ def main(argv: list[str] | None = None) -> int:
             ("GPT-2 medium", Setup("gpt2-medium", 1024, 8, layers=layers), (None, "int8"),
              False)):
         cases[case] = predict(case, setup, codecs, lower, 1 if args.quick else args.steps,
-                              Engine(codec_kernels=args.codec_kernels))
+                              engine)
     meta = result_meta(torch.device("cpu"), command=" ".join(
         ["python", *sys.argv] if argv is None else ["python", __file__, *argv]),
         kind="prediction (meta-device trace, roofline calibrated on the H100 and H200 "
         "profiles, replay of the step; estimates, not measurements)")
-    check = None if args.quick else measured_check(Engine(codec_kernels=args.codec_kernels))
+    check = None if args.quick else measured_check(engine)
     table = markdown(cases, check)
     print(table)
     write_results(args.out, TITLE, meta, {"cases": cases, "measured_check": check}, table)

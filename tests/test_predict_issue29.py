@@ -38,13 +38,16 @@ def test_the_goals_are_predicted_labelled_and_judged(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_the_codecs_kernels_can_be_put_on_computes_clock(tmp_path, monkeypatch):
+def test_the_codecs_kernels_and_recomputations_price_can_be_set(tmp_path, monkeypatch):
     script = load_benchmark("predict_issue29", monkeypatch)
     out = str(tmp_path / "p")
-    assert script.main(["--quick", "--codec-kernels", "compute", "--out", out]) == 0
+    assert script.main(["--quick", "--codec-kernels", "compute", "--recompute-scale", "0.7",
+                        "--out", out]) == 0
     data = json.loads((tmp_path / "p.json").read_text())
     assert {c["codec_kernels"] for c in data["cases"].values()} == {"compute"}
-    assert script.CODEC_KERNELS["compute"] in (tmp_path / "p.md").read_text()
+    assert {c["recompute_scale"] for c in data["cases"].values()} == {0.7}
+    text = (tmp_path / "p.md").read_text()
+    assert script.CODEC_KERNELS["compute"] in text and "charged 0.7x its profiled" in text
 
 
 def test_a_goal_at_checkpointings_peak_needs_the_row_within_that_peak(monkeypatch):

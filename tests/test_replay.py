@@ -121,6 +121,23 @@ def test_recompute_adds_the_blocks_forward_and_frees_its_bytes_until_its_backwar
     assert predict(w_input, Mix(blocks={"layer": RECOMPUTE}), engine=ENGINE).peak_bytes == 66 * MB
 
 
+def test_recomputation_can_be_charged_a_share_of_its_forward():
+    """``Engine.recompute_scale`` (a bracket: checkpointing measured cheaper than the replay
+    charges on an H200) scales what recomputing costs, nothing else."""
+    ops = [(0.001, 0.002, [8 * MB]), (0.003, 0.004, [30 * MB, 30 * MB]), (0.005, 0.006, [])]
+    w = step(ops, blocks=[("stem", 1, False), ("layer", 1, True), ("head", 1, False)])
+    plan = Mix(blocks={"layer": RECOMPUTE})
+    full, cheaper = (predict(w, plan, engine=replace(ENGINE, recompute_scale=scale))
+                     for scale in (1.0, 0.5))
+    assert cheaper.recompute_s == pytest.approx(0.0015)
+    assert full.step_s - cheaper.step_s == pytest.approx(0.0015)
+    assert cheaper.peak_bytes == full.peak_bytes
+    kept = predict(w, engine=ENGINE)
+    assert predict(w, engine=replace(ENGINE, recompute_scale=0.5)).step_s == kept.step_s
+    with pytest.raises(ValueError, match="recompute_scale.*0"):
+        Engine(recompute_scale=0.0)
+
+
 def test_a_recomputed_blocks_swapped_input_comes_back_before_the_recompute():
     w = step([(0.001, 0.001, [20 * MB, 5 * MB]), (0.001, 0.001, [])],
              blocks=[("layer", 1, True), ("head", 1, False)])

@@ -221,7 +221,7 @@ def end_to_end(engine: Engine | None = None) -> tuple[EndToEnd, ...]:
     with open(EVIDENCE / END_TO_END) as f:
         measured_rows = json.load(f)["rows"]
     est = estimate(END_TO_END_SETUP, DEVICES["h200"])
-    keep, checkpointing = sizing.baselines(est)
+    keep, checkpointing = sizing.baselines(est, engine)
     freed = int((1 - END_TO_END_LEVEL) * measured_rows["no offload"]["peak_bytes"])
     budgets = [("85% of no offload's peak", keep.prediction.peak_bytes - freed),
                ("checkpointing's peak", checkpointing.prediction.peak_bytes)]

@@ -64,12 +64,13 @@ def frugal(w: Workload) -> Mix:
                        else BlockDecision("swap") for b in w.blocks})
 
 
-def baselines(est: Estimate) -> list[Way]:
-    """No help, and checkpointing every block, replayed on ``est``'s device."""
+def baselines(est: Estimate, engine: Engine | None = None) -> list[Way]:
+    """No help, and checkpointing every block, replayed on ``est``'s device (``engine``: the
+    replay's settings, its defaults if None)."""
     w, link, limit = est.workload(), est.device.link, usable(est.device)
     optimizer_fits = est.optimizer_peak <= limit
-    keep = predict(w, link=link)
-    checkpointed = predict(w, checkpoint_all(), link=link)
+    keep = predict(w, link=link, engine=engine)
+    checkpointed = predict(w, checkpoint_all(), link=link, engine=engine)
     return [Way("no help", "keep everything", keep, optimizer_fits and keep.peak_bytes <= limit),
             Way("checkpointing", "recompute every block", checkpointed,
                 optimizer_fits and checkpointed.peak_bytes <= limit)]
