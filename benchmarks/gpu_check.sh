@@ -12,22 +12,21 @@
 #      interleaved beside the predictions, each with the host's time beside the device's,
 #      and one more step of each traced (the device's kernel and copy time: what it waited
 #      for);
-#   2. codec: zvc, rle, int8 and fp8 at 16 and 64 MiB against a device-to-device copy (the
+#   2. measure-llama: the same for Llama-3-8B's layer shapes (4 layers, s4096 b1: LLM
+#      fine-tuning, the planner's mixes and int8 against checkpointing; its profile too);
+#   3. codec: zvc, rle, int8 and fp8 at 16 and 64 MiB against a device-to-device copy (the
 #      lossy codecs' speeds are what the planner weighs int8 and fp8 on the link by);
-#   3. selective: Llama-3-8B's layer shapes (4 layers, s4096 b1) recomputed below the layer
+#   4. selective: Llama-3-8B's layer shapes (4 layers, s4096 b1) recomputed below the layer
 #      and whole against plain training: step time, the allocator's peak, gradients bitwise
 #      beside plain against plain, and one step of each under torch.profiler: the time the
 #      GPU ran kernels beside the step's (`benchmarks/selective.py --profile`);
-#   4. overhead: host time per saved tensor on CUDA (`cswap bench overhead --device cuda`);
-#   5. exit-codes: the CUDA cases of tests/test_exit.py (exit status with and without close(),
+#   5. overhead: host time per saved tensor on CUDA (`cswap bench overhead --device cuda`);
+#   6. exit-codes: the CUDA cases of tests/test_exit.py (exit status with and without close(),
 #      the CUDA codecs; CI runs the CPU ones);
-#   6. llama: the profile of Llama-3-8B's layer shapes, 4 layers, s4096 b1 (LLM fine-tuning);
-#   7. pytest-gpu: `pytest -m gpu -v` with what time is left, but tests/test_exit.py (step 5
+#   7. pytest-gpu: `pytest -m gpu -v` with what time is left, but tests/test_exit.py (step 6
 #      ran it; each test named in the log as it ends, so a step cut short still says which
 #      failed);
-#   8. measure-more: Llama-3-8B's layer shapes (4 layers, s4096 b1: LLM fine-tuning, the
-#      planner's mixes and int8 against checkpointing), then BERT-large and VGG-16, if time
-#      remains.
+#   8. measure-more: BERT-large and VGG-16, measured like the others, if time remains.
 #
 # How to call it (from a session whose device `status` says a machine is lent):
 #   once, here, in the repository root (the wheels the image lacks, and the codec library built
@@ -121,6 +120,9 @@ fi
 step measure 300 "${ENGINE[@]}" bench measure --models ${MODELS:-gpt2-medium resnet50} --rounds 12 \
     --trace --out "$WORK/measure-$TAG"
 [[ -f $WORK/measure-$TAG.md ]] && grep "^|" "$WORK/measure-$TAG.md" >>"$SUMMARY"
+step measure-llama 150 "${ENGINE[@]}" bench measure --models llama3-8b-4l --rounds 10 --trace \
+    --out "$WORK/measure-llama-$TAG"
+[[ -f $WORK/measure-llama-$TAG.md ]] && grep "^| Llama" "$WORK/measure-llama-$TAG.md" >>"$SUMMARY"
 step codec 40 "${ENGINE[@]}" bench codec --sizes 16MiB 64MiB --codecs zvc rle int8 fp8 \
     --sparsities 0 50 90 --no-relu --no-nvcomp --out "$WORK/codec-$TAG"
 step selective 90 python3 benchmarks/selective.py --device cuda --layers 4 --seq 4096 \
@@ -128,11 +130,10 @@ step selective 90 python3 benchmarks/selective.py --device cuda --layers 4 --seq
 step overhead 60 "${ENGINE[@]}" bench overhead --device cuda --rounds 5 --steady-steps 3 \
     --out "$WORK/overhead-$TAG"
 step exit-codes 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_exit.py
-step llama 60 "${CSWAP[@]}" bench measure --models llama --out "$WORK/llama-$TAG"
 step pytest-gpu 150 python3 -m pytest -v -p no:cacheprovider -m gpu --timeout 60 \
     --ignore tests/test_exit.py --junitxml="$WORK/pytest-gpu.xml"  # the exit-codes step ran it
-step measure-more 270 "${ENGINE[@]}" bench measure --models llama3-8b-4l bert-large vgg16 \
-    --rounds 10 --trace --out "$WORK/measure-more-$TAG"
+step measure-more 200 "${ENGINE[@]}" bench measure --models bert-large vgg16 --rounds 10 \
+    --trace --out "$WORK/measure-more-$TAG"
 pack
 echo "done in $SECONDS s; in $OUT:"
 ls -la "$OUT"
