@@ -124,6 +124,8 @@ def test_measure_bench_runs_every_method_and_labels_a_cpu_run_a_dry_run(tmp_path
     # the host's time is the step's
     assert all(r["host_forward_s"] == r["forward_s"] < r["host_step_s"] == r["step_s"]
                for r in rows.values())
+    engines = [r for m, r in rows.items() if m.startswith("cswap")]
+    assert all(r["forward_wait_s"] >= 0 and r["backward_wait_s"] >= 0 for r in engines)
     # the allocator's driver calls are CUDA's: none counted on the CPU
     assert all(r["device_mallocs"] == r["alloc_retries"] == 0 for r in rows.values())
     # every tensor through int8, predicted at the H200's int8 speeds: here (the small model)
@@ -175,3 +177,23 @@ def test_on_cuda_a_traced_step_parts_kernels_from_copies(tmp_path):
     # copy, one after the other on one stream, no longer than the step itself
     assert traced.copies_s > 1.6e7 / 100e9
     assert traced.kernels_s + traced.copies_s <= 1.05 * walls[0]
+
+
+def test_the_measure_table_says_where_the_engines_host_waited():
+    from cswap_lightning.commands.bench_measure import markdown
+
+    row = {"method": "cswap, budget 85% of no offload", "budget_bytes": 2**30,
+           "predicted_step_s": 0.1, "predicted_peak": 2**30, "step_s": 0.12, "step_error": -0.17,
+           "forward_s": 0.05, "host_forward_s": 0.049, "device_mallocs": 3, "alloc_retries": 0,
+           "peak_bytes": 2**30, "peak_error": 0.0, "time_vs_no_offload": 1.2,
+           "peak_vs_no_offload": 0.85, "throughput_vs_checkpointing": 1.1,
+           "engine_how": "swap the earliest 2 blocks", "engine_predicted_step_s": 0.1,
+           "engine_predicted_peak": 2**30, "forward_wait_s": 0.002, "backward_wait_s": 0.003}
+    text = markdown([{"label": "M", "rows": [row]}], torch.device("cuda"))
+    assert ("swap the earliest 2 blocks; the host waited 2.0 ms in forward, 3.0 ms in "
+            "backward") in text
+    assert "| 50.0 / 49.0 |" in text and "| 3 / 0 |" in text
+    quiet = markdown([{"label": "M", "rows": [row | {"forward_wait_s": 0.0,
+                                                      "backward_wait_s": 0.0}]}],
+                     torch.device("cuda"))
+    assert "the host waited" not in quiet

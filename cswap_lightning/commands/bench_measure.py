@@ -223,7 +223,11 @@ def _engine_summary(m: Method) -> dict:
     out |= {"offloaded_bytes": last.offloaded_bytes, "stored_bytes": last.stored_bytes,
             "hooks_off": bool(getattr(last, "hooks_off", False)),
             "moved_sites": sum(s.decision not in ("keep", "dedup") for s in last.sites),
-            "recomputed_blocks": len(off.recomputed)}
+            "recomputed_blocks": len(off.recomputed),
+            # the host's waits (its own clock): forward's at the in-flight bound, backward's
+            # for tensors coming back; beside the host's time they say whether it waited
+            "forward_wait_s": last.forward_wait_s,
+            "backward_wait_s": last.untracked_wait_s + sum(s.wait_s for s in last.sites)}
     plan = off.plan
     if plan is not None and hasattr(plan, "table"):
         out["plan_table"] = plan.table()
@@ -500,6 +504,10 @@ def markdown(results: list[dict], dev: torch.device) -> str:
                     profiled += f"; the measurement nearest {r['nearest_codec_kernels']}"
             if "engine_predicted_step_s" in r:
                 ran = r["engine_how"] + (", hooks off" if r.get("hooks_off") else "")
+                waits = r.get("forward_wait_s", 0.0), r.get("backward_wait_s", 0.0)
+                if max(waits) >= 1e-4:
+                    ran += (f"; the host waited {1e3 * waits[0]:.1f} ms in forward, "
+                            f"{1e3 * waits[1]:.1f} ms in backward")
                 step, peak = r["engine_predicted_step_s"], r["engine_predicted_peak"]
                 profiled = (f"{r['planner_how']}: {1e3 * r['predicted_step_s']:.1f} ms, "
                             f"{r['predicted_peak'] / 2**30:.2f} GiB" if "planner_how" in r
