@@ -42,6 +42,15 @@
 #   What comes back: summary.txt (each step's exit code and time, the measure table) and
 #   check.tar.gz (every log and result file, the profiles). Commit the results under
 #   benchmarks/results/ and the profiles under cswap_lightning/planning/evidence/.
+#   This device's time (15 minutes a session, starts included) fits this call with its
+#   default budget and a second, shorter one (ONLY=...) for the steps it did not reach.
+#
+# Reading an engine row of the measure tables (why is it slower than its replay?): its
+# forward's device and host times (near each other: the host set the pace, or waited); the
+# host's own waits in "what ran" (forward at the in-flight bound, backward for restores);
+# the traced step's kernel and copy time (far below the step: the device sat idle); the
+# allocator's cudaMalloc calls and retries (host stalls, device syncs). Replay changes
+# follow from those, not from the step times alone.
 #
 # Environment: OUT (set by the device machine), BUDGET_S (seconds for the whole call, default
 # 450), ONLY (space-separated step names to run instead of all), MODELS (the measure step's,
