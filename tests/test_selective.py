@@ -7,6 +7,7 @@ beforehand; the replay and the planner weigh it beside whole blocks."""
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import pytest
 import test_recompute
@@ -613,3 +614,15 @@ def test_on_cuda_the_allocators_peak_drops_by_what_the_layers_no_longer_keep():
     freed = plain.peak_resident_bytes - recomputed.peak_resident_bytes
     assert freed > 0
     assert plain.peak_allocated_bytes - recomputed.peak_allocated_bytes > 0.5 * freed
+
+
+def test_recompute_scale_prices_whole_layers_and_leaves_below_the_layer_as_estimated():
+    """The bracket's share (``Engine.recompute_scale``) is what checkpointing whole layers
+    measured; below the layer measured dearer than estimated, so it is not scaled."""
+    w = layer_and_head().with_below()
+    cheaper = replace(ENGINE, recompute_scale=0.5)
+    below_ = replay.Mix(blocks={"l:elementwise": replay.RECOMPUTE})
+    assert replay.predict(w, below_, LINK, cheaper).recompute_s == pytest.approx(0.0005)
+    whole = replay.Mix(blocks={"l": replay.RECOMPUTE})
+    assert replay.predict(w.merged({"l"}), whole, LINK, cheaper).recompute_s == pytest.approx(
+        0.002)

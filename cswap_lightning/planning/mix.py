@@ -397,7 +397,7 @@ def table(mix: Choice, workload: Workload | None = None) -> str:
         if decision.swap_input:
             what += " (kept swapped)" if block.selective else " (input swapped)"
         saved = saved_bytes(workload, b)
-        cost = (f"{1e3 * block.recompute_s(workload.ops):.3f}"
+        cost = (f"{1e3 * block.recompute_s(workload.ops, mix.engine.recompute_scale):.3f}"
                 if decision.action == "recompute" else "link")
         rows.append(f"{block.name:<28} {what:<22} {saved / 2**20:>6.1f} MiB {cost:>9}")
     p, keep = mix.prediction, mix.keep

@@ -197,9 +197,10 @@ class Engine:
     # encoding after the op that saved the tensor, decoding before backward's next op once
     # its copy back is issued
     codec_kernels: CodecKernels = "own stream"
-    # what recomputing a block costs against its profiled forward: 1 as profiled. Not a
-    # calibration but a bracket: on the H200 (2026-11-27) the models' checkpointing cost
-    # 0.66x (Llama) and 0.78x (GPT-2) of it for transformer layers, 0.98-1.08x for CNNs
+    # what recomputing a whole block costs against its profiled forward: 1 as profiled. Not
+    # a calibration but a bracket: on the H200 (2026-11-27) the models' checkpointing cost
+    # 0.66x (Llama) and 0.78x (GPT-2 medium) of it, 0.98-1.08x for CNNs' blocks, 3.68x for
+    # BERT-large's (host-bound). Below the layer is left as estimated: it measured dearer
     recompute_scale: float = 1.0
 
     def __post_init__(self) -> None:
@@ -510,7 +511,7 @@ class _Replay:
             ready = max(ready, self._unpack(storage))
         begin = max(self.compute, self.host, ready)
         self.wait += begin - max(self.compute, self.host)
-        seconds = b.recompute_s(w.ops) * self.engine.recompute_scale
+        seconds = b.recompute_s(w.ops, self.engine.recompute_scale)
         self.compute = begin + self.decoding + seconds
         self.decoding = 0.0
         self.recompute_s += seconds

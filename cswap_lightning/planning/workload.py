@@ -118,12 +118,12 @@ class Block:
     below: tuple[Below, ...] = ()
     selective: Below | None = None
 
-    def recompute_s(self, ops: Sequence[Op]) -> float:
-        """What recomputing it costs: its forward once more, or below the layer, its
-        elementwise part."""
+    def recompute_s(self, ops: Sequence[Op], whole_scale: float = 1.0) -> float:
+        """What recomputing it costs: its forward once more (times ``whole_scale``:
+        ``replay.Engine.recompute_scale``), or below the layer, its elementwise part."""
         if self.selective is not None:
             return self.selective.seconds
-        return sum(op.forward_s for op in ops[self.ops.start:self.ops.stop])
+        return whole_scale * sum(op.forward_s for op in ops[self.ops.start:self.ops.stop])
 
 
 @dataclass(frozen=True)
