@@ -43,7 +43,8 @@
 #   check.tar.gz (every log and result file, the profiles). Commit the results under
 #   benchmarks/results/ and the profiles under cswap_lightning/planning/evidence/.
 #   This device's time (15 minutes a session, starts included) fits this call with its
-#   default budget and a second, shorter one (ONLY=...) for the steps it did not reach.
+#   default budget and a second, shorter one for some of the steps it did not reach (choose
+#   them with ONLY=...).
 #
 # Reading an engine row of the measure tables (why is it slower than its replay?): its
 # forward's device and host times (near each other: the host set the pace, or waited); the

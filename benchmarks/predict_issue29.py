@@ -196,10 +196,11 @@ NOTE = ("Every figure is the replay's prediction of an estimated step on an H100
 def markdown(cases: dict[str, dict], check: dict | None = None) -> str:
     first = next(iter(cases.values()))
     note = NOTE.format(kernels=CODEC_KERNELS[first["codec_kernels"]])
-    scale = first.get("recompute_scale", 1.0)
+    scale = first["recompute_scale"]
     if scale != 1.0:
-        note += (f" Recomputation is charged {scale:g}x its profiled forward (a bracket: what "
-                 "the models' checkpointing measured against the replay's charge on an H200).")
+        note += (f" Recomputing a whole layer is charged {scale:g}x its profiled forward (a "
+                 "bracket: what the models' checkpointing measured against the replay's charge "
+                 "on an H200); below the layer, as estimated.")
     lines = [note, "", "## Goals", "", "| goal | predicted | met |", "|---|---|---|"]
     for goal, predicted, met in goals(cases):
         lines.append(f"| {goal} | {predicted} | {'yes' if met else 'NO'} |")

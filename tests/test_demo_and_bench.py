@@ -114,7 +114,7 @@ def test_measure_bench_runs_every_method_and_labels_a_cpu_run_a_dry_run(tmp_path
     rows = {r["method"]: r for r in results[0]["rows"]}
     if trace:  # a table per method; the device's times only on CUDA
         assert len(list((tmp_path / "measure-traces").glob(f"{key}-*.txt"))) == len(rows)
-        assert not any("traced_kernels_s" in r for r in rows.values())
+        assert not any("traced_kernels_s" in r or "trace_failed" in r for r in rows.values())
     assert set(rows) == {"no offload", "checkpointing", "cswap, budget 85% of no offload",
                          "cswap, budget 50% of no offload",
                          "cswap, budget checkpointing's peak", "cswap default (fits)",
@@ -197,3 +197,18 @@ def test_the_measure_table_says_where_the_engines_host_waited():
                                                       "backward_wait_s": 0.0}]}],
                      torch.device("cuda"))
     assert "the host waited" not in quiet
+
+
+def test_a_failed_trace_leaves_the_measured_rows(tmp_path, monkeypatch):
+    from cswap_lightning.commands import bench_measure
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("CUPTI unavailable")
+
+    monkeypatch.setattr(bench_measure, "traced_step", fails)
+    results = bench_measure.run_measure_bench(["resnet50"], str(tmp_path / "m"), rounds=1,
+                                              device="cpu", trace=True)
+    rows = results[0]["rows"]
+    assert rows and all("failed" not in r and r["step_s"] > 0 for r in rows)
+    assert all(r["trace_failed"] == "RuntimeError: CUPTI unavailable" for r in rows)
+    assert "trace FAILED" in (tmp_path / "m.md").read_text()

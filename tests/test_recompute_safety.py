@@ -350,3 +350,21 @@ def test_stages_of_a_sequential_put_back_their_buffers_and_leave_out_hooked_laye
     assert offloader.recomputed == {"[0:4]"}
     assert offloader.recomputer.changed == {"[0:4]": {"1.calls"}}
     offloader.close()
+
+
+def test_a_recomputation_runs_with_the_first_runs_flags_and_puts_back_every_flag():
+    """``as_first`` shows the first run's training flags, and afterwards every module's flag
+    is what it was before, also one the recomputation itself changed."""
+    from cswap_lightning.core.rerun import FirstRun, Parts, as_first
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5)).train()
+    first = FirstRun(Parts.of([model]), [], [], None)  # forward ran in training mode
+    model.eval()  # between forward and backward
+    with as_first(first):
+        assert all(m.training for m in model.modules())
+        model[0].training = False  # the recomputation changes a flag that matched
+    assert not any(m.training for m in model.modules())
+    model.train()
+    with as_first(first):
+        model[1].training = False
+    assert all(m.training for m in model.modules())

@@ -142,6 +142,8 @@ class Timed(NamedTuple):
     host_forward_ms: float
     device_mallocs: int = 0
     alloc_retries: int = 0
+    forward_wait_ms: float = 0.0  # an engine's own waits (its last closed step's)
+    backward_wait_ms: float = 0.0
 
 
 _DRIVER_CALLS = ("num_device_alloc", "num_alloc_retries")
@@ -156,7 +158,7 @@ def _step(m: Method, spec: Model, batch, dev: torch.device, own_start: int) -> T
         torch.cuda.reset_peak_memory_stats(dev)
         before = torch.cuda.memory_allocated(dev)
         stats = torch.cuda.memory_stats(dev)
-        calls = [stats.get(key, 0) for key in _DRIVER_CALLS]
+        calls = [stats[key] for key in _DRIVER_CALLS]
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
         marks[0].record()
     began = time.perf_counter()
@@ -172,14 +174,18 @@ def _step(m: Method, spec: Model, batch, dev: torch.device, own_start: int) -> T
         marks[2].record()
     end = time.perf_counter()
     host = 1e3 * (end - began), 1e3 * (forward - began)
+    waits = (0.0, 0.0)
+    if m.offloader is not None:  # the host's clock: forward at the in-flight bound, backward
+        last = m.offloader.last_step()  # for restores
+        waits = 1e3 * last.forward_wait_s, 1e3 * last.wait_s
     if not cuda:
-        return Timed(*host, peak, before, *host)
+        return Timed(*host, peak, before, *host, 0, 0, *waits)
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - before + own_start
     stats = torch.cuda.memory_stats(dev)
+    driver = (stats[key] - c for key, c in zip(_DRIVER_CALLS, calls, strict=True))
     return Timed(marks[0].elapsed_time(marks[2]), marks[0].elapsed_time(marks[1]), peak,
-                 before, *host, *(stats.get(key, 0) - c for key, c in zip(_DRIVER_CALLS, calls,
-                                                                          strict=True)))
+                 before, *host, *driver, *waits)
 
 
 def _settle(m: Method, spec: Model, batch, dev: torch.device, own_start: int,
@@ -223,11 +229,7 @@ def _engine_summary(m: Method) -> dict:
     out |= {"offloaded_bytes": last.offloaded_bytes, "stored_bytes": last.stored_bytes,
             "hooks_off": bool(getattr(last, "hooks_off", False)),
             "moved_sites": sum(s.decision not in ("keep", "dedup") for s in last.sites),
-            "recomputed_blocks": len(off.recomputed),
-            # the host's waits (its own clock): forward's at the in-flight bound, backward's
-            # for tensors coming back; beside the host's time they say whether it waited
-            "forward_wait_s": last.forward_wait_s,
-            "backward_wait_s": last.untracked_wait_s + sum(s.wait_s for s in last.sites)}
+            "recomputed_blocks": len(off.recomputed)}
     plan = off.plan
     if plan is not None and hasattr(plan, "table"):
         out["plan_table"] = plan.table()
@@ -368,6 +370,8 @@ def run_model(key: str, dev: torch.device, out_dir: Path, rounds: int, small: bo
                 "host_forward_s": statistics.median(s.host_forward_ms for s in m.steps) / 1e3,
                 "device_mallocs": sum(s.device_mallocs for s in m.steps),
                 "alloc_retries": sum(s.alloc_retries for s in m.steps),
+                "forward_wait_s": statistics.median(s.forward_wait_ms for s in m.steps) / 1e3,
+                "backward_wait_s": statistics.median(s.backward_wait_ms for s in m.steps) / 1e3,
                 "peak_bytes": max(s.peak for s in m.steps), "timed_steps": len(m.steps),
                 "allocated_at_start": statistics.median(s.before for s in m.steps)}
         if m.offloader is not None:
@@ -512,7 +516,8 @@ def markdown(results: list[dict], dev: torch.device) -> str:
                 profiled = (f"{r['planner_how']}: {1e3 * r['predicted_step_s']:.1f} ms, "
                             f"{r['predicted_peak'] / 2**30:.2f} GiB" if "planner_how" in r
                             else "")
-            traced = (f"{1e3 * r['traced_kernels_s']:.1f} / {1e3 * r['traced_copies_s']:.1f}"
+            traced = ("trace FAILED" if "trace_failed" in r else
+                      f"{1e3 * r['traced_kernels_s']:.1f} / {1e3 * r['traced_copies_s']:.1f}"
                       if "traced_kernels_s" in r else "")
             lines.append(
                 f"| {result['label']} | {r['method']} | {budget} | {ran} | "

@@ -86,8 +86,7 @@ def as_first(first: FirstRun) -> Iterator[None]:
     now afterwards. A changed buffer is shown as a fresh copy of its first value, swapped in
     for the buffer: tensors saved before keep the buffer's own values."""
     modules = first.parts.modules
-    flags = [m.training for m in modules]  # read freely; written only where they differ:
-    # a module's __setattr__ is slow in Python
+    flags = [m.training for m in modules]
     buffers = [(m, n, m._buffers[n]) for m, n, _ in first.changed]
     norms = [(b, b.clone()) for m, n in first.parts.norms
              if (b := m._buffers.get(n)) is not None]
@@ -116,6 +115,8 @@ def as_first(first: FirstRun) -> Iterator[None]:
 
 
 def _set_flags(modules: list[nn.Module], flags: list[bool]) -> None:
+    """Each module's training flag as ``flags`` says, written only where it differs (a
+    module's ``__setattr__`` is slow in Python; reading the flag is not)."""
     for module, flag in zip(modules, flags, strict=True):
         if module.training != flag:
             module.training = flag
