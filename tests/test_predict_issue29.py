@@ -105,6 +105,9 @@ def test_the_readme_states_what_the_committed_predictions_say(monkeypatch):
     assert {c["recompute_scale"] for c in bracket.values()} == {0.7}
     assert (f"{words[sum(m for *_, m in script.goals(bracket))]} of the seven goals are met: "
             "checkpointing itself gets cheaper") in readme
+    missed = [goal for goal, _, met in script.goals(bracket) if not met]
+    assert [g.split(":")[0] for g in missed] == ["Llama-3-8B full fine-tuning"] * 2 + [
+        "GPT-2 medium"]
     at_peak = {(case, r["codec"]): r["vs_checkpointing"] for case, c in bracket.items()
                for r in c["rows"] if r["budget"] == "checkpointing's peak"}
     assert (f"(LoRA {at_peak['Llama-3-8B LoRA', 'lossless']:.2f}x lossless and "
@@ -112,11 +115,6 @@ def test_the_readme_states_what_the_committed_predictions_say(monkeypatch):
             f"{at_peak['Llama-3-8B full fine-tuning', 'lossless']:.2f}x lossless and "
             f"{at_peak['Llama-3-8B full fine-tuning', 'fp8']:.2f}x with fp8, GPT-2 medium "
             f"{at_peak['GPT-2 medium', 'int8']:.2f}x with int8)") in readme
-    lower = {case: next(r["vs_keep"] for r in c["rows"] if r["budget"].startswith("75%")
-                        and r["codec"] == "lossless")
-             for case, c in bracket.items() if case.startswith("Llama")}
-    assert (f"({lower['Llama-3-8B LoRA']:.3f}x with LoRA, "
-            f"{lower['Llama-3-8B full fine-tuning']:.3f}x in full fine-tuning)") in readme
     at, ckpt = check["checkpointing's peak"], check["checkpointing"]
     assert (f"{1 - at['predicted_ms'] / at['measured_ms']:.1%} under the engine's "
             f"({at['predicted_ms']:.1f} ms for its own mix, measured {at['measured_ms']:.1f} "
