@@ -488,7 +488,8 @@ def markdown(results: list[dict], dev: torch.device) -> str:
     head = ("| model | method | budget | what ran | step (ms) predicted / measured | error | "
             "forward (ms) device / host | traced step: kernels / copies (ms) | "
             "cudaMalloc / retries in the timed steps | peak (GiB) predicted / measured | "
-            "error | time vs no offload | peak vs no offload | throughput vs checkpointing | the planner on the profile |")
+            "error | time vs no offload | peak vs no offload | throughput vs checkpointing | "
+            "the planner on the profile |")
     lines = [head, "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for result in results:
         for r in result["rows"]:
