@@ -14,7 +14,6 @@ run).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -139,8 +138,7 @@ def measured_check(engine: Engine | None = None) -> dict:
               "predicted_vs_checkpointing": ckpt["predicted_ms"] / r["predicted_ms"],
               "measured_vs_keep": r["measured_ms"] / keep["measured_ms"],
               "measured_vs_checkpointing": ckpt["measured_ms"] / r["measured_ms"]}
-    with open(calibration.EVIDENCE / calibration.END_TO_END) as f:
-        source = json.load(f)
+    source = calibration.end_to_end_measured()
     return {"measurement": source["measured"], "device": source["device"], "rows": rows}
 
 

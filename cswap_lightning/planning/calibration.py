@@ -213,13 +213,20 @@ class EndToEnd:
 
 
 @cache
+def end_to_end_measured() -> dict:
+    """The measured shape's evidence file: where it was measured (``measured``, ``device``)
+    and each way's step, peak and plan (``rows``, by the method's name)."""
+    with open(EVIDENCE / END_TO_END) as f:
+        return json.load(f)
+
+
+@cache
 def end_to_end(engine: Engine | None = None) -> tuple[EndToEnd, ...]:
     """Each way of ``END_TO_END_WAYS``, estimated on the H200 as ``cswap plan`` estimates,
     beside its measurement. The 85% budget frees the same bytes below no offload's peak as
     the measured one did: the estimate's peak counts more beside the saved tensors than the
     measured step's one model copy held."""
-    with open(EVIDENCE / END_TO_END) as f:
-        measured_rows = json.load(f)["rows"]
+    measured_rows = end_to_end_measured()["rows"]
     est = estimate(END_TO_END_SETUP, DEVICES["h200"])
     keep, checkpointing = sizing.baselines(est, engine)
     freed = int((1 - END_TO_END_LEVEL) * measured_rows["no offload"]["peak_bytes"])
