@@ -75,6 +75,7 @@ class Run:
     recomputed: frozenset[str]
     block_calls: list[BlockCall]  # the measured step's
     unfit: dict[str, str]
+    verdicts: dict[str, str]  # whether each unit's first run went without autograd (lean.py)
 
 
 def outermost(names: list[str]) -> list[str]:
@@ -82,20 +83,23 @@ def outermost(names: list[str]) -> list[str]:
     return [n for n in names if not any(n.startswith(f"{other}.") for other in names)]
 
 
-def recomputing(built: Built, plan: str, choose=outermost, steps: int = STEPS) -> Run:
+def recomputing(built: Built, plan: str, choose=outermost, steps: int = STEPS,
+                lean: bool = True) -> Run:
     """Train ``built`` under ``plan`` for ``steps`` steps, with the units ``choose`` picks
-    recomputed from the first step after the measured one."""
+    recomputed from the first step after the measured one (``lean``: their first runs
+    without autograd where they are found fit)."""
     offloader = cswap.Offloader(cswap.CSwapConfig(plan=plan, min_bytes=0, profile_steps=1,
                                                   budget=None))
 
     def prepare(model: nn.Module) -> None:
         skipped = offloader.watch(model).recompute(choose(list(units(model))))
         assert not skipped
+        offloader.recomputer.verdicts.on = lean
 
     try:
         record = train(built, steps, offloader, prepare)
         return Run(record, offloader.recomputed, offloader.block_calls,
-                   dict(offloader.recomputer.unfit))
+                   dict(offloader.recomputer.unfit), dict(offloader.recomputer.verdicts.why))
     finally:
         offloader.close()
 
@@ -457,6 +461,7 @@ def test_compiled_blocks_are_recomputed_too(order):
     assert [type(block.forward).__name__ for block in model] == (
         ["RecomputedForward"] * 2 + ["CompiledForward"] * 2)
     assert len(got[1].stats.sites) < len(got[0].stats.sites)
+    assert offloader.recomputer.verdicts.why == {"0": "compiled", "1": "compiled"}
 
 
 # what is not recomputed ----------------------------------------------------------------------
@@ -518,9 +523,11 @@ def test_a_block_under_an_outer_checkpoint_is_not_checkpointed_again(monkeypatch
 
     def counted(function, *args, **kwargs):
         checkpointed.append(function)
-        return checkpoint(function, *args, **kwargs)
+        return function(*args, **kwargs)
 
-    monkeypatch.setattr(recompute, "checkpoint", counted)
+    # under checkpoint (its first call, watched) or its first run without autograd
+    monkeypatch.setattr(recompute, "checkpoint", functools.partial(counted, checkpoint))
+    monkeypatch.setattr(recompute, "rerun", functools.partial(counted, recompute.rerun))
     # chosen before the measured step saw it: given back after it
     with pytest.warns(RuntimeWarning, match="no longer recomputing 'layers.0'"):
         run = recomputing(built, "raw")

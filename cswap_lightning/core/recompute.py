@@ -46,6 +46,8 @@ from ..planning.dataflow import WEIGHTS
 from ..planning.profiler import Clock
 from ..planning.workload import BELOW, Below
 from .compile import containers, is_compiled
+from .lean import Verdicts, Watch, rerun
+from .lean import parameters as lean_parameters
 from .rerun import (
     Buffer,
     CacheStates,
@@ -170,6 +172,8 @@ class Recompute:
         # name and the way's weight), and the weight each block is recomputed with
         self.choices: dict[tuple[str, float], Choice] = {}
         self.weights: dict[str, float] = {}
+        # whether each unit's first run goes without autograd (``lean.py``)
+        self.verdicts = Verdicts(self._model)
         self.armed = False
         self.hooks: tuple[Callable, Callable] | None = None  # the step's, when armed
         self.witness: Witness | None = None  # the step's, when armed
@@ -381,7 +385,7 @@ class RecomputedForward:
                             args, kwargs, recompute.witness,
                             Region(recompute.hooks,
                                    choice=recompute.choice(self.name.removesuffix(BELOW)))
-                            if self.below else None)
+                            if self.below else None, recompute.verdicts, self.name)
 
     def __deepcopy__(self, memo: dict) -> RecomputedForward:
         from copy import deepcopy
@@ -424,7 +428,8 @@ class StagedForward:
                 parts = self._parts[i] = Parts.of(layers)
             input = checkpointed(partial(_in_turn, layers), parts,
                                  recompute.changed_buffers(unit.name, self.sequential),
-                                 (input,), {}, recompute.witness)
+                                 (input,), {}, recompute.witness, None, recompute.verdicts,
+                                 unit.name)
             i = unit.span.stop
         return input
 
@@ -451,38 +456,56 @@ def _wrapper(unit: Unit) -> RecomputedForward | StagedForward | None:
 
 def checkpointed(run: Callable, parts: Parts, changed: list[Buffer], args: tuple,
                  kwargs: dict[str, Any], witness: Witness | None = None,
-                 region: Region | None = None) -> Any:
-    """``run(*args, **kwargs)`` under non-reentrant checkpoint. Tensor keyword arguments are
+                 region: Region | None = None, verdicts: Verdicts | None = None,
+                 name: str = "") -> Any:
+    """``run(*args, **kwargs)`` recomputed in backward: its first run without autograd where
+    the unit ``name``'s verdict (``verdicts``) says so (``lean.py``), else under non-reentrant
+    checkpoint, watched for that verdict on its first call. Tensor keyword arguments are
     passed positionally, so that they too are saved through the hooks around it (the engine
     sees them; checkpoint would hold keyword arguments itself). A recomputation runs as the
     first run did, and changes nothing the first run changed (``rerun.as_first``: the
     ``parts``' training flags, norms and generators, the ``changed`` buffers, the generators
     and Hugging Face caches among the arguments). ``witness`` counts each recomputation and
-    the storages it saves (``_witnessed``). With a ``region``, only below the layer: the
-    outputs of its matrix products, attention and convolutions are kept, through the
-    region's hooks (``selective.py``)."""
+    the storages it saves (``_witnessed``). With a ``region``, only below the layer, under
+    checkpoint: the outputs of its matrix products, attention and convolutions are kept,
+    through the region's hooks (``selective.py``)."""
     tensors = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
     others = {k: v for k, v in kwargs.items() if k not in tensors}
     count = len(args)
     values = (*args, *kwargs.values())
+    inputs = (*args, *(kwargs[k] for k in tensors))
     first_run = FirstRun(parts, changed, parts.generators + generators_among(values),
                          CacheStates.of(values))
+    verdict = (verdicts.of(name, parts.modules) if verdicts is not None and region is None
+               else "below the layer")
+    if verdict == "":
+        return rerun(run, inputs, count, tensors, others, first_run, parts.modules,
+                     partial(_witnessed, witness, own=True), partial(verdicts.second, name))
+    watch = None
+    if verdict is None:
+        watch = Watch([t for t in inputs if isinstance(t, torch.Tensor)],
+                      lean_parameters(parts.modules), first_run.caches)
     first = True
 
     def body(*inputs: Any) -> Any:
-        nonlocal first
+        nonlocal first, watch
         named = others | dict(zip(tensors, inputs[count:]))
         if first:
             first = False
-            return run(*inputs[:count], **named)
+            if watch is None:
+                return run(*inputs[:count], **named)
+            with watch:
+                out = run(*inputs[:count], **named)
+            verdicts.why[name], watch = watch.verdict(out), None
+            verdicts.watch_backward(name, out)
+            return out
         with (as_first(first_run), _witnessed(witness, inputs),
               nullcontext() if region is None else region.recomputing()):
             return run(*inputs[:count], **named)
 
     if region is None:
-        return checkpoint(body, *args, *(kwargs[k] for k in tensors), use_reentrant=False)
-    out = checkpoint(body, *args, *(kwargs[k] for k in tensors), use_reentrant=False,
-                     context_fn=region.contexts)
+        return checkpoint(body, *inputs, use_reentrant=False)
+    out = checkpoint(body, *inputs, use_reentrant=False, context_fn=region.contexts)
     region.close(out)
     return out
 
@@ -496,17 +519,26 @@ class Witness(Protocol):
 
 
 @contextmanager
-def _witnessed(witness: Witness | None, inputs: tuple) -> Iterator[None]:
+def _witnessed(witness: Witness | None, inputs: tuple, own: bool = False) -> Iterator[None]:
     """Tell ``witness`` of a recomputation and of each storage it saves (to checkpoint's own
-    hooks, which these pass every tensor on to, unchanged): held until the block's backward
-    uses them. The block's inputs, and weights, are the step's saved tensors or the model's,
-    counted already or never."""
-    hooks = top_hooks() if witness is not None else None
+    hooks, which these pass every tensor on to, unchanged; ``own``: a first run without
+    autograd's recomputation, which keeps what it saves itself, whatever hooks are around
+    backward): held until the block's backward uses them. The block's inputs, and weights,
+    are the step's saved tensors or the model's, counted already or never."""
+    hooks = top_hooks()
+    if own and (hooks is not None or witness is not None):
+        hooks = (_itself, _itself)
+    elif witness is None:
+        hooks = None
     if hooks is None:
         yield
         return
-    witness.recomputing()
     pack, unpack = hooks
+    if witness is None:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+        return
+    witness.recomputing()
     inputs_held = {t.untyped_storage()._cdata for t in inputs if isinstance(t, torch.Tensor)}
 
     def counted(t: torch.Tensor) -> Any:
@@ -518,6 +550,10 @@ def _witnessed(witness: Witness | None, inputs: tuple) -> Iterator[None]:
 
     with torch.autograd.graph.saved_tensors_hooks(counted, unpack):
         yield
+
+
+def _itself(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _self_checkpointed(modules: Iterable[nn.Module]) -> bool:

@@ -183,6 +183,12 @@ class CacheStates:
         """Their state now."""
         return CacheStates(self.roots)
 
+    def tensors(self) -> set[int]:
+        """The ids of the tensors the caches hold now."""
+        return {id(t) for obj in _cache_objects(self.roots) for value in obj.__dict__.values()
+                for t in (value if isinstance(value, (list, tuple)) else (value,))
+                if isinstance(t, torch.Tensor)}
+
     def restore(self) -> None:
         for obj, state in self.states:
             obj.__dict__.clear()

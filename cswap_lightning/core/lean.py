@@ -1,0 +1,301 @@
+"""A recomputed block's first run without autograd, where that trains as checkpoint would.
+
+Non-reentrant ``torch.utils.checkpoint`` runs a block's forward with autograd on: it builds
+the block's graph, and each tensor the block saves passes through a Python hook that drops
+it; backward runs the forward again, through the hooks once more. On a GPU the host does not
+keep ahead of, that is time the step waits for: BERT-large on an H200 took 2.03x a plain step
+checkpointed, a third more than running its forward once more costs
+(``benchmarks/results/measure-more-h200-2026-11-27.md``). So, as Megatron's and Unsloth's
+checkpointing do, :func:`rerun` runs the first run under ``torch.no_grad`` inside an autograd
+``Function`` whose inputs are the block's tensor arguments (saved through the step's hooks,
+kept or swapped like any saved tensor) and its parameters; its backward runs the block again
+with autograd on and asks autograd for those inputs' gradients. The same operations run in
+the same order, with the same random numbers: the gradients are bitwise the same.
+
+That holds only where the block's forward reads nothing the ``Function`` does not pass, and
+does not care that autograd is off: it must not read a tensor that needs a gradient other
+than its inputs and parameters (that gradient would be lost), read a tensor's autograd state
+(``requires_grad``, ``grad_fn``: the first run could take another branch), register a hook on
+a tensor, or return an input or a view of one. The first call of each block is watched for
+these under checkpoint (:class:`Watch`); a block found doing any of them stays under
+checkpoint. So do the blocks of a sharded model (FSDP), compiled blocks, and blocks with
+parameters other than plain ``nn.Parameter`` (DTensor): their parameters are not what the
+``Function`` would be given in backward (:func:`unfit`). A forward that asks
+``torch.is_grad_enabled()`` cannot be watched (it is no tensor operation).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+from .compile import is_compiled
+from .rerun import CacheStates, FirstRun, as_first
+
+# What a first run without autograd would read otherwise than one with it.
+_AUTOGRAD_STATE = frozenset({"requires_grad", "grad_fn", "is_leaf", "grad", "_base"})
+_HOOKS = frozenset({"register_hook", "register_post_accumulate_grad_hook", "retain_grad"})
+SECOND = "a second derivative is taken through it"
+
+
+def unfit(model: nn.Module | None, modules: list[nn.Module]) -> str:
+    """Why a unit (its ``modules``, in ``model``) must run under checkpoint whatever it does,
+    or ``""``: sharded or compiled, or with parameters that are not plain ``nn.Parameter``."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is not None and model is not None and any(
+            isinstance(m, (fsdp.FullyShardedDataParallel, fsdp.FSDPModule))
+            for m in model.modules()):
+        return "the model is sharded (FSDP)"
+    if "torch._dynamo" in sys.modules and any(map(is_compiled, modules)):
+        return "compiled"
+    odd = next((p for m in modules for p in m._parameters.values()
+                if p is not None and type(p) is not nn.Parameter), None)
+    if odd is not None:
+        return f"a parameter of type {type(odd).__name__}"
+    return ""
+
+
+def parameters(modules: list[nn.Module]) -> list[torch.Tensor]:
+    """The parameters the modules train now (each once)."""
+    return list({id(p): p for m in modules for p in m._parameters.values()
+                 if p is not None and p.requires_grad}.values())
+
+
+class Watch(TorchFunctionMode):
+    """Watches a unit's first run (with autograd on, under checkpoint) for what would make
+    a first run without autograd train otherwise: :meth:`verdict` says the first found, or
+    ``""``. ``known``: the ids of the tensors it may read that need a gradient (those
+    ``given``, its inputs and parameters, then everything it makes); ``made``: what it
+    makes that needs one."""
+
+    def __init__(self, inputs: list[torch.Tensor], params: list[torch.Tensor],
+                 caches: CacheStates | None) -> None:
+        super().__init__()
+        self.caches = caches
+        self.held = {t.untyped_storage().data_ptr() for t in inputs}
+        self.given = {id(t) for t in inputs} | {id(p) for p in params}  # alive throughout
+        self.known = set(self.given)
+        self.made: list[weakref.ref] = []
+        self.why = ""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.why:
+            self.why = self._why(func, args, kwargs)
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):  # an id may be a dead tensor's: no test on it
+                self.known.add(id(t))
+                if t.requires_grad and id(t) not in self.given:
+                    self.made.append(weakref.ref(t))
+        return out
+
+    def _why(self, func: Callable, args: tuple, kwargs: dict) -> str:
+        name = getattr(func, "__name__", "")
+        if name in _HOOKS:
+            return f"its forward calls {name} on a tensor"
+        if name == "__get__":
+            attribute = getattr(getattr(func, "__self__", None), "__name__", "")
+            if attribute in _AUTOGRAD_STATE:
+                return f"its forward reads a tensor's .{attribute}"
+        stray = any(isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in self.known
+                    for t in tree_leaves((args, kwargs)))
+        return ("its forward reads a tensor that needs a gradient and is neither its input "
+                "nor its parameter" if stray else "")
+
+    def verdict(self, out: Any) -> str:
+        """Why the unit must stay under checkpoint, given what its first run returned (and
+        what else it left alive that needs a gradient: kept by a hook or an attribute; a
+        Hugging Face cache among its arguments may keep one, as no loss reads it)."""
+        if self.why:
+            return self.why
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if len({id(t) for t in outs}) < len(outs):
+            return "it returns one tensor twice"
+        returned = {t.untyped_storage().data_ptr() for t in outs}
+        if returned & self.held:
+            return "it returns its input or a view of it"
+        cached = self.caches.tensors() if self.caches is not None else set()
+        if any((t := ref()) is not None and t.untyped_storage().data_ptr() not in returned
+               and id(t) not in cached for ref in self.made):
+            return ("it keeps a tensor that needs a gradient beyond its output (in a hook's "
+                    "or an attribute's hands)")
+        return ""
+
+
+class _Call:
+    """One call of a unit, as its recomputation needs it: how to run it from its tensor
+    inputs (``values``: its positional arguments, ``count`` of them, then its tensor keyword
+    arguments ``names``, their tensors given at each run; the ``others`` keywords as they
+    were), what its first run started from (``first_run``, the RNG and autocast states), its
+    parameters, where it tells of what it saves again (``witnessed``) and of a second
+    derivative taken through it (``second``), and its output's structure."""
+
+    def __init__(self, run: Callable, values: tuple, count: int, names: list[str],
+                 others: dict[str, Any], first_run: FirstRun, params: list[torch.Tensor],
+                 witnessed: Callable[[tuple], Any], second: Callable[[], None]) -> None:
+        self.run, self.count, self.names, self.others = run, count, names, others
+        self.first_run, self.params, self.witnessed = first_run, params, witnessed
+        self.second = second
+        self.where = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+        self.values = [None if isinstance(v, torch.Tensor) else v for v in values]
+        self.states = _States([values[i] for i in self.where])
+        self.leaves: list[Any] = []
+        self.spec: Any = None
+
+    def call(self, tensors: tuple | list) -> Any:
+        values = list(self.values)
+        for i, t in zip(self.where, tensors, strict=True):
+            values[i] = t
+        return self.run(*values[:self.count], **self.others,
+                        **dict(zip(self.names, values[self.count:], strict=True)))
+
+    def first(self, tensors: tuple) -> tuple[torch.Tensor, ...]:
+        """The first run (autograd is off in a ``Function``'s forward): its tensors."""
+        leaves, self.spec = tree_flatten(self.call(tensors))
+        self.leaves = [None if isinstance(v, torch.Tensor) else v for v in leaves]
+        return tuple(v for v in leaves if isinstance(v, torch.Tensor))
+
+    def output(self, tensors: tuple[torch.Tensor, ...]) -> Any:
+        """The first run's output, its tensors those of the ``Function``."""
+        given = iter(tensors)
+        return tree_unflatten([next(given) if v is None else v for v in self.leaves], self.spec)
+
+    def again(self, saved: tuple[torch.Tensor, ...], grads: tuple, wanted: tuple[bool, ...]
+              ) -> list[torch.Tensor | None]:
+        """The gradients of the inputs and parameters (those ``wanted``) from the outputs'
+        ``grads``, through the unit run again with autograd on (with a graph of its own
+        where backward makes one: a second derivative)."""
+        create_graph = torch.is_grad_enabled()
+        if create_graph:
+            self.second()
+        # With a graph of its own, from the inputs as saved: it leads back through them.
+        inputs = [t if w and create_graph else t.detach().requires_grad_(w)
+                  for t, w in zip(saved, wanted[:len(saved)], strict=True)]
+        targets = [t for t, w in zip([*inputs, *self.params], wanted, strict=True) if w]
+        found: tuple = (None,) * len(targets)
+        # The gradients are taken before ``as_first`` puts the buffers back (a norm's
+        # backward reads its running statistics, saved at the version the run left them).
+        with as_first(self.first_run), self.witnessed(tuple(inputs)):
+            with torch.enable_grad(), self.states.restored():
+                out = self.call(inputs)
+            outs = [v for v in tree_leaves(out) if isinstance(v, torch.Tensor)]
+            pairs = [(o, g) for o, g in zip(outs, grads, strict=True)
+                     if g is not None and o.requires_grad]
+            if pairs and targets:
+                found = torch.autograd.grad([o for o, _ in pairs], targets,
+                                            [g for _, g in pairs], allow_unused=True,
+                                            create_graph=create_graph)
+        given = iter(found)
+        return [next(given) if w else None for w in wanted]
+
+
+class _States:
+    """The RNG and autocast states a unit's first run began with (as checkpoint keeps them):
+    the CPU's and those of the devices its inputs are on."""
+
+    def __init__(self, inputs: list[torch.Tensor]) -> None:
+        devices = {t.device for t in inputs if t.device.type not in ("cpu", "meta")}
+        self.kind = next(iter(devices)).type if devices else "cpu"
+        self.cpu = torch.get_rng_state()
+        module = getattr(torch, self.kind, None) if devices else None
+        self.devices = sorted(d.index or 0 for d in devices)
+        self.device_states = [module.get_rng_state(i) for i in self.devices] if module else []
+        kinds = dict.fromkeys((self.kind, "cpu"))
+        self.autocast = [(k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k))
+                         for k in kinds if torch.amp.is_autocast_available(k)]
+        self.cache = torch.is_autocast_cache_enabled()
+
+    @contextmanager
+    def restored(self) -> Iterator[None]:
+        with ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=self.devices,
+                                                      device_type=self.kind))
+            torch.set_rng_state(self.cpu)
+            module = getattr(torch, self.kind, None)
+            for index, state in zip(self.devices, self.device_states, strict=True):
+                module.set_rng_state(state, index)
+            for kind, enabled, dtype in self.autocast:
+                stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled,
+                                                  cache_enabled=self.cache))
+            yield
+
+
+class _Rerun(torch.autograd.Function):
+    """The unit's first run without autograd; its recomputation in backward."""
+
+    @staticmethod
+    def forward(ctx, call: _Call, count: int, *tensors: torch.Tensor):
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*tensors[:count])
+        return call.first(tensors[:count])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *ctx.call.again(ctx.saved_tensors, grads, ctx.needs_input_grad[2:]))
+
+
+def rerun(run: Callable, values: tuple, count: int, names: list[str], others: dict[str, Any],
+          first_run: FirstRun, modules: list[nn.Module], witnessed: Callable[[tuple], Any],
+          second: Callable[[], None]) -> Any:
+    """``run`` called without autograd with ``values`` (``count`` positional, then the keyword
+    ones ``names``) and ``others``, its output's tensors given a history that recomputes it
+    in backward (``as_first(first_run)``, ``witnessed`` around it; ``second`` called where
+    that backward makes a graph)."""
+    params = parameters(modules)
+    call = _Call(run, values, count, names, others, first_run, params, witnessed, second)
+    tensors = [values[i] for i in call.where]
+    return call.output(_Rerun.apply(call, len(tensors), *tensors, *params))
+
+
+class Verdicts:
+    """Whether each unit's first run goes without autograd: ``why`` by unit name, ``""``
+    where it does, else why not (a unit not there yet is watched on its next call).
+    ``on``: False runs every unit under checkpoint (to compare). ``model``: the model's
+    weak reference."""
+
+    def __init__(self, model: Callable[[], nn.Module | None]) -> None:
+        self.model = model
+        self.why: dict[str, str] = {}
+        self.on = True
+
+    def of(self, name: str, modules: list[nn.Module]) -> str | None:
+        """The unit's verdict: ``""``, why not, or None: to be watched."""
+        if not self.on:
+            return "first runs without autograd are off"
+        why = self.why.get(name)
+        if why is None and (reason := unfit(self.model(), modules)):
+            why = self.why[name] = reason
+        return why
+
+    def watch_backward(self, name: str, out: Any) -> None:
+        """Mark the unit (watched, run under checkpoint) as one a second derivative goes
+        through if its output's gradient comes with a graph (``create_graph``)."""
+        def seen(grad: torch.Tensor) -> None:
+            if torch.is_grad_enabled():
+                self.why[name] = SECOND
+
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(seen)
+
+    def second(self, name: str) -> None:
+        """A backward made a graph through the unit, run first without autograd: its
+        gradients were exact to rounding, not bitwise; from the next call it runs under
+        checkpoint."""
+        if self.why.get(name) != SECOND:
+            warnings.warn(f"cswap: a second derivative was taken through {name!r}, whose first "
+                          "run went without autograd: exact to rounding, not bitwise as plain "
+                          "PyTorch; it runs under checkpoint from now on", RuntimeWarning,
+                          stacklevel=2)
+        self.why[name] = SECOND

@@ -1,0 +1,263 @@
+"""Recomputed blocks whose first run goes without autograd (``core/lean.py``): every block of
+the test networks is found fit and trains bitwise as plain PyTorch; a block that reads or
+keeps what the ``Function`` would not see stays under checkpoint, with why, and still trains
+bitwise (and would not, run first without autograd); second derivatives, ``autograd.grad``
+and autocast go through; the switch turns it off."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import load_benchmark
+from test_conformance import BATCH, _gen, differences, torch_case, train
+from test_recompute import BUILDERS, STEPS, mlp, outermost, recomputing
+from torch import nn
+
+import cswap_lightning as cswap
+from cswap_lightning.core import lean, recompute
+
+WIDTH = 16
+
+
+def fresh(name: str, steps: int = STEPS):
+    """As ``test_recompute.case``, not cached: the plain reference is made beside the run
+    (a test between may change the thread count, and with it the sums' order)."""
+    torch.manual_seed(0)
+    built = BUILDERS[name]()
+    return built, train(built, steps)
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_every_block_of_the_test_networks_runs_first_without_autograd(name, monkeypatch):
+    built, plain = fresh(name, STEPS + 1)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return lean.rerun(*args, **kwargs)
+
+    monkeypatch.setattr(recompute, "rerun", counted)
+    run = recomputing(built, "raw", steps=STEPS + 1)
+    assert not differences(plain, run.steps)
+    layers = outermost(list(recompute.units(built.model)))
+    assert run.verdicts == dict.fromkeys(layers, "")
+    # measured plainly, then watched under checkpoint, then without autograd
+    assert len(calls) == 2 * len(layers)
+
+
+class Net(nn.Module):
+    """A block under test, then a linear layer; the block's auxiliary loss is added (where
+    it keeps one), and a block returning two tensors has them summed."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([block, nn.Linear(WIDTH, WIDTH)])
+        block.other = [self.layers[1]]  # a weight the block reads, not its parameter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * 1.0
+        out = self.layers[0](x)
+        if isinstance(out, tuple):
+            out = out[0] + out[1]
+        out = self.layers[1](out)
+        aux = getattr(self.layers[0], "aux", None)
+        return out if aux is None else out + aux
+
+
+class Block(nn.Module):
+    """A linear layer and a GELU, and one of the things a first run without autograd would
+    get wrong (``kind``)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.other: list[nn.Linear] = []
+
+    def forward(self, x: torch.Tensor):
+        y = nn.functional.gelu(self.linear(x))
+        if self.kind == "reads another's weight":
+            return y @ self.other[0].weight
+        if self.kind == "keeps an auxiliary loss":
+            self.aux = y.pow(2).mean()
+        if self.kind == "hooks a tensor":
+            y.register_hook(lambda g: g * 2)
+        if self.kind == "branches on requires_grad":
+            return y * 2 if x.requires_grad else y
+        if self.kind == "returns its input":
+            return y, x
+        return y
+
+
+def built_with(kind: str):
+    return torch_case(Net(Block(kind)), torch.randn(BATCH, WIDTH, generator=_gen())
+                      .requires_grad_())
+
+
+def lean_first_layer(names: list[str]) -> list[str]:
+    return ["layers.0"]
+
+
+STAY = {
+    "reads another's weight": "its forward reads a tensor that needs a gradient and is neither",
+    "keeps an auxiliary loss": "it keeps a tensor that needs a gradient beyond its output",
+    "hooks a tensor": "its forward calls register_hook on a tensor",
+    "branches on requires_grad": "its forward reads a tensor's .requires_grad",
+    "returns its input": "it returns its input or a view of it",
+}
+
+
+@pytest.mark.parametrize("kind", list(STAY))
+def test_a_block_the_watch_finds_unfit_stays_under_checkpoint_and_trains_bitwise(kind):
+    built = built_with(kind)
+    plain = train(built, STEPS + 1)
+    run = recomputing(built, "raw", lean_first_layer, STEPS + 1)
+    assert not differences(plain, run.steps)
+    assert run.recomputed == {"layers.0"}
+    assert run.verdicts["layers.0"].startswith(STAY[kind])
+
+
+@pytest.mark.parametrize("kind", ["reads another's weight", "keeps an auxiliary loss"])
+def test_without_the_watch_those_blocks_would_lose_a_gradient(kind, monkeypatch):
+    built = built_with(kind)
+    plain = train(built, STEPS + 1)
+    monkeypatch.setattr(lean.Watch, "verdict", lambda self, out: "")
+    run = recomputing(built, "raw", lean_first_layer, STEPS + 1)
+    assert run.verdicts["layers.0"] == ""
+    assert differences(plain, run.steps)
+
+
+def test_the_switch_keeps_every_block_under_checkpoint(monkeypatch):
+    built, plain = fresh("gpt2", STEPS + 1)
+    monkeypatch.setattr(recompute, "rerun", None)  # never called
+    run = recomputing(built, "raw", steps=STEPS + 1, lean=False)
+    assert not differences(plain, run.steps)
+    assert run.verdicts == {} and run.recomputed
+
+
+def test_a_parameter_of_another_type_keeps_the_block_under_checkpoint():
+    class Special(nn.Parameter):
+        pass
+
+    block = nn.Linear(WIDTH, WIDTH)
+    block.weight = Special(block.weight.detach().clone())
+    assert lean.unfit(None, [block]) == "a parameter of type Special"
+    assert lean.unfit(None, [nn.Linear(WIDTH, WIDTH)]) == ""
+
+
+def _steps(model: nn.Module, x: torch.Tensor, grads_of, offloader: cswap.Offloader | None,
+           steps: int = STEPS + 1, context=None) -> list[list[torch.Tensor]]:
+    """Each step's ``grads_of(out, model, x)`` (gradients it takes from the model's output),
+    seeded alike, forward inside the offloader where given and under ``context``."""
+    grads = []
+    for step in range(steps):
+        torch.manual_seed(step)
+        x_step = x.detach().clone().requires_grad_()
+        with (offloader if offloader is not None else contextlib.nullcontext(),
+              (context or contextlib.nullcontext)()):
+            out = model(x_step)
+        grads.append([g.detach().clone() for g in grads_of(out, model, x_step)])
+    return grads
+
+
+def _compared(grads_of, context=None, verdict: str = "") -> None:
+    """Plain against every block of an MLP recomputed, each found ``verdict``."""
+    torch.manual_seed(0)
+    model = mlp(WIDTH)
+    x = torch.randn(BATCH, 6, WIDTH, generator=_gen())
+    plain = _steps(copy.deepcopy(model), x, grads_of, None, context=context)
+    offloader = cswap.Offloader(cswap.CSwapConfig(plan="raw", min_bytes=0, profile_steps=1,
+                                                  budget=None))
+    ours = copy.deepcopy(model)
+    offloader.watch(ours).recompute(outermost(list(recompute.units(ours))))
+    got = _steps(ours, x, grads_of, offloader, context=context)
+    offloader.close()
+    assert offloader.recomputer.verdicts.why == dict.fromkeys(["0", "1", "2", "3"], verdict)
+    for a, b in zip(plain, got, strict=True):
+        assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
+
+
+def penalised(out: torch.Tensor, model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A loss with a gradient penalty: its gradients are second derivatives too."""
+    (gx,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+    return torch.autograd.grad(out.sum() + gx.pow(2).sum(), [x, *model.parameters()])
+
+
+def test_a_second_derivative_seen_on_the_watched_step_keeps_the_blocks_under_checkpoint():
+    _compared(penalised, verdict=lean.SECOND)
+
+
+def test_a_second_derivative_through_a_block_run_without_autograd_is_exact_and_said():
+    """Taken later, the first time is exact to rounding (the grads of the block's weights
+    add up in another order), with a warning; the block then runs under checkpoint."""
+    torch.manual_seed(0)
+    model = mlp(WIDTH)
+    x = torch.randn(BATCH, 6, WIDTH, generator=_gen())
+    offloader = cswap.Offloader(cswap.CSwapConfig(plan="raw", min_bytes=0, profile_steps=1,
+                                                  budget=None))
+    ours = copy.deepcopy(model)
+    offloader.watch(ours).recompute(["0"])
+    _steps(ours, x, lambda out, model, x: torch.autograd.grad(out.sum(), [*model.parameters()]),
+           offloader)  # measured, watched, then without autograd
+    assert offloader.recomputer.verdicts.why == {"0": ""}
+    with pytest.warns(RuntimeWarning, match="second derivative was taken through '0'"):
+        got = _steps(ours, x, penalised, offloader, steps=1)[0]
+    offloader.close()
+    want = _steps(ours, x, penalised, None, steps=1)[0]
+    assert all(torch.allclose(p, q, rtol=1e-5, atol=1e-7) for p, q in zip(want, got, strict=True))
+    assert offloader.recomputer.verdicts.why == {"0": lean.SECOND}
+
+
+def test_autograd_grad_and_cpu_autocast_go_through_too():
+    def grads(out, model, x):
+        return torch.autograd.grad(out.float().pow(2).mean(), [x, *model.parameters()])
+
+    _compared(grads)
+    _compared(grads, functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16))
+
+
+def test_the_benchmark_compares_every_method_bitwise(tmp_path, monkeypatch):
+    script = load_benchmark("lean_recompute_cpu", monkeypatch)
+    threads = torch.get_num_threads()
+    try:
+        script.main(["--models", "bert", "--layers", "2", "--rounds", "2", "--warmup", "2",
+                     "--out", str(tmp_path / "b")])
+    finally:
+        torch.set_num_threads(threads)
+    rows = json.loads((tmp_path / "b.json").read_text())["results"][0]["rows"]
+    assert [r["method"] for r in rows] == list(script.METHODS)
+    assert all(r["bitwise"] for r in rows)
+    counts = {r["method"]: r["first_runs_without_autograd"] for r in rows}
+    assert counts["cswap"] == 2 and counts["cswap_checkpoint"] == 0
+    hf = next(r for r in rows if r["method"] == "hf")
+    assert hf["throughput_vs_hf"] == 1.0
+    assert "first run without autograd |" in (tmp_path / "b.md").read_text()
+
+
+def test_the_readmes_figures_are_the_committed_measurement():
+    root = Path(__file__).resolve().parents[1]
+    results = json.loads((root / "benchmarks/results/lean-recompute-cpu-2026-11-27.json")
+                         .read_text())["results"]
+    rows = [r for result in results for r in result["rows"]]
+    assert all(r["bitwise"] for r in rows)
+
+    def spread(values) -> str:
+        values = sorted(values)
+        return f"{values[0]:.2f}-{values[-1]:.2f}x"
+
+    def of(method: str, key: str = "vs_plain") -> str:
+        return spread(r[key] for r in rows if r["method"] == method)
+
+    steps = {(r["model"], r["method"]): r["step_ms"] for r in rows}
+    reentrant = spread(steps[m, "hf_reentrant"] / steps[m, "cswap"] for m, _ in steps)
+    readme = " ".join((root / "README.md").read_text().split())
+    assert (f"a step takes {of('cswap')} a plain one, against {of('hf')} with Hugging Face's "
+            f"checkpointing and {of('cswap_checkpoint')} with the engine's blocks under "
+            f"checkpoint: {of('cswap', 'throughput_vs_hf')} the throughput of Hugging Face's "
+            f"default, {reentrant} that of its `use_reentrant=True`") in readme
