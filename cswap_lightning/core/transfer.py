@@ -182,10 +182,10 @@ class Transfer:
             offload.wait_stream(encoder)
         else:
             offload.wait_stream(compute)
-        with _on(offload):
+        with _on(offload, compute):
             if count_nonzero and codec.exact_size:
                 stored.nonzero = self.nonzero(flat)
-            self._place(stored, flat, payload, codec)
+            self._place(stored, flat, payload, codec, offload)
             stored.done = offload.record_event()
             if stored.lease is not None:
                 stored.lease.last_use = stored.done
@@ -193,14 +193,15 @@ class Transfer:
         self._track(stored.done, flat.nbytes, stored if stored.pending is not None else None)
 
     def _place(self, stored: Stored, flat: torch.Tensor, payload: torch.Tensor,
-               codec: Codec) -> None:
-        """Copy ``payload`` (on CUDA: queued on the current stream) into host memory: its
-        site's arena region, or memory of its own, where a raw one keeps ``flat``'s shape
-        and strides. Of a payload whose length is not known yet, the first part only."""
+               codec: Codec, stream: torch.cuda.Stream | None = None) -> None:
+        """Copy ``payload`` (on CUDA: queued on ``stream``, the current one) into host
+        memory: its site's arena region, or memory of its own, where a raw one keeps
+        ``flat``'s shape and strides. Of a payload whose length is not known yet, the first
+        part only."""
         exact = stored.header is None or codec.exact_size
         capacity = payload.nbytes if exact else codec.capacity(stored.header.numel,
                                                                 stored.header.dtype.itemsize)
-        slot, stored.lease = self._slot(capacity, payload.dtype, stored.site, flat)
+        slot, stored.lease = self._slot(capacity, payload.dtype, stored.site, flat, stream)
         stored.payload = slot
         if not exact:
             stored.pending = payload
@@ -307,18 +308,18 @@ class Transfer:
         stored.codec, stored.header = codec.name, packed.header
         return packed.payload
 
-    def _slot(self, nbytes: int, dtype: torch.dtype, site: int | None, source: torch.Tensor
-              ) -> tuple[torch.Tensor, Lease | None]:
+    def _slot(self, nbytes: int, dtype: torch.dtype, site: int | None, source: torch.Tensor,
+              stream: torch.cuda.Stream | None) -> tuple[torch.Tensor, Lease | None]:
         """``nbytes`` of host memory for a payload (as a 1-D ``dtype`` tensor): its site's
-        arena region if it can have it (the copy into it first waits for the region's earlier
-        holders), else pinned memory of its own."""
+        arena region if it can have it (the copy into it, on ``stream``, first waits for the
+        region's earlier holders), else pinned memory of its own."""
         if site is not None and self.host_memory is not None:
             taken = self.host_memory.acquire(site, nbytes, dtype)
             if taken is not None:
                 region, lease = taken
                 if source.is_cuda:
                     for event in lease.wait_for:  # earlier holders' copies out of the region
-                        torch.cuda.current_stream().wait_event(event)
+                        stream.wait_event(event)
                 return region, lease
         return self._host_empty(nbytes // dtype.itemsize, dtype, source.is_cuda), None
 
@@ -376,10 +377,12 @@ class Transfer:
         with _on(stream):
             stream.wait_event(stored.done)
             copy = payload.to(device, non_blocking=True)
+            copied = stream.record_event() if stored.lease is not None else None
             if stored.lease is not None:
-                stored.lease.last_use = stream.record_event()
+                stored.lease.last_use = copied
             out = self._decode(stored, copy, owned=True)
-            return out, stream.record_event()
+            # a raw payload is its tensor: nothing ran after the copy, its event will do
+            return out, copied if copied is not None and out is copy else stream.record_event()
 
     def _decode(self, stored: Stored, payload: torch.Tensor, owned: bool) -> torch.Tensor:
         """The tensor from ``payload`` (``stored``'s payload, or a device copy of it): a raw
@@ -473,19 +476,22 @@ class _on:  # a context manager, named like torch.cuda.stream
 
     __slots__ = ("_device", "_previous", "_stream")
 
-    def __init__(self, stream: torch.cuda.Stream | None) -> None:
+    def __init__(self, stream: torch.cuda.Stream | None,
+                 previous: torch.cuda.Stream | None = None) -> None:
         self._stream = stream
+        self._previous = previous  # the current stream, where the caller has it already
 
     def __enter__(self) -> None:
         stream = self._stream
         if stream is None:
             return
         # the device switch only where it is not current (a model over several GPUs)
-        self._device = (torch.cuda.device(stream.device)
-                        if stream.device.index != torch.cuda.current_device() else None)
+        self._device = (torch.cuda.device(stream.device_index)
+                        if stream.device_index != torch.cuda.current_device() else None)
         if self._device is not None:
             self._device.__enter__()
-        self._previous = torch.cuda.current_stream(stream.device)
+        if self._previous is None:
+            self._previous = torch.cuda.current_stream(stream.device_index)
         torch.cuda.set_stream(stream)
 
     def __exit__(self, *exc) -> None:
