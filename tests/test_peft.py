@@ -29,10 +29,12 @@ def lora_llama() -> torch.nn.Module:
     return get_peft_model(LlamaForCausalLM(config), lora)
 
 
-def adapter_grads(offloader: Offloader | None, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The adapters' gradients after the third step: measured, checking and checked steps."""
-    model = lora_llama()
-    for _ in range(3):
+def adapter_grads(offloader: Offloader | None, ids: torch.Tensor, steps: int = 3,
+                  model: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
+    """The adapters' gradients after the last step (three: measured, checking and checked
+    steps) of ``model`` (a new ``lora_llama()`` where None)."""
+    model = model if model is not None else lora_llama()
+    for _ in range(steps):
         model.zero_grad(set_to_none=True)
         with offloader if offloader is not None else contextlib.nullcontext():
             loss = model(input_ids=ids, labels=ids).loss
@@ -92,3 +94,23 @@ def test_lora_layers_below_the_layer_keep_the_adapters_sums_and_stay_bitwise(mon
     for name, grad in plain.items():
         assert torch.equal(grad, swapped[name]), name
     assert "silu" in ran and not {"mm", "addmm", "add", "cat", "neg"} & set(ran), ran
+
+
+def test_lora_layers_recomputed_whole_run_first_without_autograd_bitwise():
+    """Every layer of a LoRA Llama recomputed whole: the first layer's input needs no
+    gradient (the embedding is frozen), its adapters do; after the watched step the layers
+    run first without autograd (``core/lean.py``) and the adapters' gradients stay plain
+    training's."""
+    from cswap_lightning.core.recompute import units
+
+    ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
+    plain = adapter_grads(None, ids, steps=4)
+    offloader = Offloader(CSwapConfig(plan="raw", min_bytes=0, budget=None, profile_steps=1))
+    model = lora_llama()
+    layers = [n for n in units(model) if n.rsplit(".", 1)[-1].isdigit()]
+    assert len(layers) == 2 and not offloader.watch(model).recompute(layers)
+    swapped = adapter_grads(offloader, ids, steps=4, model=model)
+    offloader.close()
+    assert offloader.recomputer.verdicts.why == dict.fromkeys(layers, "")
+    for name, grad in plain.items():
+        assert torch.equal(grad, swapped[name]), name
