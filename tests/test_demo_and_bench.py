@@ -118,7 +118,11 @@ def test_measure_bench_runs_every_method_and_labels_a_cpu_run_a_dry_run(tmp_path
     assert set(rows) == {"no offload", "checkpointing", "cswap, budget 85% of no offload",
                          "cswap, budget 50% of no offload",
                          "cswap, budget checkpointing's peak", "cswap default (fits)",
-                         "cswap int8, every tensor swapped"}
+                         "cswap, every block recomputed", "cswap int8, every tensor swapped"}
+    every = rows["cswap, every block recomputed"]  # checkpointing's blocks, its prediction
+    assert every["recomputed_blocks"] == every["first_runs_without_autograd"] > 0
+    assert every["predicted_step_s"] == rows["checkpointing"]["predicted_step_s"]
+    assert every["moved_sites"] == 0
     assert all(r["timed_steps"] == 1 and r["predicted_step_s"] > 0 for r in rows.values())
     # the host's times beside the device's (on CUDA they tell a host-bound step); on the CPU
     # the host's time is the step's

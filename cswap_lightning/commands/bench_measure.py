@@ -11,8 +11,9 @@ For each model, in one process:
    no offload, checkpointing, the engine at each budget (``plan="auto"``, recomputation on,
    the model watched: the engine measures, plans and checks on its own; its rows are
    predicted by its own replay of its measured step, for the plan it ran, and the planner's
-   mix from the captured profile is shown beside), the default engine on a run that fits, and
-   every tensor swapped through int8 (``plan="int8"``), predicted at the int8 kernels' speeds
+   mix from the captured profile is shown beside), the default engine on a run that fits,
+   every block recomputed by the engine and nothing moved (checkpointing's memory: what its
+   first runs without autograd gain, ``core/lean.py``), and every tensor swapped through int8 (``plan="int8"``), predicted at the int8 kernels' speeds
    measured on the H200 (``planning/sizing.LOSSY_SPEEDS``): what tells whether the replay
    should charge a codec's encoding to the link, as it does, or to the compute stream.
 
@@ -72,6 +73,8 @@ from .traced import trace_path, traced_step
 
 LEVELS = (0.85, 0.5)
 INT8_ALL = "cswap int8, every tensor swapped"
+# Checkpointing's memory, the engine's recomputation: its first runs without autograd
+RECOMPUTE_ALL = "cswap, every block recomputed"
 # The models of the first H100 run at their profiled sizes, and a Llama-3-8B layer stack.
 BATCH = {"gpt2-medium": 8, "resnet50": 128, "bert-large": 16, "vgg16": 64}
 
@@ -191,11 +194,12 @@ def _step(m: Method, spec: Model, batch, dev: torch.device, own_start: int) -> T
 def _settle(m: Method, spec: Model, batch, dev: torch.device, own_start: int,
             most: int = 16) -> None:
     """Run an engine's steps until its plan is checked and the same two steps in a row (its
-    measured steps, its planning and the step that checks the plan come first)."""
+    measured steps, its planning and the step that checks the plan come first); a fixed
+    plan's, its measured steps and two more (recomputed blocks are watched on the first)."""
     if m.offloader is None or m.offloader.config.plan != "auto":  # nothing to plan
-        for _ in range(2):
+        m.warmup = 2 + (m.offloader.config.profile_steps if m.offloader is not None else 0)
+        for _ in range(m.warmup):
             _step(m, spec, batch, dev, own_start)
-        m.warmup = 2
         return
     cuda = dev.type == "cuda"
     before = torch.cuda.memory_allocated(dev) if cuda else 0
@@ -229,7 +233,9 @@ def _engine_summary(m: Method) -> dict:
     out |= {"offloaded_bytes": last.offloaded_bytes, "stored_bytes": last.stored_bytes,
             "hooks_off": bool(getattr(last, "hooks_off", False)),
             "moved_sites": sum(s.decision not in ("keep", "dedup") for s in last.sites),
-            "recomputed_blocks": len(off.recomputed)}
+            "recomputed_blocks": len(off.recomputed),
+            "first_runs_without_autograd": sum(
+                why == "" for why in off.recomputer.verdicts.why.values())}
     plan = off.plan
     if plan is not None and hasattr(plan, "table"):
         out["plan_table"] = plan.table()
@@ -276,14 +282,21 @@ def run_model(key: str, dev: torch.device, out_dir: Path, rounds: int, small: bo
     for label, b in engines:
         model = copies[label] = clone()
         methods.append(Method(label, model, budget_bytes=b))
+    methods.append(Method(RECOMPUTE_ALL, clone()))
     methods.append(Method(INT8_ALL, clone()))
     # what the other copies hold beside one model's step
     others = (torch.cuda.memory_allocated(dev) - own_start) if dev.type == "cuda" else 0
     for m in methods[2:]:
         budget = "auto" if m.budget_bytes is None else m.budget_bytes + others
-        config = CSwapConfig(plan="int8") if m.name == INT8_ALL else CSwapConfig(budget=budget)
+        config = {INT8_ALL: CSwapConfig(plan="int8"),
+                  RECOMPUTE_ALL: CSwapConfig(plan="keep", budget=None)}.get(
+                      m.name, CSwapConfig(budget=budget))
         m.offloader = Offloader(config).watch(m.model)
         m.context = (lambda off=m.offloader: off)
+        if m.name == RECOMPUTE_ALL:
+            found = list(m.offloader.recomputer.units())
+            m.offloader.recompute([n for n in found
+                                   if not any(n.startswith(f"{o}.") for o in found)])
 
     # predictions from this device's profile
     link = measure_link(dev)
@@ -296,6 +309,7 @@ def run_model(key: str, dev: torch.device, out_dir: Path, rounds: int, small: bo
     ck = predict(w, checkpoint_all(), link=link, engine=replay_engine)
     rows["checkpointing"] = {"predicted_step_s": ck.step_s - ck.optimizer_s,
                              "predicted_peak": ck.peak_bytes}
+    rows[RECOMPUTE_ALL] = dict(rows["checkpointing"])
     for label, b in engines:
         if b is None:
             rows[label] = {"predicted_step_s": rows["no offload"]["predicted_step_s"],
@@ -517,6 +531,9 @@ def markdown(results: list[dict], dev: torch.device) -> str:
                 profiled = (f"{r['planner_how']}: {1e3 * r['predicted_step_s']:.1f} ms, "
                             f"{r['predicted_peak'] / 2**30:.2f} GiB" if "planner_how" in r
                             else "")
+            if r.get("recomputed_blocks"):
+                ran += (f"; {r['first_runs_without_autograd']} of {r['recomputed_blocks']} "
+                        "recomputed blocks first without autograd")
             traced = ("trace FAILED" if "trace_failed" in r else
                       f"{1e3 * r['traced_kernels_s']:.1f} / {1e3 * r['traced_copies_s']:.1f}"
                       if "traced_kernels_s" in r else "")
