@@ -10,6 +10,7 @@ import contextlib
 import copy
 import functools
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -261,3 +262,23 @@ def test_the_readmes_figures_are_the_committed_measurement():
             f"checkpointing and {of('cswap_checkpoint')} with the engine's blocks under "
             f"checkpoint: {of('cswap', 'throughput_vs_hf')} the throughput of Hugging Face's "
             f"default, {reentrant} that of its `use_reentrant=True`") in readme
+
+
+def test_a_block_of_a_sharded_model_stays_under_checkpoint(monkeypatch):
+    """FSDP2 (one process, gloo): the parameters a recomputation would see in backward are
+    not those its forward was given."""
+    from torch import distributed
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(29_500 + os.getpid() % 1000))
+    distributed.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model = Net(Block("plain"))
+        assert lean.unfit(model, list(model.layers[0].modules())) == ""
+        fully_shard(model.layers[0], mesh=init_device_mesh("cpu", (1,)))
+        assert lean.unfit(model, list(model.layers[0].modules())) == (
+            "the model is sharded (FSDP)")
+    finally:
+        distributed.destroy_process_group()

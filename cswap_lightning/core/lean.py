@@ -51,9 +51,9 @@ def unfit(model: nn.Module | None, modules: list[nn.Module]) -> str:
     """Why a unit (its ``modules``, in ``model``) must run under checkpoint whatever it does,
     or ``""``: sharded or compiled, or with parameters that are not plain ``nn.Parameter``."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
-    if fsdp is not None and model is not None and any(
-            isinstance(m, (fsdp.FullyShardedDataParallel, fsdp.FSDPModule))
-            for m in model.modules()):
+    kinds = tuple(k for k in (getattr(fsdp, "FullyShardedDataParallel", None),
+                              getattr(fsdp, "FSDPModule", None)) if k is not None)
+    if kinds and model is not None and any(isinstance(m, kinds) for m in model.modules()):
         return "the model is sharded (FSDP)"
     if "torch._dynamo" in sys.modules and any(map(is_compiled, modules)):
         return "compiled"
