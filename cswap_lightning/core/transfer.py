@@ -118,6 +118,7 @@ class Transfer:
         self._expect: dict[int, int] = {}  # site -> its compressed payload's last length
         self._worker = _Worker()
         self._streams: dict[torch.device, tuple[torch.cuda.Stream, ...]] = {}
+        self._marks: dict[tuple[int, torch.cuda.Stream], torch.cuda.Event] = {}
         self._warned: set[str] = set()
 
     # forward ---------------------------------------------------------------------------
@@ -175,13 +176,13 @@ class Transfer:
         payload = flat
         if codec.name != "raw":  # encoded on its own stream, so copies of others go on
             encoder = self._stream(device, COMPRESS)
-            encoder.wait_stream(compute)
+            self._follow(encoder, compute)
             with _on(encoder):
                 payload = self._encode(codec, stored, flat, False, seed)
             flat.record_stream(encoder)
-            offload.wait_stream(encoder)
+            self._follow(offload, encoder)
         else:
-            offload.wait_stream(compute)
+            self._follow(offload, compute)
         with _on(offload, compute):
             if count_nonzero and codec.exact_size:
                 stored.nonzero = self.nonzero(flat)
@@ -461,6 +462,17 @@ class Transfer:
         if streams is None:
             streams = self._streams[device] = tuple(torch.cuda.Stream(device) for _ in range(3))
         return streams[which]
+
+    def _follow(self, waiter: torch.cuda.Stream, stream: torch.cuda.Stream) -> None:
+        """``waiter.wait_stream(stream)`` with the same event each time (``wait_stream``
+        creates one per call): a wait holds the event's last record when it is queued, so
+        recording it again after is safe; one event per thread."""
+        key = (threading.get_ident(), stream)
+        event = self._marks.get(key)
+        if event is None:
+            event = self._marks[key] = torch.cuda.Event()
+        event.record(stream)
+        waiter.wait_event(event)
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:
