@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import load_benchmark
-from test_conformance import BATCH, _gen, differences, torch_case, train
+from test_conformance import BATCH, _gen, causal_lm, differences, torch_case, train
 from test_recompute import BUILDERS, STEPS, mlp, outermost, recomputing
 from torch import nn
 
@@ -79,6 +79,8 @@ class Block(nn.Module):
         super().__init__()
         self.kind = kind
         self.linear = nn.Linear(WIDTH, WIDTH)
+        if kind == "has a weight hook inside":
+            self.linear = nn.utils.spectral_norm(self.linear)
         self.other: list[nn.Linear] = []
 
     def forward(self, x: torch.Tensor):
@@ -91,6 +93,8 @@ class Block(nn.Module):
             y.register_hook(lambda g: g * 2)
         if self.kind == "branches on requires_grad":
             return y * 2 if x.requires_grad else y
+        if self.kind == "branches on grad mode":
+            return y * 2 if torch.is_grad_enabled() else y
         if self.kind == "returns its input":
             return y, x
         return y
@@ -110,6 +114,8 @@ STAY = {
     "keeps an auxiliary loss": "it keeps a tensor that needs a gradient beyond its output",
     "hooks a tensor": "its forward calls register_hook on a tensor",
     "branches on requires_grad": "its forward reads a tensor's .requires_grad",
+    "branches on grad mode": "its forward gives other bits without autograd",
+    "has a weight hook inside": "it keeps a tensor that needs a gradient",  # the weight
     "returns its input": "it returns its input or a view of it",
 }
 
@@ -124,14 +130,37 @@ def test_a_block_the_watch_finds_unfit_stays_under_checkpoint_and_trains_bitwise
     assert run.verdicts["layers.0"].startswith(STAY[kind])
 
 
-@pytest.mark.parametrize("kind", ["reads another's weight", "keeps an auxiliary loss"])
-def test_without_the_watch_those_blocks_would_lose_a_gradient(kind, monkeypatch):
+@pytest.mark.parametrize("kind", ["reads another's weight", "keeps an auxiliary loss",
+                                  "branches on grad mode"])
+def test_without_the_watch_those_blocks_would_train_otherwise(kind, monkeypatch):
     built = built_with(kind)
     plain = train(built, STEPS + 1)
-    monkeypatch.setattr(lean.Watch, "verdict", lambda self, out: "")
+    monkeypatch.setattr(lean.Watch, "verdict", lambda self, out, again: "")
     run = recomputing(built, "raw", lean_first_layer, STEPS + 1)
     assert run.verdicts["layers.0"] == ""
     assert differences(plain, run.steps)
+
+
+def test_a_block_whose_router_hook_collects_a_tensor_without_gradient_stays_under_checkpoint():
+    """A Mixtral trained with its router's auxiliary loss, all of its first layer frozen but
+    its experts: Hugging Face's hook collects that layer's router logits, which need no
+    gradient (nothing kept beyond the output needs one), but the watch's second run would
+    collect them twice; the layer stays under checkpoint, and training stays bitwise."""
+    from test_selective import MOE
+
+    torch.manual_seed(0)
+    built = causal_lm("MixtralConfig", **MOE)("sdpa")
+    frozen = ["model.embed_tokens", "model.layers.0.self_attn", "model.layers.0.input_",
+              "model.layers.0.post_", "model.layers.0.mlp.gate"]
+    for name, p in built.model.named_parameters():
+        p.requires_grad_(not any(name.startswith(f) for f in frozen))
+    plain = train(built, STEPS + 1)
+    run = recomputing(built, "raw", steps=STEPS + 1)
+    assert not differences(plain, run.steps)
+    assert run.verdicts == {"model.layers.0": "forward hooks inside it would run once more to "
+                                              "check it",
+                            "model.layers.1": "it keeps a tensor that needs a gradient beyond "
+                                              "its output (in a hook's or an attribute's hands)"}
 
 
 def test_the_switch_keeps_every_block_under_checkpoint(monkeypatch):

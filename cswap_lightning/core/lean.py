@@ -39,7 +39,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from .compile import is_compiled
-from .rerun import CacheStates, FirstRun, as_first
+from .rerun import FirstRun, as_first
 
 # What a first run without autograd would read otherwise than one with it.
 _AUTOGRAD_STATE = frozenset({"requires_grad", "grad_fn", "is_leaf", "grad", "_base"})
@@ -78,9 +78,11 @@ class Watch(TorchFunctionMode):
     makes that needs one."""
 
     def __init__(self, inputs: list[torch.Tensor], params: list[torch.Tensor],
-                 caches: CacheStates | None) -> None:
+                 first_run: FirstRun, called: list[nn.Module]) -> None:
         super().__init__()
-        self.caches = caches
+        self.first_run, self.called = first_run, called
+        self.caches = first_run.caches
+        self.states = _States(inputs)  # before the first run
         self.held = {t.untyped_storage().data_ptr() for t in inputs}
         self.given = {id(t) for t in inputs} | {id(p) for p in params}  # alive throughout
         self.known = set(self.given)
@@ -112,10 +114,13 @@ class Watch(TorchFunctionMode):
         return ("its forward reads a tensor that needs a gradient and is neither its input "
                 "nor its parameter" if stray else "")
 
-    def verdict(self, out: Any) -> str:
+    def verdict(self, out: Any, again: Callable[[], Any]) -> str:
         """Why the unit must stay under checkpoint, given what its first run returned (and
         what else it left alive that needs a gradient: kept by a hook or an attribute; a
-        Hugging Face cache among its arguments may keep one, as no loss reads it)."""
+        Hugging Face cache among its arguments may keep one, as no loss reads it), and what
+        ``again`` (the same call) returns run once more as its first run began, without
+        autograd: the same bits, or the first run without autograd would differ (a branch on
+        ``torch.is_grad_enabled()``, a kernel chosen by it)."""
         if self.why:
             return self.why
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -129,6 +134,14 @@ class Watch(TorchFunctionMode):
                and id(t) not in cached for ref in self.made):
             return ("it keeps a tensor that needs a gradient beyond its output (in a hook's "
                     "or an attribute's hands)")
+        if any(m._forward_hooks or m._forward_pre_hooks for m in self.called):
+            return "forward hooks inside it would run once more to check it"
+        with torch.no_grad(), as_first(self.first_run), self.states.restored():
+            repeated = [t for t in tree_leaves(again()) if isinstance(t, torch.Tensor)]
+        if len(repeated) != len(outs) or not all(
+                a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+                for a, b in zip(outs, repeated, strict=True)):
+            return "its forward gives other bits without autograd"
         return ""
 
 

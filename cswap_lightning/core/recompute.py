@@ -377,7 +377,7 @@ class RecomputedForward:
         if recompute is None or not recompute.on():
             return self.run(*args, **kwargs)
         if self._parts is None:
-            self._parts = Parts.of([self.block])
+            self._parts = Parts.of([self.block], block=True)
         if _self_checkpointed(self._parts.switches):
             return self.run(*args, **kwargs)
         return checkpointed(self.run, self._parts,
@@ -484,7 +484,7 @@ def checkpointed(run: Callable, parts: Parts, changed: list[Buffer], args: tuple
     watch = None
     if verdict is None:
         watch = Watch([t for t in inputs if isinstance(t, torch.Tensor)],
-                      lean_parameters(parts.modules), first_run.caches)
+                      lean_parameters(parts.modules), first_run, parts.called)
     first = True
 
     def body(*inputs: Any) -> Any:
@@ -496,7 +496,8 @@ def checkpointed(run: Callable, parts: Parts, changed: list[Buffer], args: tuple
                 return run(*inputs[:count], **named)
             with watch:
                 out = run(*inputs[:count], **named)
-            verdicts.why[name], watch = watch.verdict(out), None
+            verdicts.why[name] = watch.verdict(out, partial(run, *inputs[:count], **named))
+            watch = None
             verdicts.watch_backward(name, out)
             return out
         with (as_first(first_run), _witnessed(witness, inputs),

@@ -39,21 +39,25 @@ Buffer = tuple[nn.Module, str]  # a module and the name of one of its buffers
 @dataclass
 class Parts:
     """A unit's modules, as a recomputation needs them: all of them (their training flags),
-    its norms' running statistics, the generators they hold, and those that may checkpoint
-    themselves (Hugging Face's ``gradient_checkpointing``)."""
+    its norms' running statistics, the generators they hold, those that may checkpoint
+    themselves (Hugging Face's ``gradient_checkpointing``), and those whose forward hooks run
+    when the unit runs (``called``: a block's own do not, its forward is called directly)."""
 
     modules: list[nn.Module]
     norms: list[Buffer]
     generators: list[torch.Generator]
     switches: list[nn.Module]
+    called: list[nn.Module]
 
     @classmethod
-    def of(cls, tops: Iterable[nn.Module]) -> Parts:
+    def of(cls, tops: list[nn.Module], block: bool = False) -> Parts:
+        """The parts of ``tops``: a block's (``block``: one module) or a stage's layers."""
         modules = list(dict.fromkeys(m for top in tops for m in top.modules()))
         generators = [v for m in modules for v in vars(m).values()
                       if isinstance(v, torch.Generator)]
         return cls(modules, norm_buffers(modules), generators,
-                   [m for m in modules if hasattr(m, "gradient_checkpointing")])
+                   [m for m in modules if hasattr(m, "gradient_checkpointing")],
+                   modules[1:] if block else modules)
 
 
 def norm_buffers(modules: Iterable[nn.Module]) -> list[Buffer]:
