@@ -83,7 +83,7 @@ class Watch(TorchFunctionMode):
         self.first_run, self.called = first_run, called
         self.caches = first_run.caches
         self.states = _States(inputs)  # before the first run
-        self.held = {t.untyped_storage().data_ptr() for t in inputs}
+        self.held = _addresses(inputs)
         self.given = {id(t) for t in inputs} | {id(p) for p in params}  # alive throughout
         self.known = set(self.given)
         self.made: list[weakref.ref] = []
@@ -126,7 +126,7 @@ class Watch(TorchFunctionMode):
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if len({id(t) for t in outs}) < len(outs):
             return "it returns one tensor twice"
-        returned = {t.untyped_storage().data_ptr() for t in outs}
+        returned = _addresses(outs)
         if returned & self.held:
             return "it returns its input or a view of it"
         cached = self.caches.tensors() if self.caches is not None else set()
@@ -143,6 +143,11 @@ class Watch(TorchFunctionMode):
                 for a, b in zip(outs, repeated, strict=True)):
             return "its forward gives other bits without autograd"
         return ""
+
+
+def _addresses(tensors: list[torch.Tensor]) -> set[int]:
+    """Where the tensors' storages are (an empty one is nowhere)."""
+    return {p for t in tensors if (p := t.untyped_storage().data_ptr())}
 
 
 class _Call:
