@@ -66,6 +66,9 @@ class Net(nn.Module):
         out = self.layers[0](x)
         if isinstance(out, tuple):
             out = out[0] + out[1]
+        if isinstance(out, dict):  # a structure, with what needs no gradient
+            assert out["none"] is None and out["count"] == 3 and out["index"].dtype == torch.int64
+            out = out["hidden"] + out["index"].unsqueeze(-1) * out["mask"]
         out = self.layers[1](out)
         aux = getattr(self.layers[0], "aux", None)
         return out if aux is None else out + aux
@@ -97,6 +100,9 @@ class Block(nn.Module):
             return y * 2 if torch.is_grad_enabled() else y
         if self.kind == "returns its input":
             return y, x
+        if self.kind == "returns a structure":
+            return {"hidden": y, "index": y.argmax(-1), "mask": (y > 0).float().detach(),
+                    "none": None, "count": 3}
         return y
 
 
@@ -118,6 +124,16 @@ STAY = {
     "has a weight hook inside": "it keeps a tensor that needs a gradient",  # the weight
     "returns its input": "it returns its input or a view of it",
 }
+
+
+def test_a_block_returning_a_structure_runs_first_without_autograd_bitwise():
+    """A dict of a tensor that needs a gradient, an integer tensor, a detached one, None and
+    an int: the ``Function`` returns the tensors, the rest is kept from the first run."""
+    built = built_with("returns a structure")
+    plain = train(built, STEPS + 1)
+    run = recomputing(built, "raw", lean_first_layer, STEPS + 1)
+    assert not differences(plain, run.steps)
+    assert run.verdicts == {"layers.0": ""}
 
 
 @pytest.mark.parametrize("kind", list(STAY))

@@ -45,6 +45,7 @@ from .rerun import FirstRun, as_first
 _AUTOGRAD_STATE = frozenset({"requires_grad", "grad_fn", "is_leaf", "grad", "_base"})
 _HOOKS = frozenset({"register_hook", "register_post_accumulate_grad_hook", "retain_grad"})
 SECOND = "a second derivative is taken through it"
+_TENSOR = object()  # where a tensor goes among a call's values or an output's leaves
 
 
 def unfit(model: nn.Module | None, modules: list[nn.Module]) -> str:
@@ -165,7 +166,7 @@ class _Call:
         self.first_run, self.params, self.witnessed = first_run, params, witnessed
         self.second = second
         self.where = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-        self.values = [None if isinstance(v, torch.Tensor) else v for v in values]
+        self.values = [_TENSOR if isinstance(v, torch.Tensor) else v for v in values]
         self.states = _States([values[i] for i in self.where])
         self.leaves: list[Any] = []
         self.spec: Any = None
@@ -180,13 +181,14 @@ class _Call:
     def first(self, tensors: tuple) -> tuple[torch.Tensor, ...]:
         """The first run (autograd is off in a ``Function``'s forward): its tensors."""
         leaves, self.spec = tree_flatten(self.call(tensors))
-        self.leaves = [None if isinstance(v, torch.Tensor) else v for v in leaves]
+        self.leaves = [_TENSOR if isinstance(v, torch.Tensor) else v for v in leaves]
         return tuple(v for v in leaves if isinstance(v, torch.Tensor))
 
     def output(self, tensors: tuple[torch.Tensor, ...]) -> Any:
         """The first run's output, its tensors those of the ``Function``."""
         given = iter(tensors)
-        return tree_unflatten([next(given) if v is None else v for v in self.leaves], self.spec)
+        return tree_unflatten([next(given) if v is _TENSOR else v for v in self.leaves],
+                              self.spec)
 
     def again(self, saved: tuple[torch.Tensor, ...], grads: tuple, wanted: tuple[bool, ...]
               ) -> list[torch.Tensor | None]:
