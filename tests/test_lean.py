@@ -66,6 +66,8 @@ class Net(nn.Module):
         out = self.layers[0](x)
         if isinstance(out, tuple):
             out = out[0] + out[1]
+        if getattr(self.layers[0], "kind", "") == "has its output changed in place":
+            out.mul_(2)
         if isinstance(out, dict):  # a structure, with what needs no gradient
             assert out["none"] is None and out["count"] == 3 and out["index"].dtype == torch.int64
             out = out["hidden"] + out["index"].unsqueeze(-1) * out["mask"]
@@ -126,10 +128,12 @@ STAY = {
 }
 
 
-def test_a_block_returning_a_structure_runs_first_without_autograd_bitwise():
+@pytest.mark.parametrize("kind", ["returns a structure", "has its output changed in place"])
+def test_a_block_returning_a_structure_or_changed_after_runs_first_without_autograd(kind):
     """A dict of a tensor that needs a gradient, an integer tensor, a detached one, None and
-    an int: the ``Function`` returns the tensors, the rest is kept from the first run."""
-    built = built_with("returns a structure")
+    an int: the ``Function`` returns the tensors, the rest is kept from the first run. An
+    output changed in place by the caller: the ``Function`` saves none of its outputs."""
+    built = built_with(kind)
     plain = train(built, STEPS + 1)
     run = recomputing(built, "raw", lean_first_layer, STEPS + 1)
     assert not differences(plain, run.steps)
