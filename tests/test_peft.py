@@ -110,7 +110,7 @@ def test_lora_layers_recomputed_whole_run_first_without_autograd_bitwise():
     layers = [n for n in units(model) if n.rsplit(".", 1)[-1].isdigit()]
     assert len(layers) == 2 and not offloader.watch(model).recompute(layers)
     swapped = adapter_grads(offloader, ids, steps=4, model=model)
-    offloader.close()
     assert offloader.recomputer.verdicts.why == dict.fromkeys(layers, "")
+    offloader.close()
     for name, grad in plain.items():
         assert torch.equal(grad, swapped[name]), name

@@ -16,12 +16,15 @@ That holds only where the block's forward reads nothing the ``Function`` does no
 does not care that autograd is off: it must not read a tensor that needs a gradient other
 than its inputs and parameters (that gradient would be lost), read a tensor's autograd state
 (``requires_grad``, ``grad_fn``: the first run could take another branch), register a hook on
-a tensor, or return an input or a view of one. The first call of each block is watched for
-these under checkpoint (:class:`Watch`); a block found doing any of them stays under
-checkpoint. So do the blocks of a sharded model (FSDP), compiled blocks, and blocks with
-parameters other than plain ``nn.Parameter`` (DTensor): their parameters are not what the
-``Function`` would be given in backward (:func:`unfit`). A forward that asks
-``torch.is_grad_enabled()`` cannot be watched (it is no tensor operation).
+a tensor, or return an input or a view of one; run once more without autograd it must give
+the same bits; and an input it reads more than once (its gradient summed inside the
+``Function``) must get gradient nowhere else, or that gradient adds up in another order
+(the step's backward checks it). The chosen blocks' calls are watched for these under
+checkpoint, all in one step (:class:`Watch`, :class:`Verdicts`); a block found doing any of
+them stays under checkpoint. So do the blocks
+of a sharded model (FSDP), compiled blocks, and blocks with parameters other than plain
+``nn.Parameter`` (DTensor): their parameters are not what the ``Function`` would be given in
+backward (:func:`unfit`).
 """
 
 from __future__ import annotations
@@ -29,12 +32,15 @@ from __future__ import annotations
 import sys
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
@@ -84,8 +90,13 @@ class Watch(TorchFunctionMode):
         self.first_run, self.called = first_run, called
         self.caches = first_run.caches
         self.states = _States(inputs)  # before the first run
+        self.inputs = inputs  # while the call runs
         self.held = _addresses(inputs)
         self.given = {id(t) for t in inputs} | {id(p) for p in params}  # alive throughout
+        self.uses: Counter[int] = Counter()  # how often each input is read
+        # each input's gradient edge, and the nodes (with their edges) that read it
+        self.edges = {id(t): get_gradient_edge(t) for t in inputs if t.requires_grad}
+        self.reads: dict[int, list] = {i: [] for i in self.edges}
         self.known = set(self.given)
         self.made: list[weakref.ref] = []
         self.why = ""
@@ -95,6 +106,12 @@ class Watch(TorchFunctionMode):
         if not self.why:
             self.why = self._why(func, args, kwargs)
         out = func(*args, **kwargs)
+        read, nodes = _read(args, kwargs, out)
+        for t in read:
+            if id(t) in self.edges:  # an input: where its gradient comes from
+                self.uses[id(t)] += 1
+                before = {id(get_gradient_edge(a).node) for a in read}
+                self.reads[id(t)] += _edges_within(nodes, self.edges[id(t)], before)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):  # an id may be a dead tensor's: no test on it
                 self.known.add(id(t))
@@ -144,6 +161,24 @@ class Watch(TorchFunctionMode):
                 for a, b in zip(outs, repeated, strict=True)):
             return "its forward gives other bits without autograd"
         return ""
+
+
+def _edges_within(nodes: list, edge: Any, before: set[int]) -> list[tuple[Any, list[int]]]:
+    """The nodes an operation made (from its results' ``nodes`` back to those of what it
+    read, ids ``before``) with inputs that are the gradient edge ``edge``, and which: a
+    composite operation (a linear layer on a 3-D input) reaches its input through a few."""
+    found, todo, seen = [], list(nodes), set()
+    while todo:
+        node = todo.pop()
+        if id(node) in seen or id(node) in before:
+            continue
+        seen.add(id(node))
+        hit = [i for i, (n, nr) in enumerate(node.next_functions)
+               if n is edge.node and nr == edge.output_nr]
+        if hit:
+            found.append((node, hit))
+        todo += [n for n, _ in node.next_functions if n is not None]
+    return found
 
 
 def _addresses(tensors: list[torch.Tensor]) -> set[int]:
@@ -278,9 +313,87 @@ def rerun(run: Callable, values: tuple, count: int, names: list[str], others: di
     return call.output(_Rerun.apply(call, len(tensors), *tensors, *params))
 
 
+SHARED = ("its input gets gradient elsewhere too, and more than once inside it: its "
+          "gradient would be summed in another order")
+
+
+AWAITING = "its watched step's backward has not checked it yet"
+
+
+class _Watching:
+    """One step's watched calls: the reason found in each unit's calls, and for each input a
+    unit reads more than once (its gradient summed inside the ``Function``) a check in the
+    step's backward that nothing else added to that gradient (the sum of what the unit's
+    operations gave it, in their order, is all it got); ``awaiting``: the checks per unit
+    still to come."""
+
+    def __init__(self, verdicts: Verdicts) -> None:
+        self.verdicts = verdicts
+        self.reasons: dict[str, str] = {}
+        self.awaiting: Counter[str] = Counter()
+        self.shared: set[str] = set()
+
+    def called(self, name: str, why: str, watch: Watch) -> None:
+        self.reasons[name] = self.reasons.get(name) or why
+        if why:
+            return
+        for t in watch.inputs:
+            if t.requires_grad and watch.uses[id(t)] > 1:
+                given: list[torch.Tensor | None] = [None]
+                for node, edges in watch.reads[id(t)]:
+                    node.register_hook(partial(_given, given, edges))
+                t.register_hook(partial(self._received, name, given))
+                self.awaiting[name] += 1
+
+    def _received(self, name: str, given: list, total: torch.Tensor) -> None:
+        """The input's whole gradient arrived: it is the sum of the unit's, or the unit's
+        input is read elsewhere too."""
+        if given[0] is None or not torch.equal(given[0], total):
+            self.shared.add(name)
+        self.awaiting[name] -= 1
+        if not self.awaiting[name]:
+            self.verdicts.settle(name, self.verdict(name))
+
+    def verdict(self, name: str) -> str:
+        return self.reasons[name] or (SHARED if name in self.shared else "")
+
+    def verdicts_now(self) -> dict[str, str]:
+        """Each unit's, as far as forward tells: awaiting its checks in backward, or given."""
+        return {name: AWAITING if self.awaiting[name] else self.verdict(name)
+                for name in self.reasons}
+
+
+def _given(given: list, edges: list[int], grad_inputs: tuple, grad_outputs: tuple) -> None:
+    """A node's hook: add what it gives the watched input (along ``edges``) to ``given[0]``,
+    in the order the input's own gradient adds them up."""
+    for i in edges:
+        g = grad_inputs[i]
+        if g is not None:
+            given[0] = g.clone() if given[0] is None else given[0] + g
+
+
+def _read(args: tuple, kwargs: dict, out: Any) -> tuple[list[torch.Tensor], list]:
+    """The tensors needing a gradient that an operation read into a new result that needs
+    one (a graph edge each; ``x.to(x.dtype)`` is ``x``, no new result), and the result's
+    nodes."""
+    given = [t for t in tree_leaves((args, kwargs))
+             if isinstance(t, torch.Tensor) and t.requires_grad]
+    made = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad
+            and not any(t is g for g in given)]  # ``type_as``, ``to``: no new tensor
+    if not made:
+        return [], []
+    read = given
+    nodes = list({id(n): n for t in made if (n := t.grad_fn) is not None}.values())
+    return read, nodes
+
+
 class Verdicts:
     """Whether each unit's first run goes without autograd: ``why`` by unit name, ``""``
-    where it does, else why not (a unit not there yet is watched on its next call).
+    where it does, else why not. The units chosen without one are watched together, every
+    call of theirs in one step (:meth:`begin` to :meth:`end`, forward's span): their verdicts
+    are given at its end, or, for a unit that reads an input more than once, once that
+    step's backward has checked what else gave the input gradient (``AWAITING``, then
+    ``SHARED`` or not).
     ``on``: False runs every unit under checkpoint (to compare). ``model``: the model's
     weak reference."""
 
@@ -288,15 +401,48 @@ class Verdicts:
         self.model = model
         self.why: dict[str, str] = {}
         self.on = True
+        self.step: _Watching | None = None  # the step watching, from begin to end
 
     def of(self, name: str, modules: list[nn.Module]) -> str | None:
-        """The unit's verdict: ``""``, why not, or None: to be watched."""
+        """The unit's verdict: ``""``, why not, or None: to be watched (in a watching step;
+        in another, it runs under checkpoint)."""
         if not self.on:
             return "first runs without autograd are off"
         why = self.why.get(name)
         if why is None and (reason := unfit(self.model(), modules)):
             why = self.why[name] = reason
+        if why is None and self.step is None:
+            return "not watched yet"
         return why
+
+    def forget(self) -> None:
+        """Watch every unit again (the chosen ones changed: they are watched together)."""
+        self.why.clear()
+
+    def begin(self, names: Iterable[str]) -> None:
+        """A step's forward begins, the units ``names`` chosen: it watches those without a
+        verdict."""
+        if self.on and self.step is None and any(n not in self.why for n in names):
+            self.step = _Watching(self)
+
+    def watched(self, name: str, watch: Watch, out: Any, again: Callable[[], Any]) -> None:
+        """A unit call watched (``watch``, its output ``out``; ``again``: the call once
+        more)."""
+        self.step.called(name, watch.verdict(out, again), watch)
+        self.watch_backward(name, out)
+
+    def end(self) -> None:
+        """The step's forward ended: the verdicts of the units it watched (those awaiting a
+        check in its backward run under checkpoint until it comes)."""
+        step, self.step = self.step, None
+        if step is not None:
+            self.why.update(step.verdicts_now())
+
+    def settle(self, name: str, why: str) -> None:
+        """A unit's verdict, once its checks in backward came (a second derivative seen
+        there stands)."""
+        if self.why.get(name) == AWAITING:
+            self.why[name] = why
 
     def watch_backward(self, name: str, out: Any) -> None:
         """Mark the unit (watched, run under checkpoint) as one a second derivative goes

@@ -232,6 +232,8 @@ class Recompute:
                                  + ("recomputed below the layer" if found[within].below
                                     else "recomputed as a whole"))
         chosen = {n: found[n] for n in names if n not in skipped}
+        if chosen.keys() != self.chosen.keys():
+            self.verdicts.forget()  # the chosen units are watched together
         for name in self.chosen.keys() - chosen.keys():
             self._release(self.chosen[name])
         self.chosen = chosen
@@ -314,9 +316,11 @@ class Recompute:
             if _wrapper(unit) is None:  # replaced since (compile_blocks, say): wrap that
                 self._wrap(unit)
         self.armed, self.hooks, self.witness = True, top_hooks(), witness
+        self.verdicts.begin(name for name, unit in self.chosen.items() if not unit.below)
 
     def disarm(self) -> None:
         self.armed, self.hooks, self.witness = False, None, None
+        self.verdicts.end()
 
     def on(self) -> bool:
         """Whether a wrapped unit called now runs under checkpoint: not inside a region
@@ -496,9 +500,8 @@ def checkpointed(run: Callable, parts: Parts, changed: list[Buffer], args: tuple
                 return run(*inputs[:count], **named)
             with watch:
                 out = run(*inputs[:count], **named)
-            verdicts.why[name] = watch.verdict(out, partial(run, *inputs[:count], **named))
+            verdicts.watched(name, watch, out, partial(run, *inputs[:count], **named))
             watch = None
-            verdicts.watch_backward(name, out)
             return out
         with (as_first(first_run), _witnessed(witness, inputs),
               nullcontext() if region is None else region.recomputing()):
