@@ -339,15 +339,16 @@ class _Watching:
             return
         for t in watch.inputs:
             if t.requires_grad and watch.uses[id(t)] > 1:
-                given: list[torch.Tensor | None] = [None]
+                given: list = [None, None]  # the sum so far; the tensor hook's handle
                 for node, edges in watch.reads[id(t)]:
                     node.register_hook(partial(_given, given, edges))
-                t.register_hook(partial(self._received, name, given))
+                given[1] = t.register_hook(partial(self._received, name, given))
                 self.awaiting[name] += 1
 
     def _received(self, name: str, given: list, total: torch.Tensor) -> None:
-        """The input's whole gradient arrived: it is the sum of the unit's, or the unit's
-        input is read elsewhere too."""
+        """The input's whole gradient arrived (once: a leaf input may live on): it is the sum
+        of the unit's, or the unit's input gets gradient elsewhere too."""
+        given[1].remove()
         if given[0] is None or not torch.equal(given[0], total):
             self.shared.add(name)
         self.awaiting[name] -= 1
