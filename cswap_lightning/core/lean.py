@@ -107,10 +107,11 @@ class Watch(TorchFunctionMode):
             self.why = self._why(func, args, kwargs)
         out = func(*args, **kwargs)
         read, nodes = _read(args, kwargs, out)
-        for t in read:
-            if id(t) in self.edges:  # an input: where its gradient comes from
+        inputs = [t for t in read if id(t) in self.edges]
+        if inputs:  # where the inputs' gradients come from
+            before = {id(get_gradient_edge(a).node) for a in read}
+            for t in inputs:
                 self.uses[id(t)] += 1
-                before = {id(get_gradient_edge(a).node) for a in read}
                 self.reads[id(t)] += _edges_within(nodes, self.edges[id(t)], before)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):  # an id may be a dead tensor's: no test on it
