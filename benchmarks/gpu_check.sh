@@ -56,7 +56,7 @@
 # Environment: OUT (set by the device machine), BUDGET_S (seconds for the whole call, default
 # 450), ONLY (space-separated step names to run instead of all), MODELS (the measure step's,
 # default "gpt2-medium resnet50"), TESTS (pytest node ids to run before the measure step, as
-# the step "tests"), DRY=1 (list each step with
+# the step "tests"; by default the code no GPU has run yet), DRY=1 (list each step with
 # its limit and command, run nothing: `DRY=1 bash benchmarks/gpu_check.sh`).
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -124,8 +124,12 @@ if [[ -z ${DRY:-} ]] && selected kernels && ! grep -q "^kernels: ok" "$SUMMARY";
     ENGINE=("${CSWAP[@]}")
     echo "kernels did not pass: the engine's steps run on the reference codecs" | tee -a "$SUMMARY"
 fi
-if [[ -n ${TESTS:-} ]]; then  # named tests first (TESTS='tests/test_x.py::test_y ...')
-    step tests 60 python3 -m pytest -q -p no:cacheprovider $TESTS
+# Named tests first: by default the code no GPU has run yet (the first runs without
+# autograd of recomputed blocks, on CUDA's RNG; the transfer path's fewer CUDA calls);
+# TESTS='tests/test_x.py::test_y ...' names others, TESTS=' ' none.
+TESTS=${TESTS-tests/test_engine.py::test_lossless_on_cuda tests/test_recompute.py::test_on_cuda_training_with_recomputed_blocks_is_bitwise_plain_training}
+if [[ -n ${TESTS// /} ]]; then
+    step tests 90 python3 -m pytest -q -p no:cacheprovider $TESTS
 fi
 step measure 300 "${ENGINE[@]}" bench measure --models ${MODELS:-gpt2-medium resnet50} --rounds 12 \
     --trace --out "$WORK/measure-$TAG"
