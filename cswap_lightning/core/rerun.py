@@ -188,10 +188,12 @@ class CacheStates:
         return CacheStates(self.roots)
 
     def tensors(self) -> set[int]:
-        """The ids of the tensors the caches hold now."""
-        return {id(t) for obj in _cache_objects(self.roots) for value in obj.__dict__.values()
+        """The ids of the tensors the caches hold now, and of those they hold views of (a
+        sliding window's keys are a slice of the keys it was given)."""
+        held = [t for obj in _cache_objects(self.roots) for value in obj.__dict__.values()
                 for t in (value if isinstance(value, (list, tuple)) else (value,))
-                if isinstance(t, torch.Tensor)}
+                if isinstance(t, torch.Tensor)]
+        return {id(t) for t in held} | {id(t._base) for t in held if t._base is not None}
 
     def restore(self) -> None:
         for obj, state in self.states:
