@@ -371,3 +371,12 @@ def test_without_the_check_in_backward_a_decoder_would_sum_in_another_order(monk
     run = recomputing(built, "raw", steps=STEPS + 1)
     assert set(run.verdicts.values()) == {""}
     assert differences(plain, run.steps)
+
+
+def test_a_block_kept_under_checkpoint_is_logged_with_why(caplog):
+    built = built_with("keeps an auxiliary loss")
+    with caplog.at_level("INFO", logger="cswap_lightning.core.lean"):
+        recomputing(built, "raw", lean_first_layer, STEPS + 1)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"cswap: layers.0 recomputes under checkpoint: {STAY['keeps an auxiliary loss']} "
+        "(in a hook's or an attribute's hands)"]

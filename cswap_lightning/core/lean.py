@@ -29,6 +29,7 @@ backward (:func:`unfit`).
 
 from __future__ import annotations
 
+import logging
 import sys
 import warnings
 import weakref
@@ -47,6 +48,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from .compile import is_compiled
 from .rerun import FirstRun, as_first
 
+_log = logging.getLogger(__name__)
 # What a first run without autograd would read otherwise than one with it.
 _AUTOGRAD_STATE = frozenset({"requires_grad", "grad_fn", "is_leaf", "grad", "_base"})
 _HOOKS = frozenset({"register_hook", "register_post_accumulate_grad_hook", "retain_grad"})
@@ -438,13 +440,19 @@ class Verdicts:
         check in its backward run under checkpoint until it comes)."""
         step, self.step = self.step, None
         if step is not None:
-            self.why.update(step.verdicts_now())
+            for name, why in step.verdicts_now().items():
+                self._give(name, why)
 
     def settle(self, name: str, why: str) -> None:
         """A unit's verdict, once its checks in backward came (a second derivative seen
         there stands)."""
         if self.why.get(name) == AWAITING:
-            self.why[name] = why
+            self._give(name, why)
+
+    def _give(self, name: str, why: str) -> None:
+        self.why[name] = why
+        if why and why != AWAITING:
+            _log.info("cswap: %s recomputes under checkpoint: %s", name, why)
 
     def watch_backward(self, name: str, out: Any) -> None:
         """Mark the unit (watched, run under checkpoint) as one a second derivative goes
