@@ -377,6 +377,6 @@ def test_a_block_kept_under_checkpoint_is_logged_with_why(caplog):
     built = built_with("keeps an auxiliary loss")
     with caplog.at_level("INFO", logger="cswap_lightning.core.lean"):
         recomputing(built, "raw", lean_first_layer, STEPS + 1)
+    why = f"{STAY['keeps an auxiliary loss']} (in a hook's or an attribute's hands)"
     assert [r.getMessage() for r in caplog.records] == [
-        f"cswap: layers.0 recomputes under checkpoint: {STAY['keeps an auxiliary loss']} "
-        "(in a hook's or an attribute's hands)"]
+        f"cswap: layers.0 recomputes under checkpoint: {why}"]
