@@ -356,9 +356,11 @@ def test_every_conformance_architecture_recomputed_trains_bitwise(name):
         assert decoder and set(decoder.values()) == {lean.SHARED}
 
 
-def test_without_the_check_in_backward_a_decoder_would_sum_in_another_order(monkeypatch):
+@pytest.mark.parametrize("case", ["bart", "a weight used twice in a block called twice"])
+def test_without_the_check_in_backward_gradients_would_sum_in_another_order(case, monkeypatch):
     """BART's decoder layers run first without autograd though each reads the encoder's
-    output twice and so does every other: the gradients then differ, by rounding."""
+    output twice and so does every other; or the block above: the gradients then differ,
+    by rounding."""
     def received(self, name, given, total):
         given[1].remove()
         self.awaiting[name] -= 1
@@ -366,9 +368,13 @@ def test_without_the_check_in_backward_a_decoder_would_sum_in_another_order(monk
             self.verdicts.settle(name, self.reasons[name])
 
     monkeypatch.setattr(lean._Watching, "_received", received)
-    built = conformance.build_hf("bart", conformance.HF["bart"][1][0])
+    if case == "bart":
+        built, choose = conformance.build_hf("bart", conformance.HF["bart"][1][0]), outermost
+    else:
+        built = torch_case(Twice(True), torch.randn(BATCH, WIDTH, generator=_gen()))
+        choose = lean_first_layer
     plain = train(built, STEPS + 1)
-    run = recomputing(built, "raw", steps=STEPS + 1)
+    run = recomputing(built, "raw", choose, steps=STEPS + 1)
     assert set(run.verdicts.values()) == {""}
     assert differences(plain, run.steps)
 
@@ -380,3 +386,40 @@ def test_a_block_kept_under_checkpoint_is_logged_with_why(caplog):
     why = f"{STAY['keeps an auxiliary loss']} (in a hook's or an attribute's hands)"
     assert [r.getMessage() for r in caplog.records] == [
         f"cswap: layers.0 recomputes under checkpoint: {why}"]
+
+
+class Reused(nn.Module):
+    """A linear layer and a GELU; with ``twice``, the linear layer once more."""
+
+    def __init__(self, twice: bool) -> None:
+        super().__init__()
+        self.twice = twice
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = nn.functional.gelu(self.linear(x))
+        return self.linear(y) if self.twice else y
+
+
+class Twice(nn.Module):
+    """One block called twice per step, as ALBERT's shared layers are."""
+
+    def __init__(self, twice: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Reused(twice)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(2):
+            x = self.layers[0](x)
+        return x
+
+
+@pytest.mark.parametrize("twice", [True, False])
+def test_a_weight_used_twice_in_a_block_called_twice_keeps_it_under_checkpoint(twice):
+    """The weight's gradient summed in each call, then across the calls, would add up in
+    another order than plain training's: the watched step's backward sees it."""
+    built = torch_case(Twice(twice), torch.randn(BATCH, WIDTH, generator=_gen()))
+    plain = train(built, STEPS + 1)
+    run = recomputing(built, "raw", lean_first_layer, STEPS + 1)
+    assert not differences(plain, run.steps)
+    assert run.verdicts == {"layers.0": lean.SHARED if twice else ""}

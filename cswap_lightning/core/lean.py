@@ -17,8 +17,8 @@ does not care that autograd is off: it must not read a tensor that needs a gradi
 than its inputs and parameters (that gradient would be lost), read a tensor's autograd state
 (``requires_grad``, ``grad_fn``: the first run could take another branch), register a hook on
 a tensor, or return an input or a view of one; run once more without autograd it must give
-the same bits; and an input it reads more than once (its gradient summed inside the
-``Function``) must get gradient nowhere else, or that gradient adds up in another order
+the same bits; and an input or a weight it reads more than once (its gradient summed inside
+the ``Function``) must get gradient nowhere else, or that gradient adds up in another order
 (the step's backward checks it). The chosen blocks' calls are watched for these under
 checkpoint, all in one step (:class:`Watch`, :class:`Verdicts`); a block found doing any of
 them stays under checkpoint. So do the blocks
@@ -92,12 +92,14 @@ class Watch(TorchFunctionMode):
         self.first_run, self.called = first_run, called
         self.caches = first_run.caches
         self.states = _States(inputs)  # before the first run
-        self.inputs = inputs  # while the call runs
+        self.inputs, self.params = inputs, params  # while the call runs
         self.held = _addresses(inputs)
         self.given = {id(t) for t in inputs} | {id(p) for p in params}  # alive throughout
-        self.uses: Counter[int] = Counter()  # how often each input is read
-        # each input's gradient edge, and the nodes (with their edges) that read it
-        self.edges = {id(t): get_gradient_edge(t) for t in inputs if t.requires_grad}
+        self.uses: Counter[int] = Counter()  # how often each input and parameter is read
+        # each input's and parameter's gradient edge, and the nodes (with their edges) that
+        # read it
+        self.edges = {id(t): get_gradient_edge(t) for t in (*inputs, *params)
+                      if t.requires_grad}
         self.reads: dict[int, list] = {i: [] for i in self.edges}
         self.known = set(self.given)
         self.made: list[weakref.ref] = []
@@ -316,19 +318,19 @@ def rerun(run: Callable, values: tuple, count: int, names: list[str], others: di
     return call.output(_Rerun.apply(call, len(tensors), *tensors, *params))
 
 
-SHARED = ("its input gets gradient elsewhere too, and more than once inside it: its "
-          "gradient would be summed in another order")
+SHARED = ("it reads an input or a weight more than once that gets gradient elsewhere too: "
+          "that gradient would be summed in another order")
 
 
 AWAITING = "its watched step's backward has not checked it yet"
 
 
 class _Watching:
-    """One step's watched calls: the reason found in each unit's calls, and for each input a
-    unit reads more than once (its gradient summed inside the ``Function``) a check in the
-    step's backward that nothing else added to that gradient (the sum of what the unit's
-    operations gave it, in their order, is all it got); ``awaiting``: the checks per unit
-    still to come."""
+    """One step's watched calls: the reason found in each unit's calls, and for each input
+    or parameter a unit reads more than once (its gradient summed inside the ``Function``) a
+    check in the step's backward that nothing else added to that gradient (the sum of what
+    the unit's operations gave it, in their order, is all it got: not so for a weight of a
+    block called twice, as ALBERT's); ``awaiting``: the checks per unit still to come."""
 
     def __init__(self, verdicts: Verdicts) -> None:
         self.verdicts = verdicts
@@ -340,7 +342,7 @@ class _Watching:
         self.reasons[name] = self.reasons.get(name) or why
         if why:
             return
-        for t in watch.inputs:
+        for t in (*watch.inputs, *watch.params):
             if t.requires_grad and watch.uses[id(t)] > 1:
                 given: list = [None, None]  # the sum so far; the tensor hook's handle
                 for node, edges in watch.reads[id(t)]:
