@@ -30,7 +30,7 @@ import transformers
 
 import cswap_lightning as cswap
 from cswap_lightning.commands.bench_step import result_meta, write_results
-from cswap_lightning.core.recompute import units
+from cswap_lightning.core.recompute import outermost, units
 
 METHODS = {
     "plain": "plain training",
@@ -60,9 +60,7 @@ def built(name: str, method: str, layers: int) -> tuple[torch.nn.Module, cswap.O
     if not method.startswith("cswap"):
         return model, None
     offloader = cswap.Offloader(cswap.CSwapConfig(plan="keep", profile_steps=1, budget=None))
-    found = list(units(model))
-    offloader.watch(model).recompute(
-        [n for n in found if not any(n.startswith(f"{o}.") for o in found)])
+    offloader.watch(model).recompute(outermost(units(model)))
     offloader.recomputer.verdicts.on = method == "cswap"
     return model, offloader
 

@@ -13,9 +13,10 @@ For each model, in one process:
    predicted by its own replay of its measured step, for the plan it ran, and the planner's
    mix from the captured profile is shown beside), the default engine on a run that fits,
    every block recomputed by the engine and nothing moved (checkpointing's memory: what its
-   first runs without autograd gain, ``core/lean.py``), and every tensor swapped through int8 (``plan="int8"``), predicted at the int8 kernels' speeds
-   measured on the H200 (``planning/sizing.LOSSY_SPEEDS``): what tells whether the replay
-   should charge a codec's encoding to the link, as it does, or to the compute stream.
+   first runs without autograd gain, ``core/lean.py``), and every tensor swapped through
+   int8 (``plan="int8"``), predicted at the int8 kernels' speeds measured on the H200
+   (``planning/sizing.LOSSY_SPEEDS``): what tells whether the replay should charge a
+   codec's encoding to the link, as it does, or to the compute stream.
 
 Every method trains its own copy of the model (the engine's recomputation wraps a model's
 blocks, one engine a model), so the allocator holds the other copies' weights beside each step:
@@ -49,6 +50,7 @@ from torch import nn
 
 from ..config import INFLIGHT_CHOICES, CSwapConfig
 from ..core.engine import Offloader
+from ..core.recompute import outermost
 from ..planning import mix
 from ..planning.capture import capture
 from ..planning.devices import DEVICES
@@ -294,9 +296,7 @@ def run_model(key: str, dev: torch.device, out_dir: Path, rounds: int, small: bo
         m.offloader = Offloader(config).watch(m.model)
         m.context = (lambda off=m.offloader: off)
         if m.name == RECOMPUTE_ALL:
-            found = list(m.offloader.recomputer.units())
-            m.offloader.recompute([n for n in found
-                                   if not any(n.startswith(f"{o}.") for o in found)])
+            m.offloader.recompute(outermost(m.offloader.recomputer.units()))
 
     # predictions from this device's profile
     link = measure_link(dev)

@@ -21,10 +21,9 @@ the same bits; and an input or a weight it reads more than once (its gradient su
 the ``Function``) must get gradient nowhere else, or that gradient adds up in another order
 (the step's backward checks it). The chosen blocks' calls are watched for these under
 checkpoint, all in one step (:class:`Watch`, :class:`Verdicts`); a block found doing any of
-them stays under checkpoint. So do the blocks
-of a sharded model (FSDP), compiled blocks, and blocks with parameters other than plain
-``nn.Parameter`` (DTensor): their parameters are not what the ``Function`` would be given in
-backward (:func:`unfit`).
+them stays under checkpoint. So do the blocks of a sharded model (FSDP), compiled blocks,
+and blocks with parameters other than plain ``nn.Parameter`` (DTensor): their parameters are
+not what the ``Function`` would be given in backward (:func:`unfit`).
 """
 
 from __future__ import annotations
@@ -53,6 +52,9 @@ _log = logging.getLogger(__name__)
 _AUTOGRAD_STATE = frozenset({"requires_grad", "grad_fn", "is_leaf", "grad", "_base"})
 _HOOKS = frozenset({"register_hook", "register_post_accumulate_grad_hook", "retain_grad"})
 SECOND = "a second derivative is taken through it"
+SHARED = ("it reads an input or a weight more than once that gets gradient elsewhere too: "
+          "that gradient would be summed in another order")
+AWAITING = "its watched step's backward has not checked it yet"
 _TENSOR = object()  # where a tensor goes among a call's values or an output's leaves
 
 
@@ -90,7 +92,6 @@ class Watch(TorchFunctionMode):
                  first_run: FirstRun, called: list[nn.Module]) -> None:
         super().__init__()
         self.first_run, self.called = first_run, called
-        self.caches = first_run.caches
         self.states = _States(inputs)  # before the first run
         self.inputs, self.params = inputs, params  # while the call runs
         self.held = _addresses(inputs)
@@ -152,7 +153,8 @@ class Watch(TorchFunctionMode):
         returned = _addresses(outs)
         if returned & self.held:
             return "it returns its input or a view of it"
-        cached = self.caches.tensors() if self.caches is not None else set()
+        caches = self.first_run.caches
+        cached = caches.tensors() if caches is not None else set()
         if any((t := ref()) is not None and t.untyped_storage().data_ptr() not in returned
                and id(t) not in cached for ref in self.made):
             return ("it keeps a tensor that needs a gradient beyond its output (in a hook's "
@@ -318,13 +320,6 @@ def rerun(run: Callable, values: tuple, count: int, names: list[str], others: di
     return call.output(_Rerun.apply(call, len(tensors), *tensors, *params))
 
 
-SHARED = ("it reads an input or a weight more than once that gets gradient elsewhere too: "
-          "that gradient would be summed in another order")
-
-
-AWAITING = "its watched step's backward has not checked it yet"
-
-
 class _Watching:
     """One step's watched calls: the reason found in each unit's calls, and for each input
     or parameter a unit reads more than once (its gradient summed inside the ``Function``) a
@@ -388,9 +383,7 @@ def _read(args: tuple, kwargs: dict, out: Any) -> tuple[list[torch.Tensor], list
             and not any(t is g for g in given)]  # ``type_as``, ``to``: no new tensor
     if not made:
         return [], []
-    read = given
-    nodes = list({id(n): n for t in made if (n := t.grad_fn) is not None}.values())
-    return read, nodes
+    return given, list({id(n): n for t in made if (n := t.grad_fn) is not None}.values())
 
 
 class Verdicts:

@@ -124,12 +124,18 @@ def units(model: nn.Module) -> dict[str, Unit]:
             if not any(id(m) in traced for m in unit.modules())}
 
 
+def outermost(names: Iterable[str]) -> list[str]:
+    """The units among ``names`` inside no other: the blocks and stages, not their
+    activations."""
+    names = list(names)
+    return [n for n in names if not any(n.startswith(f"{other}.") for other in names)]
+
+
 def below(found: dict[str, Unit]) -> dict[str, Unit]:
     """Each block among ``found`` (not a stage, not inside another unit) recomputed below the
     layer, by name (``"block:elementwise"``)."""
-    return {f"{name}{BELOW}": Unit(f"{name}{BELOW}", unit.module, None, True)
-            for name, unit in found.items()
-            if unit.span is None and not any(name.startswith(f"{other}.") for other in found)}
+    return {f"{name}{BELOW}": Unit(f"{name}{BELOW}", found[name].module, None, True)
+            for name in outermost(found) if found[name].span is None}
 
 
 def _traced(model: nn.Module) -> set[int]:

@@ -118,7 +118,7 @@ class Transfer:
         self._expect: dict[int, int] = {}  # site -> its compressed payload's last length
         self._worker = _Worker()
         self._streams: dict[torch.device, tuple[torch.cuda.Stream, ...]] = {}
-        self._marks: dict[tuple[int, torch.cuda.Stream], torch.cuda.Event] = {}
+        self._marks: dict[tuple[int, int], torch.cuda.Event] = {}
         self._warned: set[str] = set()
 
     # forward ---------------------------------------------------------------------------
@@ -466,8 +466,9 @@ class Transfer:
     def _follow(self, waiter: torch.cuda.Stream, stream: torch.cuda.Stream) -> None:
         """``waiter.wait_stream(stream)`` with the same event each time (``wait_stream``
         creates one per call): a wait holds the event's last record when it is queued, so
-        recording it again after is safe; one event per thread."""
-        key = (threading.get_ident(), stream)
+        recording it again after is safe; one event per thread and stream (by its handle:
+        hashing a ``Stream`` builds its device, on every moved tensor)."""
+        key = (threading.get_ident(), stream.cuda_stream)
         event = self._marks.get(key)
         if event is None:
             event = self._marks[key] = torch.cuda.Event()
