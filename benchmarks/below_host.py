@@ -11,7 +11,11 @@ it, without the step's hooks (``Region(None)``), each layer's ``Choice`` made at
 step (what it keeps: the fewest bytes, so rotary runs no more); "observed" is a plain step with the
 ``Observer`` the engine's measured steps run over each layer; "floor" is the whole layer
 checkpointed with a dispatch mode that does nothing in forward and in the recomputation:
-what any design built on dispatch modes pays before doing anything.
+what any design built on dispatch modes pays before doing anything. "lean" and "lean whole"
+are the engine's recomputation as it runs once a layer's first run without autograd is
+watched and found fit (``core/lean.py``; ``recompute.checkpointed`` without the step's
+hooks): below the layer, its choice settled, the first run under ``selective.Lean``; and the
+whole layer.
 
 Methods run interleaved (one step of each per round, after a garbage collection), timed in
 CPU time of the thread (other processes disturb it far less than wall time); medians of the
@@ -47,12 +51,15 @@ from torch.utils.checkpoint import (
 )
 
 from cswap_lightning.commands.bench_step import result_meta, write_results
+from cswap_lightning.core.lean import Verdicts
+from cswap_lightning.core.recompute import checkpointed
+from cswap_lightning.core.rerun import Parts
 from cswap_lightning.core.selective import Choice, Observer, Region
 from cswap_lightning.planning import ops
 from cswap_lightning.planning.profiler import Clock
 
 aten = torch.ops.aten
-METHODS = ("plain", "whole", "sac", "below", "observed", "floor")
+METHODS = ("plain", "whole", "sac", "below", "observed", "floor", "lean", "lean whole")
 
 
 def llama(layers: int) -> transformers.PreTrainedModel:
@@ -87,6 +94,16 @@ def below_call(forward: Callable, choice: Choice, *args, **kwargs):
     return out
 
 
+def engine_call(forward: Callable, layer: torch.nn.Module, verdicts: Verdicts, name: str,
+                choice: Choice | None, *args, **kwargs):
+    """``forward`` recomputed as the engine runs a block (``recompute.checkpointed``), its first
+    run without autograd once watched (``verdicts``): below the layer (``choice``: the layer's,
+    made at its first call, settled at its second) or whole (``choice`` None)."""
+    region = None if choice is None else Region(None, choice=choice)
+    return checkpointed(forward, Parts.of([layer], block=True), [], args, kwargs, None, region,
+                        verdicts, name)
+
+
 class Observing:
     """A plain step with an ``Observer`` over each layer, as the engine's measured steps."""
 
@@ -113,9 +130,25 @@ class Observing:
         return torch.autograd.graph.saved_tensors_hooks(self.saw, lambda t: t)
 
 
-def wrap(model: transformers.PreTrainedModel, method: str, observing: Observing) -> None:
+class Lean:
+    """A model's layers run as the engine runs them: the verdicts of their first runs without
+    autograd (``lean.py``), which a step's forward begins and ends, and each layer's choice
+    below the layer (None: recomputed whole)."""
+
+    def __init__(self, model: transformers.PreTrainedModel) -> None:
+        self.verdicts = Verdicts(lambda: model)
+        self.choices: dict[str, Choice | None] = {}
+
+    def without_autograd(self) -> int:
+        """How many layers run first without autograd now."""
+        return sum(self.verdicts.why.get(name) == "" and (c is None or c.settled is not None)
+                   for name, c in self.choices.items())
+
+
+def wrap(model: transformers.PreTrainedModel, method: str, observing: Observing) -> Lean:
     """Run each layer of ``model`` under ``method``."""
-    for layer in model.model.layers:
+    lean = Lean(model)
+    for i, layer in enumerate(model.model.layers):
         forward = layer.__class__.forward.__get__(layer)
         if method == "plain":
             run = forward
@@ -126,12 +159,18 @@ def wrap(model: transformers.PreTrainedModel, method: str, observing: Observing)
                 functools.partial(create_selective_checkpoint_contexts, sac_policy)))
         elif method == "below":
             run = functools.partial(below_call, forward, Choice())
+        elif method.startswith("lean"):
+            name = f"layers.{i}"
+            lean.choices[name] = None if method == "lean whole" else Choice()
+            run = functools.partial(engine_call, forward, layer, lean.verdicts, name,
+                                    lean.choices[name])
         elif method == "floor":
             run = functools.partial(checkpoint, forward, use_reentrant=False, context_fn=lambda: (
                 Passing(), Passing()))
         else:
             run = functools.partial(observing.call, forward)
         layer.forward = run
+    return lean
 
 
 class Passing(TorchDispatchMode):
@@ -168,7 +207,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=300)
-    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=20, help="rounds before the first "
+                        "measured (at least 3: a first run without autograd is watched first)")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--label", default="", help="a note on the code measured (before/after)")
     parser.add_argument("--out", required=True)
@@ -176,18 +216,20 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     methods = args.methods.split(",")
     ids = torch.randint(0, 128, (1, args.seq), generator=torch.Generator().manual_seed(0))
-    models, observing = {}, Observing()
+    models, observing, leans = {}, Observing(), {}
     for m in methods:
         models[m] = llama(args.layers)
-        wrap(models[m], m, observing)
+        leans[m] = wrap(models[m], m, observing)
 
     def step(m: str, count: bool = False) -> tuple[float, float, list[torch.Tensor]]:
         model = models[m]
         hooks = observing.hooks() if m == "observed" else contextlib.nullcontext()
         counter = Counting() if count else contextlib.nullcontext()
         begun = time.thread_time()
+        leans[m].verdicts.begin(f"layers.{i}" for i in range(args.layers))
         with hooks, counter:
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        leans[m].verdicts.end()
         forward = time.thread_time() - begun
         counted = [counter.count] if count else []
         counter = Counting() if count else contextlib.nullcontext()
@@ -201,6 +243,9 @@ def main(argv: list[str] | None = None) -> None:
         model.zero_grad(set_to_none=True)
         return forward, backward, counted or grads
 
+    for _ in range(args.warmup):  # the engine's first runs without autograd: watched first
+        for m in methods:
+            step(m)
     reference = step("plain")[2] if "plain" in methods else None
     bitwise = {}
     for m in methods:
@@ -215,9 +260,6 @@ def main(argv: list[str] | None = None) -> None:
         layer.register_forward_hook(lambda *_: setattr(layer_ops, "on", False))
     with layer_ops:
         plain_layers(input_ids=ids, labels=ids, use_cache=False)
-    for _ in range(args.warmup):
-        for m in methods:
-            step(m)
     times: dict[str, list[tuple[float, float]]] = {m: [] for m in methods}
     gc.disable()
     try:
@@ -234,7 +276,8 @@ def main(argv: list[str] | None = None) -> None:
         bwd = statistics.median(t[1] for t in times[m])
         rows.append({"method": m, "forward_us": fwd * 1e6, "backward_us": bwd * 1e6,
                      "forward_ops": counts[m][0], "backward_ops": counts[m][1],
-                     "bitwise": bitwise[m]})
+                     "bitwise": bitwise[m],
+                     "layers_without_autograd": leans[m].without_autograd()})
     plain = next((r for r in rows if r["method"] == "plain"), None)
     for r in rows:
         r["forward_us_per_op"] = r["forward_us"] / r["forward_ops"]
@@ -280,6 +323,10 @@ def markdown(rows: list[dict], layer_ops: int) -> str:
                       else f"{extra:.1f}{x(r, f'{phase}_extra_us_per_layer_op')}"]
         cells.append("yes" if r["bitwise"] else "no")
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Layers run first without autograd (the engine's \"lean\" methods, measured "
+              "after they were watched and, below the layer, their choice settled): "
+              + ", ".join(f"{r['method']} {r['layers_without_autograd']}" for r in rows
+                          if r["method"].startswith("lean")) + "."]
     return "\n".join(lines)
 
 

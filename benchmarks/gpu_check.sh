@@ -125,9 +125,10 @@ if [[ -z ${DRY:-} ]] && selected kernels && ! grep -q "^kernels: ok" "$SUMMARY";
     echo "kernels did not pass: the engine's steps run on the reference codecs" | tee -a "$SUMMARY"
 fi
 # Named tests first: by default the code no GPU has run yet (the first runs without
-# autograd of recomputed blocks, on CUDA's RNG; the transfer path's fewer CUDA calls);
+# autograd of recomputed blocks, whole and below the layer, on CUDA's RNG; the transfer
+# path's fewer CUDA calls);
 # TESTS='tests/test_x.py::test_y ...' names others, TESTS=' ' none.
-TESTS=${TESTS-tests/test_engine.py::test_lossless_on_cuda tests/test_recompute.py::test_on_cuda_training_with_recomputed_blocks_is_bitwise_plain_training}
+TESTS=${TESTS-tests/test_engine.py::test_lossless_on_cuda tests/test_recompute.py::test_on_cuda_training_with_recomputed_blocks_is_bitwise_plain_training tests/test_selective.py::test_on_cuda_layers_below_the_layer_are_bitwise_plain_training}
 if [[ -n ${TESTS// /} ]]; then
     step tests 90 python3 -m pytest -q -p no:cacheprovider $TESTS
 fi

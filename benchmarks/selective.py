@@ -119,6 +119,10 @@ def measure(layers: int, sequence: int, repeats: int, dev: torch.device,
                                 ("whole", names, 0.0)):
         off.recompute(chosen, dict.fromkeys(chosen, weight) if weight else None)
         with deterministic(dev):
+            # watched under checkpoint, then (below the layer) its choice settled: the layers
+            # run first without autograd from the next step on (``core/lean.py``)
+            step()
+            step()
             stats, _ = step()
         same = bitwise(reference)  # plain: against its own earlier step (the control)
         seconds = statistics.median(step()[1] for _ in range(repeats))
@@ -194,9 +198,9 @@ def markdown(r: dict) -> str:
     lines += ["", ("The ledger's peak is the step's saved tensors on the device at once "
               "(`StepStats.peak_resident_bytes`); beside it, with what a recomputed layer "
               "saves again while backward runs it (`StepStats.peak_bytes`); on CUDA the "
-              "allocator's peak of the way's last timed step. Gradients bitwise: the way's first "
-              "step against plain training's (plain: against its own earlier step, the "
-              "control). Kernels: the seconds the GPU ran kernels in one more step under "
+              "allocator's peak of the way's last timed step. Gradients bitwise: the way's third "
+              "step (the first without autograd, `core/lean.py`) against plain training's "
+              "(plain: against its own earlier step, the control); the timed steps follow it. Kernels: the seconds the GPU ran kernels in one more step under "
               "torch.profiler (`--profile`; its table beside the results), to set beside the "
               "step's time. Step times are medians of the repeats on this machine"
               + (", a shared 2-core CPU under other load: they say what recomputing costs "

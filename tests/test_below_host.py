@@ -1,6 +1,7 @@
 """The host-side shortcuts of recomputation below the layer (``planning/ops.py``) find what
 pytree and flop_counter's formulas find; and the benchmark of its host time per operator
-(``benchmarks/below_host.py``) runs on the CPU and writes every method's row."""
+(``benchmarks/below_host.py``) runs on the CPU and writes every method's row, the engine's
+first runs without autograd measured once they are settled."""
 
 from __future__ import annotations
 
@@ -42,11 +43,14 @@ def test_work_per_byte_is_remembered_by_shape_and_dtype():
 def test_the_benchmark_measures_every_method_bitwise(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     script = load_benchmark("below_host", monkeypatch)
-    script.main(["--layers", "1", "--rounds", "2", "--warmup", "1", "--out",
+    script.main(["--layers", "2", "--rounds", "2", "--warmup", "2", "--out",
                  str(tmp_path / "b")])
     rows = json.loads((tmp_path / "b.json").read_text())["rows"]
     assert [r["method"] for r in rows] == list(script.METHODS)
     assert all(r["bitwise"] and r["forward_ops"] > 0 and r["backward_ops"] > 0 for r in rows)
+    # watched, settled, then measured without autograd: below the layer and whole
+    assert [r["layers_without_autograd"] for r in rows if r["method"].startswith("lean")] == [
+        2, 2]
     sac = next(r for r in rows if r["method"] == "sac")
     assert sac["forward_us_per_op_vs_sac"] == 1.0
     assert "| below |" in (tmp_path / "b.md").read_text()

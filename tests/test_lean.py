@@ -432,3 +432,27 @@ def test_a_weight_used_twice_in_a_block_called_twice_keeps_it_under_checkpoint(t
     run = recomputing(built, "raw", lean_first_layer, STEPS + 1)
     assert not differences(plain, run.steps)
     assert run.verdicts == {"layers.0": lean.SHARED if twice else ""}
+
+
+class CastTwice(Twice):
+    """The block called twice under CPU autocast: the second call reads its weight through
+    the cast the first made (autocast's cache), one node that sums both calls' gradients in
+    bfloat16 before the weight gets them."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return super().forward(x).float()
+
+
+@pytest.mark.parametrize("watched", [True, False])
+def test_a_block_reading_a_weight_through_a_cached_cast_stays_under_checkpoint(
+        watched, monkeypatch):
+    """Run first without autograd, each call would cast the weight again in backward and
+    its gradient would reach the weight in float32, summed there in another order."""
+    if not watched:
+        monkeypatch.setattr(lean, "_made_before", lambda found, first: False)
+    built = torch_case(CastTwice(False), torch.randn(BATCH, WIDTH, generator=_gen()))
+    plain = train(built, STEPS + 1)
+    run = recomputing(built, "raw", lean_first_layer, STEPS + 1)
+    assert run.verdicts == {"layers.0": lean.CAST if watched else ""}
+    assert bool(differences(plain, run.steps)) is not watched

@@ -18,7 +18,7 @@ from test_recompute import GPT2, STEPS
 from torch.nn import functional as F
 
 import cswap_lightning as cswap
-from cswap_lightning.core import selective
+from cswap_lightning.core import recompute, selective
 from cswap_lightning.core.recompute import BlockCall, below, units
 from cswap_lightning.core.selective import Region
 from cswap_lightning.planning import live, mix, ops, replay
@@ -48,10 +48,12 @@ def every_layer_below(model: torch.nn.Module) -> list[str]:
     return list(below(units(model)))
 
 
-def below_layers(built: Built, plan: str, steps: int = STEPS, weight: float = 0.0):
+def below_layers(built: Built, plan: str, steps: int = STEPS, weight: float = 0.0,
+                 verdicts: dict[str, str] | None = None):
     """Train ``built`` under ``plan`` with every layer recomputed below the layer (the cut
     made with ``weight``) after the measured first step; the steps and the measured step's
-    block calls."""
+    block calls (``verdicts``: filled with whether each layer's first runs went without
+    autograd)."""
     offloader = cswap.Offloader(cswap.CSwapConfig(plan=plan, min_bytes=0, profile_steps=1,
                                                   budget=None))
 
@@ -62,6 +64,8 @@ def below_layers(built: Built, plan: str, steps: int = STEPS, weight: float = 0.
     try:
         return train(built, steps, offloader, prepare), offloader.block_calls
     finally:
+        if verdicts is not None:
+            verdicts.update(offloader.recomputer.verdicts.why)
         offloader.close()
 
 
@@ -171,7 +175,8 @@ def test_a_second_backward_recomputes_again_from_the_same_kept_outputs():
                                                   budget=None)).watch(model)
     offloader.recompute(every_layer_below(model))
     grads = []
-    for engine in (None, offloader, offloader):  # the second is the first recomputed
+    # the second is the first recomputed, the third the first without autograd
+    for engine in (None, offloader, offloader, offloader):
         model.zero_grad()
         torch.manual_seed(0)
         if engine is None:
@@ -183,7 +188,108 @@ def test_a_second_backward_recomputes_again_from_the_same_kept_outputs():
         loss.backward()  # twice the gradients, from a second recomputation
         grads.append([p.grad.clone() for p in model.parameters()])
     offloader.close()
-    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[2], strict=True))
+    for grads_of_step in grads[2:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], grads_of_step, strict=True))
+
+
+# the first run without autograd (lean.py) -----------------------------------------------------
+def leaning(monkeypatch) -> list[bool]:
+    """Whether each first run without autograd below the layer was settled (its kept outputs
+    given back in backward), as it happens."""
+    settled = []
+    real = selective.Region.close_lean
+
+    def close_lean(self, output, mode):
+        real(self, output, mode)
+        settled.append(not self.whole)
+
+    monkeypatch.setattr(selective.Region, "close_lean", close_lean)
+    return settled
+
+
+def packing(monkeypatch) -> list[tuple[bool, int]]:
+    """For each call of a layer below the layer, whether it ran without autograd, and how
+    many kept outputs it passed through the step's pack hook."""
+    packed = []
+    real_pack, real_lean = selective.Region._pack, selective.Region.lean
+
+    def lean(self):
+        self.ran_lean = True
+        return real_lean(self)
+
+    def pack(self):
+        real_pack(self)
+        if self.hooks is not None:
+            packed.append((getattr(self, "ran_lean", False),
+                           sum(len(k.tensors()) for k in self.made)))
+
+    monkeypatch.setattr(selective.Region, "lean", lean)
+    monkeypatch.setattr(selective.Region, "_pack", pack)
+    return packed
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2"])
+def test_layers_below_the_layer_run_first_without_autograd_once_settled(name, monkeypatch):
+    """Measured plainly, then under checkpoint (watched, the choice settled), then without
+    autograd: bitwise plain training throughout (dropout and attention's included), the same
+    outputs kept, through the step's hooks."""
+    settled, packed, verdicts = leaning(monkeypatch), packing(monkeypatch), {}
+    torch.manual_seed(0)
+    built = BUILDERS[name]()
+    plain = train(built, STEPS + 1)
+    steps, _ = below_layers(built, "raw", STEPS + 1, verdicts=verdicts)
+    assert not differences(plain, steps)
+    layers = every_layer_below(built.model)
+    assert verdicts == dict.fromkeys(layers, "")
+    assert settled == [True] * 2 * len(layers)
+    assert [lean for lean, _ in packed] == [False] * len(layers) + [True] * 2 * len(layers)
+    kept = [n for _, n in packed]
+    assert kept == kept[:len(layers)] * 3 and min(kept) > 0
+
+
+class Changing(torch.nn.Module):
+    """Two layers that run one more operator from the third step on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Extra() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class Extra(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(32, 32)
+        self.extra = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x).sin()
+        return (h.exp().log() if self.extra else h) * x
+
+
+def test_a_layer_that_runs_other_operators_without_autograd_is_recomputed_whole(monkeypatch):
+    """Its kept outputs could not be matched in backward: it runs everything again there
+    (bitwise still), and stays under checkpoint from then on, choosing again."""
+    settled, verdicts = leaning(monkeypatch), {}
+    steps_run = []
+
+    def loss(model, inputs):
+        steps_run.append(None)
+        for layer in model.layers:
+            layer.extra = len(steps_run) % (STEPS + 2) >= 3  # from each run's third step
+        return model(inputs["x"]).square().mean()
+
+    torch.manual_seed(0)
+    built = Built(Changing(), {"x": torch.randn(2, 6, 32, requires_grad=True)}, loss)
+    plain = train(built, STEPS + 2)
+    steps, _ = below_layers(built, "raw", STEPS + 2, verdicts=verdicts)
+    assert not differences(plain, steps)
+    assert settled == [False, False]  # the third step's; then under checkpoint
+    assert verdicts == dict.fromkeys(every_layer_below(built.model), recompute.UNSETTLED)
 
 
 # the mechanism, on a function ----------------------------------------------------------------
@@ -588,18 +694,20 @@ def test_the_planner_takes_the_way_below_the_layer_that_costs_least_at_its_budge
 @pytest.mark.usefixtures("deterministic")
 @pytest.mark.parametrize("weight", [WEIGHTS[0], WEIGHTS[-1]])
 @pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2"])
-def test_on_cuda_layers_below_the_layer_are_bitwise_plain_training(name, weight):
+def test_on_cuda_layers_below_the_layer_are_bitwise_plain_training(name, weight, monkeypatch):
     """On CUDA the attention with dropout is one fused kernel, kept: it is not run again, and
     the generator's state after it is put back for the dropout after it; by the fewest bytes
-    and by the heaviest way."""
+    and by the heaviest way; under checkpoint, then run first without autograd."""
+    settled = leaning(monkeypatch)
     torch.manual_seed(0)
     built = BUILDERS[name]()
     built = Built(built.model.cuda(), {k: v.cuda() for k, v in built.inputs.items()},
                   built.loss)
-    plain = train(built, STEPS)
-    steps, _ = below_layers(built, "raw", weight=weight)
+    plain = train(built, STEPS + 1)
+    steps, _ = below_layers(built, "raw", STEPS + 1, weight=weight)
     assert not differences(plain, steps)
     assert steps[1].stats.offloaded_bytes > 0
+    assert settled and all(settled)
 
 
 @pytest.mark.gpu

@@ -19,11 +19,16 @@ than its inputs and parameters (that gradient would be lost), read a tensor's au
 a tensor, or return an input or a view of one; run once more without autograd it must give
 the same bits; and an input or a weight it reads more than once (its gradient summed inside
 the ``Function``) must get gradient nowhere else, or that gradient adds up in another order
-(the step's backward checks it). The chosen blocks' calls are watched for these under
+(the step's backward checks it); nor read a weight through a cast made before its call
+(autocast's cache, which a block called twice in one forward finds: the calls' gradients
+would reach the weight summed in its own dtype, not the cast's). The chosen blocks' calls
+are watched for these under
 checkpoint, all in one step (:class:`Watch`, :class:`Verdicts`); a block found doing any of
 them stays under checkpoint. So do the blocks of a sharded model (FSDP), compiled blocks,
 and blocks with parameters other than plain ``nn.Parameter`` (DTensor): their parameters are
-not what the ``Function`` would be given in backward (:func:`unfit`).
+not what the ``Function`` would be given in backward (:func:`unfit`). A block recomputed
+below the layer runs first without autograd too, once its choice of what to keep is settled
+(``selective.Lean``): the ``Function``'s backward then gives back what it kept.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from functools import partial
 from typing import Any
 
@@ -46,6 +51,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from .compile import is_compiled
 from .rerun import FirstRun, as_first
+from .selective import Region
 
 _log = logging.getLogger(__name__)
 # What a first run without autograd would read otherwise than one with it.
@@ -55,6 +61,8 @@ SECOND = "a second derivative is taken through it"
 SHARED = ("it reads an input or a weight more than once that gets gradient elsewhere too: "
           "that gradient would be summed in another order")
 AWAITING = "its watched step's backward has not checked it yet"
+CAST = ("it reads a weight through a cast made before it (autocast's cache, shared with another "
+        "call): the gradients of the calls would be summed in another order")
 _TENSOR = object()  # where a tensor goes among a call's values or an output's leaves
 
 
@@ -105,6 +113,7 @@ class Watch(TorchFunctionMode):
         self.known = set(self.given)
         self.made: list[weakref.ref] = []
         self.why = ""
+        self.first_node = torch._C._autograd._get_sequence_nr()  # the call's nodes number on
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -113,11 +122,16 @@ class Watch(TorchFunctionMode):
         out = func(*args, **kwargs)
         read, nodes = _read(args, kwargs, out)
         inputs = [t for t in read if id(t) in self.edges]
-        if inputs:  # where the inputs' gradients come from
-            before = {id(get_gradient_edge(a).node) for a in read}
+        if inputs:  # where the inputs' gradients come from (no view of a leaf made to ask:
+            # the block's operators, seen below the layer, would not be those of its runs)
+            before = {id(self.edges[id(a)].node if id(a) in self.edges else a.grad_fn)
+                      for a in read}
             for t in inputs:
                 self.uses[id(t)] += 1
-                self.reads[id(t)] += _edges_within(nodes, self.edges[id(t)], before)
+                found = _edges_within(nodes, self.edges[id(t)], before)
+                if not self.why and _made_before(found, self.first_node):
+                    self.why = CAST
+                self.reads[id(t)] += found
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):  # an id may be a dead tensor's: no test on it
                 self.known.add(id(t))
@@ -188,6 +202,12 @@ def _edges_within(nodes: list, edge: Any, before: set[int]) -> list[tuple[Any, l
     return found
 
 
+def _made_before(found: list[tuple[Any, list[int]]], first: int) -> bool:
+    """Whether a node an operation reads an input through was made before the call (its
+    sequence number below the call's ``first``): a weight's cast that autocast cached."""
+    return any(node._sequence_nr() < first for node, _ in found)
+
+
 def _addresses(tensors: list[torch.Tensor]) -> set[int]:
     """Where the tensors' storages are (an empty one is nowhere)."""
     return {p for t in tensors if (p := t.untyped_storage().data_ptr())}
@@ -199,14 +219,16 @@ class _Call:
     arguments ``names``, their tensors given at each run; the ``others`` keywords as they
     were), what its first run started from (``first_run``, the RNG and autocast states), its
     parameters, where it tells of what it saves again (``witnessed``) and of a second
-    derivative taken through it (``second``), and its output's structure."""
+    derivative taken through it (``second``), its output's structure, and (``region``,
+    below the layer) what its first run keeps for the recomputation to run no more."""
 
     def __init__(self, run: Callable, values: tuple, count: int, names: list[str],
                  others: dict[str, Any], first_run: FirstRun, params: list[torch.Tensor],
-                 witnessed: Callable[[tuple], Any], second: Callable[[], None]) -> None:
+                 witnessed: Callable[[tuple], Any], second: Callable[[], None],
+                 region: Region | None = None) -> None:
         self.run, self.count, self.names, self.others = run, count, names, others
         self.first_run, self.params, self.witnessed = first_run, params, witnessed
-        self.second = second
+        self.second, self.region = second, region
         self.where = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
         self.values = [_TENSOR if isinstance(v, torch.Tensor) else v for v in values]
         self.states = _States([values[i] for i in self.where])
@@ -222,7 +244,13 @@ class _Call:
 
     def first(self, tensors: tuple) -> tuple[torch.Tensor, ...]:
         """The first run (autograd is off in a ``Function``'s forward): its tensors."""
-        leaves, self.spec = tree_flatten(self.call(tensors))
+        if self.region is None:
+            out = self.call(tensors)
+        else:
+            with self.region.lean() as mode:
+                out = self.call(tensors)
+            self.region.close_lean(out, mode)
+        leaves, self.spec = tree_flatten(out)
         self.leaves = [_TENSOR if isinstance(v, torch.Tensor) else v for v in leaves]
         return tuple(v for v in leaves if isinstance(v, torch.Tensor))
 
@@ -248,7 +276,7 @@ class _Call:
         # The gradients are taken before ``as_first`` puts the buffers back (a norm's
         # backward reads its running statistics, saved at the version the run left them).
         with as_first(self.first_run), self.witnessed(tuple(inputs)):
-            with torch.enable_grad(), self.states.restored():
+            with torch.enable_grad(), self.states.restored(), self._recomputing():
                 out = self.call(inputs)
             outs = [v for v in tree_leaves(out) if isinstance(v, torch.Tensor)]
             pairs = [(o, g) for o, g in zip(outs, grads, strict=True)
@@ -259,6 +287,11 @@ class _Call:
                                             create_graph=create_graph)
         given = iter(found)
         return [next(given) if w else None for w in wanted]
+
+    def _recomputing(self) -> AbstractContextManager:
+        """Below the layer, what gives back what the first run kept (where it kept it)."""
+        region = self.region
+        return nullcontext() if region is None or region.whole else region.recomputing()
 
 
 class _States:
@@ -309,13 +342,15 @@ class _Rerun(torch.autograd.Function):
 
 def rerun(run: Callable, values: tuple, count: int, names: list[str], others: dict[str, Any],
           first_run: FirstRun, modules: list[nn.Module], witnessed: Callable[[tuple], Any],
-          second: Callable[[], None]) -> Any:
+          second: Callable[[], None], region: Region | None = None) -> Any:
     """``run`` called without autograd with ``values`` (``count`` positional, then the keyword
     ones ``names``) and ``others``, its output's tensors given a history that recomputes it
     in backward (``as_first(first_run)``, ``witnessed`` around it; ``second`` called where
-    that backward makes a graph)."""
+    that backward makes a graph); with a ``region`` whose choice is settled, below the layer
+    (``selective.Lean``)."""
     params = parameters(modules)
-    call = _Call(run, values, count, names, others, first_run, params, witnessed, second)
+    call = _Call(run, values, count, names, others, first_run, params, witnessed, second,
+                 region)
     tensors = [values[i] for i in call.where]
     return call.output(_Rerun.apply(call, len(tensors), *tensors, *params))
 
@@ -332,9 +367,16 @@ class _Watching:
         self.reasons: dict[str, str] = {}
         self.awaiting: Counter[str] = Counter()
         self.shared: set[str] = set()
+        self.nodes: dict[int, tuple[str, Any]] = {}  # the nodes the calls read through, by id
 
     def called(self, name: str, why: str, watch: Watch) -> None:
         self.reasons[name] = self.reasons.get(name) or why
+        for node, _ in (read for reads in watch.reads.values() for read in reads):
+            # a later call reading through this call's node (a cast autocast cached) found it
+            # made before it: this one sums its gradient in another order too
+            earlier = self.nodes.setdefault(id(node), (name, node))[0]
+            if earlier != name:
+                self.reasons[earlier] = self.reasons[earlier] or CAST
         if why:
             return
         for t in (*watch.inputs, *watch.params):
@@ -437,6 +479,10 @@ class Verdicts:
         if step is not None:
             for name, why in step.verdicts_now().items():
                 self._give(name, why)
+
+    def refuse(self, name: str, why: str) -> None:
+        """The unit runs under checkpoint from its next call on (``why``)."""
+        self._give(name, why)
 
     def settle(self, name: str, why: str) -> None:
         """A unit's verdict, once its checks in backward came (a second derivative seen

@@ -322,7 +322,7 @@ class Recompute:
             if _wrapper(unit) is None:  # replaced since (compile_blocks, say): wrap that
                 self._wrap(unit)
         self.armed, self.hooks, self.witness = True, top_hooks(), witness
-        self.verdicts.begin(name for name, unit in self.chosen.items() if not unit.below)
+        self.verdicts.begin(self.chosen)
 
     def disarm(self) -> None:
         self.armed, self.hooks, self.witness = False, None, None
@@ -478,7 +478,8 @@ def checkpointed(run: Callable, parts: Parts, changed: list[Buffer], args: tuple
     and Hugging Face caches among the arguments). ``witness`` counts each recomputation and
     the storages it saves (``_witnessed``). With a ``region``, only below the layer, under
     checkpoint: the outputs of its matrix products, attention and convolutions are kept,
-    through the region's hooks (``selective.py``)."""
+    through the region's hooks (``selective.py``); where its verdict and its choice of what
+    to keep are made, its first run too goes without autograd (``selective.Lean``)."""
     tensors = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
     others = {k: v for k, v in kwargs.items() if k not in tensors}
     count = len(args)
@@ -486,11 +487,16 @@ def checkpointed(run: Callable, parts: Parts, changed: list[Buffer], args: tuple
     inputs = (*args, *(kwargs[k] for k in tensors))
     first_run = FirstRun(parts, changed, parts.generators + generators_among(values),
                          CacheStates.of(values))
-    verdict = (verdicts.of(name, parts.modules) if verdicts is not None and region is None
-               else "below the layer")
-    if verdict == "":
-        return rerun(run, inputs, count, tensors, others, first_run, parts.modules,
-                     partial(_witnessed, witness, own=True), partial(verdicts.second, name))
+    verdict = (verdicts.of(name, parts.modules)
+               if verdicts is not None and (region is None or region.choice is not None)
+               else "not watched")
+    if verdict == "" and (region is None or region.choice.settled is not None):
+        out = rerun(run, inputs, count, tensors, others, first_run, parts.modules,
+                    partial(_witnessed, witness, own=True), partial(verdicts.second, name),
+                    region)
+        if region is not None and region.whole:
+            verdicts.refuse(name, UNSETTLED)
+        return out
     watch = None
     if verdict is None:
         watch = Watch([t for t in inputs if isinstance(t, torch.Tensor)],
@@ -498,26 +504,29 @@ def checkpointed(run: Callable, parts: Parts, changed: list[Buffer], args: tuple
     first = True
 
     def body(*inputs: Any) -> Any:
-        nonlocal first, watch
+        nonlocal first
         named = others | dict(zip(tensors, inputs[count:]))
         if first:
             first = False
-            if watch is None:
+            with watch or nullcontext():
                 return run(*inputs[:count], **named)
-            with watch:
-                out = run(*inputs[:count], **named)
-            verdicts.watched(name, watch, out, partial(run, *inputs[:count], **named))
-            watch = None
-            return out
         with (as_first(first_run), _witnessed(witness, inputs),
               nullcontext() if region is None else region.recomputing()):
             return run(*inputs[:count], **named)
 
     if region is None:
-        return checkpoint(body, *inputs, use_reentrant=False)
-    out = checkpoint(body, *inputs, use_reentrant=False, context_fn=region.contexts)
-    region.close(out)
+        out = checkpoint(body, *inputs, use_reentrant=False)
+    else:
+        out = checkpoint(body, *inputs, use_reentrant=False, context_fn=region.contexts)
+        region.close(out)
+    if watch is not None:  # outside the region's mode: the call once more is not the block's
+        verdicts.watched(name, watch, out, partial(run, *args, **kwargs))
+        watch = None  # ``body`` keeps the block's inputs alive through it until backward
     return out
+
+
+UNSETTLED = ("run without autograd, it runs other operators than its choice of what to keep "
+             "below the layer was made from, or changes what it keeps")
 
 
 class Witness(Protocol):
@@ -536,7 +545,7 @@ def _witnessed(witness: Witness | None, inputs: tuple, own: bool = False) -> Ite
     backward): held until the block's backward uses them. The block's inputs, and weights,
     are the step's saved tensors or the model's, counted already or never."""
     hooks = top_hooks()
-    if own and (hooks is not None or witness is not None):
+    if own:  # below the layer, the recomputation sees what autograd saves through them
         hooks = (_itself, _itself)
     elif witness is None:
         hooks = None

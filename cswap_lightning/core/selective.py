@@ -38,6 +38,15 @@ placeholders: empty tensors of their shapes and strides. Should a recomputation 
 differently than its forward, so that an operator reads a placeholder or a placeholder is
 saved, it raises rather than give wrong gradients.
 
+Once a block's choice is settled (a forward made with it gave its recomputation what each
+operator's calls are: kept, not run, or run) and the block is found fit to run first without
+autograd (``lean.py``), its first run goes so, under ``Lean``: no dataflow, no graph, no hook
+per saved tensor, only the settled calls' outputs kept (and the shapes of those not to run);
+backward runs the block under ``Recomputing`` with autograd on, which builds the graph from
+the kept outputs as the first run's would have been built. A first run that calls other
+operators than the settled one, or changes or returns what it keeps, is recomputed whole,
+and the block stays under checkpoint from then on.
+
 Bitwise: a kept output is the very value the operator gave; everything recomputed runs on
 the same inputs in the same order as the first time (checkpoint puts the RNG state back). An
 operator that draws random numbers and is kept (a fused attention kernel with dropout) is
@@ -100,6 +109,16 @@ class _Kept:
     rng: list[tuple[torch.Generator, torch.Tensor]] | None
     cost: float  # its operator's work per byte of output (``ops.work_per_byte``)
     index: int
+
+    @classmethod
+    def of(cls, func: Any, args: tuple, kwargs: dict, out: Any, random: bool, cost: float,
+           index: int) -> _Kept:
+        """The call of ``func`` that gave ``out`` (``random``: it drew random numbers)."""
+        flat, spec = ([out], None) if isinstance(out, torch.Tensor) else tree_flatten(out)
+        values = [_detached(v) for v in flat]
+        return cls(values, spec, [v._version if isinstance(v, torch.Tensor) else None
+                                  for v in values],
+                   _rng_states(func, args, kwargs) if random else None, cost, index)
 
     def tensors(self) -> list[tuple[torch.Tensor, int]]:
         """Its output tensors, each with its version when made."""
@@ -211,6 +230,9 @@ class Choice:
         self.weight = weight
         self.kept: frozenset[tuple[Any, int]] | None = None
         self.funcs: tuple[Any, ...] = ()  # the forward's operators it was made from (``_operators``)
+        # what a forward made with it gave its recomputation, each operator's calls in order:
+        # KEPT, DEAD (not run) or RUN; a first run without autograd follows it (``Lean``)
+        self.settled: dict[Any, tuple[str, ...]] | None = None
 
     def make(self, flow: Dataflow, given: set[int], returned: Sequence[torch.Tensor],
              calls: dict[Any, list[int]]) -> set[int]:
@@ -218,6 +240,7 @@ class Choice:
         the cut, the tensors it returned, each operator's calls in the flow but casts): the
         calls kept."""
         cut = flow.cut(given, returned, self.weight)
+        self.settled = None
         if flow.saving and not flow.blind:
             self.kept = frozenset((func, n) for func, indices in calls.items()
                                   for n, i in enumerate(indices) if i in cut)
@@ -228,7 +251,11 @@ class Choice:
         """A forward recomputed by this choice ran ``flow``: where it ran other operators
         than the one the choice was made from, the next one chooses again."""
         if _operators(flow) != self.funcs:
-            self.kept = None
+            self.forget()
+
+    def forget(self) -> None:
+        """The next forward chooses again."""
+        self.kept, self.settled = None, None
 
 
 def _operators(flow: Dataflow) -> tuple[Any, ...]:
@@ -253,6 +280,7 @@ class Region:
         self.flow = Dataflow(weighing=choice is not None and self.chosen is None
                              and choice.weight > 0)
         self.made: list[_Kept] = []  # in the order made
+        self.whole = False  # a first run without autograd left nothing to give back
         # each operator's calls, by index in the flow, in order (while the block runs); after
         # it returned, each: kept, not run, or run (None)
         self.calls: dict[Any, list[Any]] = defaultdict(list)
@@ -285,8 +313,31 @@ class Region:
         runs = self.flow.runs(given)
         for calls in self.calls.values():
             calls[:] = [given.get(i) or (None if runs[i] else self.dead[i]) for i in calls]
+        if self.chosen is not None and self.choice.kept is not None:
+            self.choice.settled = {func: tuple(map(_mark, calls))
+                                   for func, calls in self.calls.items()}
         self.made = [k for k, ok in zip(self.made, stay, strict=True) if ok]
         self.dead = {}
+        self._pack()
+
+    def lean(self) -> Lean:
+        """The mode a first run without autograd runs under (its choice ``settled``)."""
+        return Lean(self)
+
+    def close_lean(self, output: Any, mode: Lean) -> None:
+        """After the block's first run without autograd (under ``mode``): where it ran the
+        operators its choice was settled from, and its kept outputs are as they were made and
+        not returned, they go through the step's pack hook; else (``whole``) its
+        recomputation runs everything again, and the next forward chooses again."""
+        fresh = staying([(k.tensors(), math.inf) for k in self.made], _returned(output))
+        if tuple(mode.funcs) != self.choice.funcs or mode.unsettled or not all(fresh):
+            self.whole = True
+            self.made, self.calls = [], defaultdict(list)
+            self.choice.forget()
+            return
+        self._pack()
+
+    def _pack(self) -> None:
         if self.hooks is not None:
             pack = self.hooks[0]
             for k in self.made:
@@ -302,6 +353,14 @@ class Region:
                       for v, version in zip(values, k.versions, strict=True)]
         values = [_detached(v) for v in values]
         return values[0] if k.spec is None else tree_unflatten(values, k.spec)
+
+
+KEPT, DEAD, RUN = "kept", "dead", "run"
+
+
+def _mark(entry: Any) -> str:
+    """What a recomputation does with one call (``Region.calls``)."""
+    return KEPT if isinstance(entry, _Kept) else DEAD if isinstance(entry, _Dead) else RUN
 
 
 def _returned(output: Any) -> list[torch.Tensor]:
@@ -422,18 +481,64 @@ class Keeping(_SeeingSaves):
         calls.append(index)
         region.dead[index] = _Dead.of(out)
         if kept:
-            flat, spec = ([out], None) if isinstance(out, torch.Tensor) else tree_flatten(out)
-            rng = _rng_states(func, args, kwargs) if facts.random else None
-            values = [_detached(v) for v in flat]
-            region.made.append(_Kept(
-                values, spec, [v._version if isinstance(v, torch.Tensor) else None
-                               for v in values], rng,
+            region.made.append(_Kept.of(
+                func, args, kwargs, out, facts.random,
                 math.inf if chosen is not None else ops.work_per_byte(func, args, kwargs, out),
                 index))
         return out
 
 
-class Recomputing(_SeeingSaves):
+class _Eager:
+    """A dispatch mode that never runs while ``torch.compile`` traces (a compiled block is
+    recomputed whole, by a unit that is not ``lean``): its ``__torch_dispatch__`` is spared
+    the wrapper that keeps Dynamo out of it, a few microseconds on every operator."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+
+class Lean(_Eager, TorchDispatchMode):
+    """The first run without autograd of a block recomputed below the layer, its choice
+    settled: keeps the outputs of the calls the choice settled as kept and the shapes of
+    those its recomputation does not run, and records the operators it runs, to be checked
+    against the choice's (``Region.close_lean``). No dataflow: autograd saves nothing."""
+
+    def __init__(self, region: Region) -> None:
+        super().__init__()
+        self.region = region
+        self.settled = region.choice.settled
+        self.funcs: list[Any] = []
+        self.unsettled = False  # an operator called more often than the choice settled
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        marks = self.settled.get(func)  # None: ignored, a cast, or not in the settled forward
+        if marks is None:
+            facts = ops.facts(func)
+            if not (facts.ignored or facts.cast):
+                self.funcs.append(func)
+                self.unsettled = True
+            return out
+        self.funcs.append(func)
+        calls = self.region.calls[func]
+        if len(calls) >= len(marks):
+            self.unsettled = True
+            return out
+        mark = marks[len(calls)]
+        if mark is RUN:
+            calls.append(None)
+        elif mark is DEAD:
+            calls.append(_Dead.of(out))
+        else:
+            kept = _Kept.of(func, args, kwargs, out, ops.facts(func).random, math.inf, -1)
+            self.region.made.append(kept)
+            calls.append(kept)
+        return out
+
+
+class Recomputing(_Eager, _SeeingSaves):
     """The recomputation of a block below the layer: runs what was not kept and is needed,
     gives back what was kept, puts placeholders where nothing needs an output (module
     docstring); an operator that reads a placeholder, or a save of one, raises."""
