@@ -6,6 +6,7 @@ first runs without autograd measured once they are settled."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,3 +55,28 @@ def test_the_benchmark_measures_every_method_bitwise(tmp_path, monkeypatch):
     sac = next(r for r in rows if r["method"] == "sac")
     assert sac["forward_us_per_op_vs_sac"] == 1.0
     assert "| below |" in (tmp_path / "b.md").read_text()
+
+
+def test_the_readmes_figures_are_the_committed_measurement():
+    root = Path(__file__).resolve().parents[1]
+    rows = {r["method"]: r for r in json.loads(
+        (root / "benchmarks/results/below-host-cpu-2026-11-27-lean.json").read_text())["rows"]}
+    assert all(r["bitwise"] for r in rows.values())
+    assert rows["lean"]["layers_without_autograd"] == 4
+
+    def ms(method: str, phase: str) -> str:
+        return f"{rows[method][f'{phase}_us'] / 1e3:.1f}"
+
+    def step(method: str) -> float:
+        return rows[method]["forward_us"] + rows[method]["backward_us"]
+
+    forward = rows["lean"]["forward_us"] / rows["below"]["forward_us"]
+    readme = " ".join((root / "README.md").read_text().split())
+    assert (f"the forward took {ms('lean', 'forward')} ms against {ms('below', 'forward')} "
+            f"under checkpoint ({forward:.2f}x) and {ms('sac', 'forward')} with torch's "
+            f"selective checkpointing, as little as a dispatch mode that does nothing under "
+            f"checkpoint; backward {ms('lean', 'backward')} against {ms('below', 'backward')} "
+            f"and {ms('sac', 'backward')}; the step's host time "
+            f"{step('lean') / step('below'):.2f}x what it was and "
+            f"{step('lean') / step('sac'):.2f}x selective checkpointing's") in readme
+    assert rows["lean"]["forward_us"] <= 1.05 * rows["floor"]["forward_us"]  # "as little as"

@@ -82,7 +82,9 @@ __host__ __device__ inline int8_t quantize(float x, float scale, uint32_t index,
   using Codes = LossyCodes<C>;
   if (isnan(x)) return Codes::kNan;
   if (isinf(x)) return x > 0.f ? Codes::kPosInf : Codes::kNegInf;
-  const float y = x / (scale > 0.f ? scale : 1.f);
+  // A zero (ReLU outputs are half zeros) skips the division, whose range check sends a zero
+  // dividend down its slow path; it divides to itself, sign included.
+  const float y = x == 0.f ? x : x / (scale > 0.f ? scale : 1.f);
   if constexpr (C == CSWAP_CODEC_FP8) {
     return static_cast<int8_t>(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3));
   } else {
