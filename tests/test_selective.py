@@ -10,11 +10,12 @@ import functools
 from dataclasses import replace
 
 import pytest
+import test_conformance as conformance
 import test_recompute
 import torch
 from test_conformance import LLAMAISH, Built, causal_lm, differences, train
 from test_dataflow import below as below_through
-from test_recompute import GPT2, STEPS
+from test_recompute import GPT2, STEPS, outermost, recomputing
 from torch.nn import functional as F
 
 import cswap_lightning as cswap
@@ -292,6 +293,27 @@ def test_a_layer_that_runs_other_operators_without_autograd_is_recomputed_whole(
     assert verdicts == dict.fromkeys(every_layer_below(built.model), recompute.UNSETTLED)
 
 
+# layers the watch finds fit, every other architecture of the conformance suite
+BELOW_LEAN = {"bert", "gpt2", "gpt_neox", "llama", "mistral", "qwen2", "gemma2", "falcon",
+              "mamba", "vit", "resnet", "wav2vec2"}
+
+
+@pytest.mark.parametrize("name", list(conformance.HF))
+def test_every_conformance_architecture_below_the_layer_trains_bitwise(name):
+    """Every Hugging Face architecture of the conformance suite, every layer below the layer:
+    measured, watched under checkpoint (its choice settled), then without autograd where
+    found fit. Falcon's eager attention divides its scores in place through the view its
+    matmul returns (``test_an_output_changed_in_place_through_an_unsafe_view...``)."""
+    built = conformance.build_hf(name, conformance.HF[name][1][0])
+    plain = train(built, STEPS + 2)
+    run = recomputing(built, "raw", lambda names: [n + BELOW for n in outermost(names)],
+                      STEPS + 2)
+    assert not differences(plain, run.steps)
+    assert run.recomputed and all(n.endswith(BELOW) for n in run.recomputed)
+    if name in BELOW_LEAN:
+        assert set(run.verdicts.values()) == {""}
+
+
 # the mechanism, on a function ----------------------------------------------------------------
 W1, W2 = torch.randn(16, 32, requires_grad=True), torch.randn(32, 16, requires_grad=True)
 X = torch.randn(8, 16, requires_grad=True)
@@ -395,6 +417,25 @@ def changed_in_place(x: torch.Tensor) -> torch.Tensor:
     h = x @ W1
     h.mul_(2)  # the matmul's output, changed: recomputed instead of kept
     return (h.relu() @ W2).tanh() @ W2.t()  # returned: recomputed too
+
+
+def divided_in_place(x: torch.Tensor) -> torch.Tensor:
+    h = x.view(2, 4, 16) @ W1  # mm, then the _unsafe_view matmul returns: no shared version
+    h /= 2.0  # as Falcon's eager attention scales its scores
+    return (h.softmax(-1) @ W2).sum(1)
+
+
+@pytest.mark.parametrize("seen", [True, False])
+def test_an_output_changed_in_place_through_an_unsafe_view_is_recomputed_not_kept(
+        seen, monkeypatch):
+    """Its version does not move, its storage is written: kept, the recomputation would
+    divide it twice."""
+    if not seen:
+        monkeypatch.setattr(ops, "written", lambda func, args, kwargs: [])
+    plain, _ = grads_of(divided_in_place)
+    got, kept = grads_of(divided_in_place, ops.kept)
+    assert all(torch.equal(a, b) for a, b in zip(plain, got, strict=True)) is seen
+    assert ((8, 32) in kept) is not seen  # the product's output, through the hooks
 
 
 def test_outputs_changed_in_place_or_returned_are_recomputed_not_kept():

@@ -62,7 +62,7 @@ import contextlib
 import math
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -192,27 +192,41 @@ class Tainted:
         return bool(self.keys) and any(storage_key(t) in self.keys for t in tensors)
 
 
-def staying(calls: Sequence[tuple[Iterable[tuple[torch.Tensor, int]], float]],
-            returned: Iterable[torch.Tensor]) -> list[bool]:
-    """Which kept calls (each: its output tensors with their versions when made, and its
-    operator's work per byte) stay kept once the block returned the tensors ``returned``:
-    those none of whose outputs was changed in place since or is (a view of) one of them,
-    and not far cheaper to make than the rest (``ops.dear``)."""
+Calls = Sequence[tuple[int, Iterable[tuple[torch.Tensor, int]], float]]
+
+
+def staying(calls: Calls, returned: Iterable[torch.Tensor], written: Mapping[int, int]
+            ) -> list[bool]:
+    """Which kept calls (each: its index among the block's calls, its output tensors with
+    their versions when made, and its operator's work per byte) stay kept once the block
+    returned the tensors ``returned``: those none of whose outputs was changed in place
+    since (its version moved, or a later call wrote its storage: ``written``, each storage's
+    latest writer's index, sees it through an alias that shares no version, as the
+    ``_unsafe_view`` a matmul returns) or is (a view of) one of them, and not far cheaper to
+    make than the rest (``ops.dear``)."""
     returned = {t.untyped_storage()._cdata for t in returned}
-    fresh = [not any(t._version != v or t.untyped_storage()._cdata in returned
-                     for t, v in tensors) for tensors, _ in calls]
-    dear = iter(ops.dear([cost for (_, cost), ok in zip(calls, fresh, strict=True) if ok]))
+    fresh = [not any(t._version != v or (key := t.untyped_storage()._cdata) in returned
+                     or written.get(key, index) > index for t, v in tensors)
+             for index, tensors, _ in calls]
+    dear = iter(ops.dear([cost for (_, _, cost), ok in zip(calls, fresh, strict=True) if ok]))
     return [ok and next(dear) for ok in fresh]
 
 
-def settle(flow: Dataflow, kept: Sequence[tuple[int, Iterable[tuple[torch.Tensor, int]], float]],
-           returned: Sequence[torch.Tensor]) -> list[bool]:
+def settle(flow: Dataflow, kept: Calls, returned: Sequence[torch.Tensor],
+           written: Mapping[int, int]) -> list[bool]:
     """Once a block returned the tensors ``returned``, which of its kept calls (each: its call
     in ``flow``, its outputs with their versions, its work per byte) stay kept: ``staying``,
     and needed."""
-    stay = staying([(tensors, cost) for _, tensors, cost in kept], returned)
+    stay = staying(kept, returned, written)
     need = flow.needed(i for (i, _, _), ok in zip(kept, stay, strict=True) if ok)
     return [ok and need[i] for (i, _, _), ok in zip(kept, stay, strict=True)]
+
+
+def note_writes(written: dict[int, int], func: Any, args: tuple, kwargs: dict,
+                index: int) -> None:
+    """The storages a call (``index``) of a mutable operator writes, written by it."""
+    for t in ops.written(func, args, kwargs):
+        written[storage_key(t)] = index
 
 
 class Choice:
@@ -280,6 +294,7 @@ class Region:
         self.flow = Dataflow(weighing=choice is not None and self.chosen is None
                              and choice.weight > 0)
         self.made: list[_Kept] = []  # in the order made
+        self.written: dict[int, int] = {}  # the storages changed in place: the latest call's
         self.whole = False  # a first run without autograd left nothing to give back
         # each operator's calls, by index in the flow, in order (while the block runs); after
         # it returned, each: kept, not run, or run (None)
@@ -303,7 +318,8 @@ class Region:
         (``dataflow.py``); pass the rest through the step's pack hook, in the order made.
         The block's first forward makes its ``Choice``."""
         returned = _returned(output)
-        stay = settle(self.flow, [(k.index, k.tensors(), k.cost) for k in self.made], returned)
+        stay = settle(self.flow, [(k.index, k.tensors(), k.cost) for k in self.made], returned,
+                      self.written)
         given = {k.index: k for k, ok in zip(self.made, stay, strict=True) if ok}
         if self.choice is not None:
             if self.chosen is None:
@@ -317,7 +333,7 @@ class Region:
             self.choice.settled = {func: tuple(map(_mark, calls))
                                    for func, calls in self.calls.items()}
         self.made = [k for k, ok in zip(self.made, stay, strict=True) if ok]
-        self.dead = {}
+        self.dead, self.written = {}, {}
         self._pack()
 
     def lean(self) -> Lean:
@@ -329,12 +345,13 @@ class Region:
         operators its choice was settled from, and its kept outputs are as they were made and
         not returned, they go through the step's pack hook; else (``whole``) its
         recomputation runs everything again, and the next forward chooses again."""
-        fresh = staying([(k.tensors(), math.inf) for k in self.made], _returned(output))
+        fresh = staying([(k.index, k.tensors(), math.inf) for k in self.made],
+                        _returned(output), self.written)
         if tuple(mode.funcs) != self.choice.funcs or mode.unsettled or not all(fresh):
             self.whole = True
             self.made, self.calls = [], defaultdict(list)
             self.choice.forget()
-            return
+        self.written = {}
         self._pack()
 
     def _pack(self) -> None:
@@ -478,6 +495,8 @@ class Keeping(_SeeingSaves):
         else:
             kept = (func, len(calls)) in chosen
         index = region.flow.record(func, inputs, ops.leaves(out), kept)
+        if facts.mutable:
+            note_writes(region.written, func, args, kwargs, index)
         calls.append(index)
         region.dead[index] = _Dead.of(out)
         if kept:
@@ -508,6 +527,7 @@ class Lean(_Eager, TorchDispatchMode):
         super().__init__()
         self.region = region
         self.settled = region.choice.settled
+        self.mutable = {func for func in self.settled if ops.facts(func).mutable}
         self.funcs: list[Any] = []
         self.unsettled = False  # an operator called more often than the choice settled
 
@@ -522,6 +542,8 @@ class Lean(_Eager, TorchDispatchMode):
                 self.unsettled = True
             return out
         self.funcs.append(func)
+        if func in self.mutable:
+            note_writes(self.region.written, func, args, kwargs, len(self.funcs))
         calls = self.region.calls[func]
         if len(calls) >= len(marks):
             self.unsettled = True
@@ -532,7 +554,8 @@ class Lean(_Eager, TorchDispatchMode):
         elif mark is DEAD:
             calls.append(_Dead.of(out))
         else:
-            kept = _Kept.of(func, args, kwargs, out, ops.facts(func).random, math.inf, -1)
+            kept = _Kept.of(func, args, kwargs, out, ops.facts(func).random, math.inf,
+                            len(self.funcs))
             self.region.made.append(kept)
             calls.append(kept)
         return out
@@ -641,6 +664,7 @@ class Observer(TorchDispatchMode):
         self.kept: list[tuple[int, list[tuple[torch.Tensor, int]], float]] = []
         # the stamps before and after each kept matrix product, attention or convolution
         self.stamps: dict[int, tuple[Any, Any]] = {}
+        self.written: dict[int, int] = {}  # the storages changed in place: the latest call's
 
     def saw(self, t: torch.Tensor) -> None:
         """Autograd saved ``t``."""
@@ -661,6 +685,8 @@ class Observer(TorchDispatchMode):
         kept = timed or ops.reduction(func, inputs, out)
         values = ops.leaves(out)
         index = self.flow.record(func, inputs, values, kept)
+        if facts.mutable:
+            note_writes(self.written, func, args, kwargs, index)
         if not facts.cast:
             self.calls[func].append(index)
         if timed:
@@ -675,7 +701,7 @@ class Observer(TorchDispatchMode):
         """After the block returned ``output``: the block's choices made; each one's ``Way``,
         the stamps of every timed operator, and the block's start stamp."""
         flow, returned = self.flow, _returned(output)
-        stay = settle(flow, self.kept, returned)
+        stay = settle(flow, self.kept, returned, self.written)
         given = {i for (i, _, _), ok in zip(self.kept, stay, strict=True) if ok}
         untimed = [i for i, c in enumerate(flow.calls) if i not in self.stamps and c.touched]
         traffic = sum(flow.calls[i].touched for i in untimed)
@@ -690,4 +716,5 @@ class Observer(TorchDispatchMode):
                             [stamp for i, stamp in self.stamps.items() if runs[i]]))
         stamps = list(self.stamps.values())
         self.kept, self.stamps, self.flow, self.calls = [], {}, Dataflow(), defaultdict(list)
+        self.written = {}
         return ways, stamps, self.start

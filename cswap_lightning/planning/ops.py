@@ -117,6 +117,22 @@ def arguments(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return found
 
 
+@functools.cache
+def _written(func: torch._ops.OpOverload) -> tuple[tuple[int, str], ...]:
+    """The position and name of each argument an operator changes in place."""
+    return tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write)
+
+
+def written(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors a call of a ``mutable`` operator changes in place (``add_``'s first
+    argument, an ``out=`` tensor, a list of them)."""
+    found: list[torch.Tensor] = []
+    for i, name in _written(func):
+        found += tensors(args[i] if i < len(args) else kwargs.get(name))
+    return found
+
+
 # An output whose operator did less than this fraction of the work per byte of the dearest
 # kept output of its block is recomputed, not kept: a LoRA adapter's up-projection (rank 16)
 # does 16 multiply-adds per output element where the layer's own projection does 4096.
