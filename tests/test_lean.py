@@ -365,18 +365,23 @@ def test_every_conformance_architecture_recomputed_trains_bitwise(name):
         assert decoder and set(decoder.values()) == {lean.SHARED}
 
 
-@pytest.mark.parametrize("case", ["bart", "a weight used twice in a block called twice"])
-def test_without_the_check_in_backward_gradients_would_sum_in_another_order(case, monkeypatch):
-    """BART's decoder layers run first without autograd though each reads the encoder's
-    output twice and so does every other; or the block above: the gradients then differ,
-    by rounding."""
-    def received(self, name, given, total):
+def unchecked(monkeypatch) -> None:
+    """The watched step's checks in backward pass whatever they see."""
+    def received(self, name, given, why, total):
         given[1].remove()
         self.awaiting[name] -= 1
         if not self.awaiting[name]:
             self.verdicts.settle(name, self.reasons[name])
 
     monkeypatch.setattr(lean._Watching, "_received", received)
+
+
+@pytest.mark.parametrize("case", ["bart", "a weight used twice in a block called twice"])
+def test_without_the_check_in_backward_gradients_would_sum_in_another_order(case, monkeypatch):
+    """BART's decoder layers run first without autograd though each reads the encoder's
+    output twice and so does every other; or the block above: the gradients then differ,
+    by rounding."""
+    unchecked(monkeypatch)
     if case == "bart":
         built, choose = conformance.build_hf("bart", conformance.HF["bart"][1][0]), outermost
     else:
@@ -444,14 +449,31 @@ class CastTwice(Twice):
             return super().forward(x).float()
 
 
+class CastAgain(nn.Module):
+    """Under CPU autocast, a block, then its weight read once more by the model's own code:
+    through the cast the block made, which autocast cached."""
+
+    def __init__(self, twice: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Reused(False)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = self.layers[0](x)
+            return nn.functional.linear(y, self.layers[0].linear.weight).float()
+
+
 @pytest.mark.parametrize("watched", [True, False])
-def test_a_block_reading_a_weight_through_a_cached_cast_stays_under_checkpoint(
-        watched, monkeypatch):
-    """Run first without autograd, each call would cast the weight again in backward and
-    its gradient would reach the weight in float32, summed there in another order."""
+@pytest.mark.parametrize("model", [CastTwice, CastAgain])
+def test_a_block_whose_weights_cast_is_read_elsewhere_stays_under_checkpoint(
+        model, watched, monkeypatch):
+    """A weight's cast autocast cached, read by the block and by other code (the block's
+    next call, the model's own): one node sums their gradients in bfloat16. Run first
+    without autograd, the block would cast again in backward and its gradient would reach
+    the weight apart, summed there in float32."""
     if not watched:
-        monkeypatch.setattr(lean, "_made_before", lambda found, first: False)
-    built = torch_case(CastTwice(False), torch.randn(BATCH, WIDTH, generator=_gen()))
+        unchecked(monkeypatch)
+    built = torch_case(model(False), torch.randn(BATCH, WIDTH, generator=_gen()))
     plain = train(built, STEPS + 1)
     run = recomputing(built, "raw", lean_first_layer, STEPS + 1)
     assert run.verdicts == {"layers.0": lean.CAST if watched else ""}

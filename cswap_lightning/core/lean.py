@@ -19,10 +19,11 @@ than its inputs and parameters (that gradient would be lost), read a tensor's au
 a tensor, or return an input or a view of one; run once more without autograd it must give
 the same bits; and an input or a weight it reads more than once (its gradient summed inside
 the ``Function``) must get gradient nowhere else, or that gradient adds up in another order
-(the step's backward checks it); nor read a weight through a cast made before its call
-(autocast's cache, which a block called twice in one forward finds: the calls' gradients
-would reach the weight summed in its own dtype, not the cast's). The chosen blocks' calls
-are watched for these under
+(the step's backward checks it); nor share a weight's cast with other code (autocast
+caches one per forward: a block called twice, or a weight read again after the block; one
+node then sums their gradients in bfloat16, where apart they would be summed in the
+weight's float32: the step's backward checks that too). The chosen blocks' calls are
+watched for these under
 checkpoint, all in one step (:class:`Watch`, :class:`Verdicts`); a block found doing any of
 them stays under checkpoint. So do the blocks of a sharded model (FSDP), compiled blocks,
 and blocks with parameters other than plain ``nn.Parameter`` (DTensor): their parameters are
@@ -45,7 +46,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import get_gradient_edge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
@@ -61,8 +62,8 @@ SECOND = "a second derivative is taken through it"
 SHARED = ("it reads an input or a weight more than once that gets gradient elsewhere too: "
           "that gradient would be summed in another order")
 AWAITING = "its watched step's backward has not checked it yet"
-CAST = ("it reads a weight through a cast made before it (autocast's cache, shared with another "
-        "call): the gradients of the calls would be summed in another order")
+CAST = ("a cast of a weight it reads (autocast's cache) is read by other code too: the "
+        "gradients would be summed in another order")
 _TENSOR = object()  # where a tensor goes among a call's values or an output's leaves
 
 
@@ -113,7 +114,10 @@ class Watch(TorchFunctionMode):
         self.known = set(self.given)
         self.made: list[weakref.ref] = []
         self.why = ""
-        self.first_node = torch._C._autograd._get_sequence_nr()  # the call's nodes number on
+        # each node the call made of a weight (a cast autocast may cache, for others to read)
+        # and the call's nodes that read it, by the node's id
+        self.weighed: dict[int, tuple[Any, list]] = {}
+        self.weights = {id(p) for p in params}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -129,9 +133,12 @@ class Watch(TorchFunctionMode):
             for t in inputs:
                 self.uses[id(t)] += 1
                 found = _edges_within(nodes, self.edges[id(t)], before)
-                if not self.why and _made_before(found, self.first_node):
-                    self.why = CAST
                 self.reads[id(t)] += found
+                if id(t) in self.weights:  # what the operation made of it on the way
+                    for node, _ in found:
+                        if all(node is not n for n in nodes):
+                            self.weighed.setdefault(id(node), (node, []))[1].extend(
+                                _edges_within(nodes, GradientEdge(node, 0), before))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):  # an id may be a dead tensor's: no test on it
                 self.known.add(id(t))
@@ -200,12 +207,6 @@ def _edges_within(nodes: list, edge: Any, before: set[int]) -> list[tuple[Any, l
             found.append((node, hit))
         todo += [n for n, _ in node.next_functions if n is not None]
     return found
-
-
-def _made_before(found: list[tuple[Any, list[int]]], first: int) -> bool:
-    """Whether a node an operation reads an input through was made before the call (its
-    sequence number below the call's ``first``): a weight's cast that autocast cached."""
-    return any(node._sequence_nr() < first for node, _ in found)
 
 
 def _addresses(tensors: list[torch.Tensor]) -> set[int]:
@@ -366,39 +367,42 @@ class _Watching:
         self.verdicts = verdicts
         self.reasons: dict[str, str] = {}
         self.awaiting: Counter[str] = Counter()
-        self.shared: set[str] = set()
-        self.nodes: dict[int, tuple[str, Any]] = {}  # the nodes the calls read through, by id
+        self.shared: dict[str, str] = {}  # the units whose checks in backward failed: why
 
     def called(self, name: str, why: str, watch: Watch) -> None:
         self.reasons[name] = self.reasons.get(name) or why
-        for node, _ in (read for reads in watch.reads.values() for read in reads):
-            # a later call reading through this call's node (a cast autocast cached) found it
-            # made before it: this one sums its gradient in another order too
-            earlier = self.nodes.setdefault(id(node), (name, node))[0]
-            if earlier != name:
-                self.reasons[earlier] = self.reasons[earlier] or CAST
         if why:
             return
         for t in (*watch.inputs, *watch.params):
             if t.requires_grad and watch.uses[id(t)] > 1:
-                given: list = [None, None]  # the sum so far; the tensor hook's handle
+                given: list = [None, None]  # the sum so far; the hook's handle
                 for node, edges in watch.reads[id(t)]:
                     node.register_hook(partial(_given, given, edges))
-                given[1] = t.register_hook(partial(self._received, name, given))
+                given[1] = t.register_hook(partial(self._received, name, given, SHARED))
                 self.awaiting[name] += 1
+        # what the call made of a weight (autocast's cast, cached for whoever casts it next
+        # in the step) gets its gradient from the call alone, or it is summed there with
+        # others' (in plain training; run first without autograd, apart)
+        for node, readers in watch.weighed.values():
+            given = [None, None]
+            for reader, edges in readers:
+                reader.register_hook(partial(_given, given, edges))
+            given[1] = node.register_prehook(
+                lambda grads, given=given: self._received(name, given, CAST, grads[0]))
+            self.awaiting[name] += 1
 
-    def _received(self, name: str, given: list, total: torch.Tensor) -> None:
-        """The input's whole gradient arrived (once: a leaf input may live on): it is the sum
-        of the unit's, or the unit's input gets gradient elsewhere too."""
+    def _received(self, name: str, given: list, why: str, total: torch.Tensor | None) -> None:
+        """A watched gradient's whole arrived (once: a leaf input may live on): it is the sum
+        of what the unit's operations gave, or the unit is not alone in giving it (``why``)."""
         given[1].remove()
-        if given[0] is None or not torch.equal(given[0], total):
-            self.shared.add(name)
+        if given[0] is None or total is None or not torch.equal(given[0], total):
+            self.shared.setdefault(name, why)
         self.awaiting[name] -= 1
         if not self.awaiting[name]:
             self.verdicts.settle(name, self.verdict(name))
 
     def verdict(self, name: str) -> str:
-        return self.reasons[name] or (SHARED if name in self.shared else "")
+        return self.reasons[name] or self.shared.get(name, "")
 
     def verdicts_now(self) -> dict[str, str]:
         """Each unit's, as far as forward tells: awaiting its checks in backward, or given."""
