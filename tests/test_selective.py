@@ -200,8 +200,8 @@ def leaning(monkeypatch) -> list[bool]:
     settled = []
     real = selective.Region.close_lean
 
-    def close_lean(self, output, mode):
-        real(self, output, mode)
+    def close_lean(self, output):
+        real(self, output)
         settled.append(not self.whole)
 
     monkeypatch.setattr(selective.Region, "close_lean", close_lean)

@@ -245,12 +245,8 @@ class _Call:
 
     def first(self, tensors: tuple) -> tuple[torch.Tensor, ...]:
         """The first run (autograd is off in a ``Function``'s forward): its tensors."""
-        if self.region is None:
+        with nullcontext() if self.region is None else self.region.lean():
             out = self.call(tensors)
-        else:
-            with self.region.lean() as mode:
-                out = self.call(tensors)
-            self.region.close_lean(out, mode)
         leaves, self.spec = tree_flatten(out)
         self.leaves = [_TENSOR if isinstance(v, torch.Tensor) else v for v in leaves]
         return tuple(v for v in leaves if isinstance(v, torch.Tensor))
@@ -353,7 +349,10 @@ def rerun(run: Callable, values: tuple, count: int, names: list[str], others: di
     call = _Call(run, values, count, names, others, first_run, params, witnessed, second,
                  region)
     tensors = [values[i] for i in call.where]
-    return call.output(_Rerun.apply(call, len(tensors), *tensors, *params))
+    out = call.output(_Rerun.apply(call, len(tensors), *tensors, *params))
+    if region is not None:  # what it keeps goes through the step's hooks after its inputs
+        region.close_lean(out)
+    return out
 
 
 class _Watching:

@@ -296,6 +296,7 @@ class Region:
         self.made: list[_Kept] = []  # in the order made
         self.written: dict[int, int] = {}  # the storages changed in place: the latest call's
         self.whole = False  # a first run without autograd left nothing to give back
+        self.mode: Lean | None = None  # that first run's, until it closes
         # each operator's calls, by index in the flow, in order (while the block runs); after
         # it returned, each: kept, not run, or run (None)
         self.calls: dict[Any, list[Any]] = defaultdict(list)
@@ -338,13 +339,15 @@ class Region:
 
     def lean(self) -> Lean:
         """The mode a first run without autograd runs under (its choice ``settled``)."""
-        return Lean(self)
+        self.mode = Lean(self)
+        return self.mode
 
-    def close_lean(self, output: Any, mode: Lean) -> None:
-        """After the block's first run without autograd (under ``mode``): where it ran the
-        operators its choice was settled from, and its kept outputs are as they were made and
-        not returned, they go through the step's pack hook; else (``whole``) its
+    def close_lean(self, output: Any) -> None:
+        """After the block's first run without autograd (under :meth:`lean`): where it ran
+        the operators its choice was settled from, and its kept outputs are as they were made
+        and not returned, they go through the step's pack hook; else (``whole``) its
         recomputation runs everything again, and the next forward chooses again."""
+        mode, self.mode = self.mode, None
         fresh = staying([(k.index, k.tensors(), math.inf) for k in self.made],
                         _returned(output), self.written)
         if tuple(mode.funcs) != self.choice.funcs or mode.unsettled or not all(fresh):
