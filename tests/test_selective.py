@@ -15,6 +15,7 @@ import test_recompute
 import torch
 from test_conformance import LLAMAISH, Built, causal_lm, differences, train
 from test_dataflow import below as below_through
+from test_lean import under_autocast
 from test_recompute import GPT2, STEPS, outermost, recomputing
 from torch.nn import functional as F
 
@@ -298,13 +299,15 @@ BELOW_LEAN = {"bert", "gpt2", "gpt_neox", "llama", "mistral", "qwen2", "gemma2",
               "mamba", "vit", "resnet", "wav2vec2"}
 
 
+@pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("name", list(conformance.HF))
-def test_every_conformance_architecture_below_the_layer_trains_bitwise(name):
+def test_every_conformance_architecture_below_the_layer_trains_bitwise(name, autocast):
     """Every Hugging Face architecture of the conformance suite, every layer below the layer:
     measured, watched under checkpoint (its choice settled), then without autograd where
     found fit. Falcon's eager attention divides its scores in place through the view its
     matmul returns (``test_an_output_changed_in_place_through_an_unsafe_view...``)."""
     built = conformance.build_hf(name, conformance.HF[name][1][0])
+    built = under_autocast(built) if autocast else built
     plain = train(built, STEPS + 2)
     run = recomputing(built, "raw", lambda names: [n + BELOW for n in outermost(names)],
                       STEPS + 2)

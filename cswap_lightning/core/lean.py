@@ -233,6 +233,7 @@ class _Call:
         self.where = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
         self.values = [_TENSOR if isinstance(v, torch.Tensor) else v for v in values]
         self.states = _States([values[i] for i in self.where])
+        self.leaf = [values[i].is_leaf for i in self.where]  # each tensor input's, as found
         self.leaves: list[Any] = []
         self.spec: Any = None
 
@@ -273,8 +274,13 @@ class _Call:
         # The gradients are taken before ``as_first`` puts the buffers back (a norm's
         # backward reads its running statistics, saved at the version the run left them).
         with as_first(self.first_run), self.witnessed(tuple(inputs)):
-            with torch.enable_grad(), self.states.restored(), self._recomputing():
-                out = self.call(inputs)
+            with torch.enable_grad():
+                # a leaf only where the forward found one: autocast caches a cast of a leaf
+                # (one node for every read of it, summing their gradients in bfloat16)
+                fed = [x.view_as(x) if x.requires_grad and not leaf else x
+                       for x, leaf in zip(inputs, self.leaf, strict=True)]
+                with self.states.restored(), self._recomputing():
+                    out = self.call(fed)
             outs = [v for v in tree_leaves(out) if isinstance(v, torch.Tensor)]
             pairs = [(o, g) for o, g in zip(outs, grads, strict=True)
                      if g is not None and o.requires_grad]
