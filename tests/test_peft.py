@@ -79,15 +79,25 @@ def test_lora_layers_below_the_layer_keep_the_adapters_sums_and_stay_bitwise(mon
         return real(self, func, args, kwargs)
 
     monkeypatch.setattr(selective.Recomputing, "_run", run)
+    lean: list[bool] = []
+    close_lean = selective.Region.close_lean
+
+    def closed(self, output):
+        close_lean(self, output)
+        lean.append(not self.whole)
+
+    monkeypatch.setattr(selective.Region, "close_lean", closed)
     offloader = Offloader(CSwapConfig(plan="raw", min_bytes=0, budget=None, profile_steps=1))
     model = lora_llama()
     assert not offloader.watch(model).recompute(list(below(units(model))))
-    for _ in range(3):  # measured, checking, checked: the last one's recomputation is seen
+    for _ in range(3):  # measured; watched and its choices settled; run first without
+        # autograd: the last one's recomputation is seen
         model.zero_grad(set_to_none=True)
         ran.clear()
         with offloader:
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
+    assert lean == [True, True]  # the last step's layers ran first without autograd
     offloader.close()
     swapped = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
     assert plain.keys() == swapped.keys()
