@@ -492,7 +492,8 @@ def checkpointed(run: Callable, parts: Parts, changed: list[Buffer], args: tuple
                else "not watched")
     if verdict == "" and (region is None or region.choice.settled is not None):
         out = rerun(run, inputs, count, tensors, others, first_run, parts.modules,
-                    partial(_witnessed, witness, own=True), partial(verdicts.second, name),
+                    partial(_witnessed, witness, own=True, below=region is not None),
+                    partial(verdicts.second, name),
                     region)
         if region is not None and region.whole:
             verdicts.refuse(name, UNSETTLED)
@@ -538,14 +539,16 @@ class Witness(Protocol):
 
 
 @contextmanager
-def _witnessed(witness: Witness | None, inputs: tuple, own: bool = False) -> Iterator[None]:
+def _witnessed(witness: Witness | None, inputs: tuple, own: bool = False,
+               below: bool = False) -> Iterator[None]:
     """Tell ``witness`` of a recomputation and of each storage it saves (to checkpoint's own
     hooks, which these pass every tensor on to, unchanged; ``own``: a first run without
     autograd's recomputation, which keeps what it saves itself, whatever hooks are around
-    backward): held until the block's backward uses them. The block's inputs, and weights,
-    are the step's saved tensors or the model's, counted already or never."""
+    backward, and ``below`` the layer sees what it saves through them): held until the
+    block's backward uses them. The block's inputs, and weights, are the step's saved
+    tensors or the model's, counted already or never."""
     hooks = top_hooks()
-    if own:  # below the layer, the recomputation sees what autograd saves through them
+    if own and (hooks is not None or witness is not None or below):
         hooks = (_itself, _itself)
     elif witness is None:
         hooks = None
