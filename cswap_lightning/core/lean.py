@@ -487,19 +487,17 @@ class Verdicts:
         step, self.step = self.step, None
         if step is not None:
             for name, why in step.verdicts_now().items():
-                self._give(name, why)
-
-    def refuse(self, name: str, why: str) -> None:
-        """The unit runs under checkpoint from its next call on (``why``)."""
-        self._give(name, why)
+                self.give(name, why)
 
     def settle(self, name: str, why: str) -> None:
         """A unit's verdict, once its checks in backward came (a second derivative seen
         there stands)."""
         if self.why.get(name) == AWAITING:
-            self._give(name, why)
+            self.give(name, why)
 
-    def _give(self, name: str, why: str) -> None:
+    def give(self, name: str, why: str) -> None:
+        """The unit's verdict: ``""``, or why it runs under checkpoint from its next call on
+        (logged)."""
         self.why[name] = why
         if why and why != AWAITING:
             _log.info("cswap: %s recomputes under checkpoint: %s", name, why)

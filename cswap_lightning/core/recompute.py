@@ -496,7 +496,7 @@ def checkpointed(run: Callable, parts: Parts, changed: list[Buffer], args: tuple
                     partial(verdicts.second, name),
                     region)
         if region is not None and region.whole:
-            verdicts.refuse(name, UNSETTLED)
+            verdicts.give(name, UNSETTLED)
         return out
     watch = None
     if verdict is None:

@@ -62,7 +62,7 @@ import contextlib
 import math
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -195,38 +195,30 @@ class Tainted:
 Calls = Sequence[tuple[int, Iterable[tuple[torch.Tensor, int]], float]]
 
 
-def staying(calls: Calls, returned: Iterable[torch.Tensor], written: Mapping[int, int]
+def staying(calls: Calls, returned: Iterable[torch.Tensor], changed: Container[int]
             ) -> list[bool]:
     """Which kept calls (each: its index among the block's calls, its output tensors with
     their versions when made, and its operator's work per byte) stay kept once the block
     returned the tensors ``returned``: those none of whose outputs was changed in place
-    since (its version moved, or a later call wrote its storage: ``written``, each storage's
-    latest writer's index, sees it through an alias that shares no version, as the
+    since (its version moved, or a later call wrote its storage: its index is among
+    ``changed``, which sees it through an alias that shares no version, as the
     ``_unsafe_view`` a matmul returns) or is (a view of) one of them, and not far cheaper to
     make than the rest (``ops.dear``)."""
     returned = {t.untyped_storage()._cdata for t in returned}
-    fresh = [not any(t._version != v or (key := t.untyped_storage()._cdata) in returned
-                     or written.get(key, index) > index for t, v in tensors)
-             for index, tensors, _ in calls]
+    fresh = [index not in changed and not any(
+        t._version != v or t.untyped_storage()._cdata in returned for t, v in tensors)
+        for index, tensors, _ in calls]
     dear = iter(ops.dear([cost for (_, _, cost), ok in zip(calls, fresh, strict=True) if ok]))
     return [ok and next(dear) for ok in fresh]
 
 
-def settle(flow: Dataflow, kept: Calls, returned: Sequence[torch.Tensor],
-           written: Mapping[int, int]) -> list[bool]:
+def settle(flow: Dataflow, kept: Calls, returned: Sequence[torch.Tensor]) -> list[bool]:
     """Once a block returned the tensors ``returned``, which of its kept calls (each: its call
-    in ``flow``, its outputs with their versions, its work per byte) stay kept: ``staying``,
-    and needed."""
-    stay = staying(kept, returned, written)
+    in ``flow``, its outputs with their versions, its work per byte) stay kept: ``staying``
+    (the flow knows which calls' outputs a later call changed in place), and needed."""
+    stay = staying(kept, returned, {i for i, _, _ in kept if flow.calls[i].changed})
     need = flow.needed(i for (i, _, _), ok in zip(kept, stay, strict=True) if ok)
     return [ok and need[i] for (i, _, _), ok in zip(kept, stay, strict=True)]
-
-
-def note_writes(written: dict[int, int], func: Any, args: tuple, kwargs: dict,
-                index: int) -> None:
-    """The storages a call (``index``) of a mutable operator writes, written by it."""
-    for t in ops.written(func, args, kwargs):
-        written[storage_key(t)] = index
 
 
 class Choice:
@@ -294,7 +286,6 @@ class Region:
         self.flow = Dataflow(weighing=choice is not None and self.chosen is None
                              and choice.weight > 0)
         self.made: list[_Kept] = []  # in the order made
-        self.written: dict[int, int] = {}  # the storages changed in place: the latest call's
         self.whole = False  # a first run without autograd left nothing to give back
         self.mode: Lean | None = None  # that first run's, until it closes
         # each operator's calls, by index in the flow, in order (while the block runs); after
@@ -319,8 +310,7 @@ class Region:
         (``dataflow.py``); pass the rest through the step's pack hook, in the order made.
         The block's first forward makes its ``Choice``."""
         returned = _returned(output)
-        stay = settle(self.flow, [(k.index, k.tensors(), k.cost) for k in self.made], returned,
-                      self.written)
+        stay = settle(self.flow, [(k.index, k.tensors(), k.cost) for k in self.made], returned)
         given = {k.index: k for k, ok in zip(self.made, stay, strict=True) if ok}
         if self.choice is not None:
             if self.chosen is None:
@@ -334,7 +324,7 @@ class Region:
             self.choice.settled = {func: tuple(map(_mark, calls))
                                    for func, calls in self.calls.items()}
         self.made = [k for k, ok in zip(self.made, stay, strict=True) if ok]
-        self.dead, self.written = {}, {}
+        self.dead = {}
         self._pack()
 
     def lean(self) -> Lean:
@@ -349,12 +339,11 @@ class Region:
         recomputation runs everything again, and the next forward chooses again."""
         mode, self.mode = self.mode, None
         fresh = staying([(k.index, k.tensors(), math.inf) for k in self.made],
-                        _returned(output), self.written)
+                        _returned(output), mode.changed())
         if tuple(mode.funcs) != self.choice.funcs or mode.unsettled or not all(fresh):
             self.whole = True
             self.made, self.calls = [], defaultdict(list)
             self.choice.forget()
-        self.written = {}
         self._pack()
 
     def _pack(self) -> None:
@@ -498,8 +487,6 @@ class Keeping(_SeeingSaves):
         else:
             kept = (func, len(calls)) in chosen
         index = region.flow.record(func, inputs, ops.leaves(out), kept)
-        if facts.mutable:
-            note_writes(region.written, func, args, kwargs, index)
         calls.append(index)
         region.dead[index] = _Dead.of(out)
         if kept:
@@ -533,6 +520,14 @@ class Lean(_Eager, TorchDispatchMode):
         self.mutable = {func for func in self.settled if ops.facts(func).mutable}
         self.funcs: list[Any] = []
         self.unsettled = False  # an operator called more often than the choice settled
+        self.written: dict[int, int] = {}  # each storage changed in place: the latest call's
+
+    def changed(self) -> set[int]:
+        """The calls whose kept outputs a later call changed in place (its storage written,
+        maybe through an alias that shares no version): ``Dataflow``'s ``changed``, without
+        a dataflow."""
+        return {k.index for k in self.region.made for t, _ in k.tensors()
+                if self.written.get(storage_key(t), k.index) > k.index}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -546,7 +541,8 @@ class Lean(_Eager, TorchDispatchMode):
             return out
         self.funcs.append(func)
         if func in self.mutable:
-            note_writes(self.region.written, func, args, kwargs, len(self.funcs))
+            for t in ops.written(func, args, kwargs):
+                self.written[storage_key(t)] = len(self.funcs)
         calls = self.region.calls[func]
         if len(calls) >= len(marks):
             self.unsettled = True
@@ -667,7 +663,6 @@ class Observer(TorchDispatchMode):
         self.kept: list[tuple[int, list[tuple[torch.Tensor, int]], float]] = []
         # the stamps before and after each kept matrix product, attention or convolution
         self.stamps: dict[int, tuple[Any, Any]] = {}
-        self.written: dict[int, int] = {}  # the storages changed in place: the latest call's
 
     def saw(self, t: torch.Tensor) -> None:
         """Autograd saved ``t``."""
@@ -688,8 +683,6 @@ class Observer(TorchDispatchMode):
         kept = timed or ops.reduction(func, inputs, out)
         values = ops.leaves(out)
         index = self.flow.record(func, inputs, values, kept)
-        if facts.mutable:
-            note_writes(self.written, func, args, kwargs, index)
         if not facts.cast:
             self.calls[func].append(index)
         if timed:
@@ -704,7 +697,7 @@ class Observer(TorchDispatchMode):
         """After the block returned ``output``: the block's choices made; each one's ``Way``,
         the stamps of every timed operator, and the block's start stamp."""
         flow, returned = self.flow, _returned(output)
-        stay = settle(flow, self.kept, returned, self.written)
+        stay = settle(flow, self.kept, returned)
         given = {i for (i, _, _), ok in zip(self.kept, stay, strict=True) if ok}
         untimed = [i for i, c in enumerate(flow.calls) if i not in self.stamps and c.touched]
         traffic = sum(flow.calls[i].touched for i in untimed)
@@ -719,5 +712,4 @@ class Observer(TorchDispatchMode):
                             [stamp for i, stamp in self.stamps.items() if runs[i]]))
         stamps = list(self.stamps.values())
         self.kept, self.stamps, self.flow, self.calls = [], {}, Dataflow(), defaultdict(list)
-        self.written = {}
         return ways, stamps, self.start
