@@ -140,7 +140,7 @@ step measure-llama 150 "${ENGINE[@]}" bench measure --models llama3-8b-4l --roun
 [[ -f $WORK/measure-llama-$TAG.md ]] && grep "^| Llama" "$WORK/measure-llama-$TAG.md" >>"$SUMMARY"
 step codec 40 "${ENGINE[@]}" bench codec --sizes 16MiB 64MiB --codecs zvc rle int8 fp8 \
     --sparsities 0 50 90 --no-relu --no-nvcomp --out "$WORK/codec-$TAG"
-step selective 90 python3 benchmarks/selective.py --device cuda --layers 4 --seq 4096 \
+step selective 150 python3 benchmarks/selective.py --device cuda --layers 4 --seq 4096 \
     --repeats 5 --profile --out "$WORK/selective-$TAG"
 step overhead 60 "${ENGINE[@]}" bench overhead --device cuda --rounds 5 --steady-steps 3 \
     --out "$WORK/overhead-$TAG"

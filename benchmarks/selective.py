@@ -87,17 +87,26 @@ def measure(layers: int, sequence: int, repeats: int, dev: torch.device,
     cuda = dev.type == "cuda"
     grads: list[torch.Tensor] = []
 
-    def step() -> tuple[cswap.StepStats, float]:
+    def step(split: list | None = None) -> tuple[cswap.StepStats, float]:
+        """One step, its seconds (``split``: appended, the host's forward, the forward to
+        the device's end, and the backward's seconds, the device waited for in between)."""
         if cuda:
             torch.cuda.synchronize(dev)
             torch.cuda.reset_peak_memory_stats(dev)
         started = time.perf_counter()
         with off:
             loss = model(input_ids=ids, labels=ids).loss
+        if split is not None:
+            host = time.perf_counter()
+            if cuda:
+                torch.cuda.synchronize(dev)
+            forward = time.perf_counter()
         loss.backward()
         if cuda:
             torch.cuda.synchronize(dev)
         seconds = time.perf_counter() - started
+        if split is not None:
+            split.append((host - started, forward - started, started + seconds - forward))
         grads[:] = [p.grad.clone() for p in model.parameters()]
         model.zero_grad(set_to_none=True)
         return off.last_step(), seconds
@@ -113,10 +122,13 @@ def measure(layers: int, sequence: int, repeats: int, dev: torch.device,
     ways: dict[str, dict] = {}
     layers_below = list(below(units(model)))
     heaviest = WEIGHTS[-1]  # the way below the layer that keeps the most to run the least
-    for way, chosen, weight in (("plain", [], 0.0), ("below the layer", layers_below, 0.0),
-                                (f"below the layer, weight {heaviest:g}", layers_below,
-                                 heaviest),
-                                ("whole", names, 0.0)):
+    for way, chosen, weight, lean in (
+            ("plain", [], 0.0, True), ("below the layer", layers_below, 0.0, True),
+            (f"below the layer, weight {heaviest:g}", layers_below, heaviest, True),
+            ("whole", names, 0.0, True),
+            ("below the layer, under checkpoint", layers_below, 0.0, False),
+            ("whole, under checkpoint", names, 0.0, False)):
+        off.recomputer.verdicts.on = lean  # without: every first run under checkpoint
         off.recompute(chosen, dict.fromkeys(chosen, weight) if weight else None)
         with deterministic(dev):
             # watched under checkpoint, then (below the layer) its choice settled: the layers
@@ -126,6 +138,10 @@ def measure(layers: int, sequence: int, repeats: int, dev: torch.device,
             stats, _ = step()
         same = bitwise(reference)  # plain: against its own earlier step (the control)
         seconds = statistics.median(step()[1] for _ in range(repeats))
+        split: list[tuple[float, float, float]] = []
+        for _ in range(repeats):
+            step(split)
+        host, forward, backward = (statistics.median(s) for s in zip(*split, strict=True))
         allocated = torch.cuda.max_memory_allocated(dev) if cuda else None  # the last step's
         busy = None
         if profiles is not None:
@@ -135,7 +151,8 @@ def measure(layers: int, sequence: int, repeats: int, dev: torch.device,
             stats = plain  # the measured step's rows
         ways[way] = {"sites": len(stats.sites), "peak_resident_bytes": stats.peak_resident_bytes,
                      "peak_bytes": stats.peak_bytes, "allocator_peak_bytes": allocated,
-                     "bitwise_with_plain": same, "step_s": seconds, "device_busy_s": busy}
+                     "bitwise_with_plain": same, "step_s": seconds, "device_busy_s": busy,
+                     "forward_host_s": host, "forward_s": forward, "backward_s": backward}
     off.close()
     tokens = sequence
     call = calls[-1]
@@ -184,8 +201,8 @@ def markdown(r: dict) -> str:
              f"Kept outputs, KiB per token: {p['kept_outputs_kib_per_token']}", "",
              ("| way | sites | ledger's peak (saved tensors) | with what backward holds again "
               f"| allocator's peak | step on this {where} | vs plain | kernels (profiled step) "
-              "| gradients bitwise |"),
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+              "| forward: host, to its end | backward | gradients bitwise |"),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for way, m in r["ways"].items():
         allocated = ("-" if m["allocator_peak_bytes"] is None
                      else f"{m['allocator_peak_bytes'] / 2**20:.1f} MiB")
@@ -194,6 +211,8 @@ def markdown(r: dict) -> str:
         lines.append(f"| {way} | {m['sites']} | {m['peak_resident_bytes'] / 2**20:.1f} MiB | "
                      f"{m['peak_bytes'] / 2**20:.1f} MiB | {allocated} | "
                      f"{1e3 * m['step_s']:.1f} ms | {m['step_s'] / plain:.3f}x | {kernels} | "
+                     f"{1e3 * m['forward_host_s']:.1f}, {1e3 * m['forward_s']:.1f} ms | "
+                     f"{1e3 * m['backward_s']:.1f} ms | "
                      f"{'yes' if m['bitwise_with_plain'] else 'NO'} |")
     lines += ["", ("The ledger's peak is the step's saved tensors on the device at once "
               "(`StepStats.peak_resident_bytes`); beside it, with what a recomputed layer "
@@ -203,7 +222,11 @@ def markdown(r: dict) -> str:
               "(plain: against its own earlier step, the control); the timed steps follow "
               "it. Kernels: the seconds the GPU ran kernels in one more step under "
               "torch.profiler (`--profile`; its table beside the results), to set beside the "
-              "step's time. Step times are medians of the repeats on this machine"
+              "step's time. Step times are medians of the repeats on this machine; the "
+              "forward's and backward's of as many more, the device waited for between them "
+              "(host: until the forward returned). Under checkpoint: first runs without "
+              "autograd off (`Verdicts.on`), every recomputed layer's forward under "
+              "checkpoint, as before `core/lean.py`"
               + (", a shared 2-core CPU under other load: they say what recomputing costs "
                  "here only." if where == "CPU" else "."))]
     return "\n".join(lines) + "\n"

@@ -7,6 +7,7 @@ beforehand; the replay and the planner weigh it beside whole blocks."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -292,6 +293,74 @@ def test_a_layer_that_runs_other_operators_without_autograd_is_recomputed_whole(
     assert not differences(plain, steps)
     assert settled == [False, False]  # the third step's; then under checkpoint
     assert verdicts == dict.fromkeys(every_layer_below(built.model), recompute.UNSETTLED)
+
+
+# An attention-like operator that, without autograd, leaves out what its backward reads (as
+# CUDA's efficient attention leaves out its log-sum-exp): kept below the layer.
+@torch.library.custom_op("cswap_test::attend", mutates_args=())
+def attend(x: torch.Tensor, with_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return x * 2, x.logsumexp(-1) if with_lse else x.new_empty(0)
+
+
+def _attend_saves(ctx, inputs, output) -> None:
+    ctx.save_for_backward(output[1])
+
+
+def _attend_backward(ctx, grad, _):
+    (lse,) = ctx.saved_tensors  # empty without autograd: broadcasting it fails
+    return grad * 2 * (lse.unsqueeze(-1) * 0 + 1), None
+
+
+torch.library.register_autograd("cswap_test::attend", _attend_backward, setup_context=_attend_saves)
+
+
+class Attend(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = torch.ops.cswap_test.attend(self.linear(x), torch.is_grad_enabled())
+        return h.sin() * x
+
+
+class Attending(Changing):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Attend() for _ in range(2))
+
+
+@pytest.fixture
+def attending(monkeypatch) -> Iterator[Built]:
+    """Two layers that attend, their operator's outputs kept below the layer."""
+    monkeypatch.setitem(ops.KINDS, torch.ops.cswap_test.attend, "attention")
+    ops.facts.cache_clear()
+    yield Built(Attending(), {"x": torch.randn(2, 6, 32, requires_grad=True)},
+                lambda model, inputs: model(inputs["x"]).square().mean())
+    ops.facts.cache_clear()
+
+
+@pytest.mark.parametrize("asked", [True, False])
+def test_an_operator_that_makes_other_outputs_without_autograd_is_asked_as_autograd_asks(
+        attending, asked, monkeypatch):
+    """Run first without autograd, an operator known to leave out what backward reads is
+    called as autograd's run calls it (kept, bitwise); one not known makes outputs of other
+    shapes than the settled call's: the layer is recomputed whole (bitwise), then stays under
+    checkpoint."""
+    if asked:
+        monkeypatch.setitem(selective._WITH_AUTOGRAD, torch.ops.cswap_test.attend.default, 1)
+    settled, verdicts = leaning(monkeypatch), {}
+    torch.manual_seed(0)
+    plain = train(attending, STEPS + 1)
+    steps, _ = below_layers(attending, "raw", STEPS + 1, verdicts=verdicts)
+    assert not differences(plain, steps)
+    layers = every_layer_below(attending.model)
+    if asked:
+        assert settled == [True] * 2 * len(layers)
+        assert verdicts == dict.fromkeys(layers, "")
+    else:
+        assert settled == [False] * len(layers)
+        assert verdicts == dict.fromkeys(layers, recompute.UNSETTLED)
 
 
 # layers the watch finds fit, every other architecture of the conformance suite

@@ -44,8 +44,11 @@ autograd (``lean.py``), its first run goes so, under ``Lean``: no dataflow, no g
 per saved tensor, only the settled calls' outputs kept (and the shapes of those not to run);
 backward runs the block under ``Recomputing`` with autograd on, which builds the graph from
 the kept outputs as the first run's would have been built. A first run that calls other
-operators than the settled one, or changes or returns what it keeps, is recomputed whole,
-and the block stays under checkpoint from then on.
+operators than the settled one, makes outputs of other shapes where it keeps or does not run
+them (a composite operator that decides by autograd: attention without its log-sum-exp), or
+changes or returns what it keeps, is recomputed whole, and the block stays under checkpoint
+from then on. The attention kernels that leave out their log-sum-exp without autograd are
+asked for it, as autograd's run asks (``_WITH_AUTOGRAD``).
 
 Bitwise: a kept output is the very value the operator gave; everything recomputed runs on
 the same inputs in the same order as the first time (checkpoint puts the RNG state back). An
@@ -236,9 +239,9 @@ class Choice:
         self.weight = weight
         self.kept: frozenset[tuple[Any, int]] | None = None
         self.funcs: tuple[Any, ...] = ()  # the forward's operators it was made from (``_operators``)
-        # what a forward made with it gave its recomputation, each operator's calls in order:
-        # KEPT, DEAD (not run) or RUN; a first run without autograd follows it (``Lean``)
-        self.settled: dict[Any, tuple[str, ...]] | None = None
+        # what a forward made with it gave its recomputation, each operator's calls in order
+        # (``Settled``); a first run without autograd follows it (``Lean``)
+        self.settled: dict[Any, tuple[Settled, ...]] | None = None
 
     def make(self, flow: Dataflow, given: set[int], returned: Sequence[torch.Tensor],
              calls: dict[Any, list[int]]) -> set[int]:
@@ -367,9 +370,34 @@ class Region:
 KEPT, DEAD, RUN = "kept", "dead", "run"
 
 
-def _mark(entry: Any) -> str:
-    """What a recomputation does with one call (``Region.calls``)."""
-    return KEPT if isinstance(entry, _Kept) else DEAD if isinstance(entry, _Dead) else RUN
+class Settled(NamedTuple):
+    """What a recomputation does with one call (``kind``: KEPT, DEAD or RUN) and, kept or
+    not run, the layout of what the call made (``made``: ``_made``)."""
+
+    kind: str
+    made: Any = None
+
+
+_RUN = Settled(RUN)
+
+
+def _mark(entry: Any) -> Settled:
+    """One call of ``Region.calls``, settled."""
+    if isinstance(entry, _Kept):
+        return Settled(KEPT, _made(entry))
+    return Settled(DEAD, entry.outputs) if isinstance(entry, _Dead) else _RUN
+
+
+def _made(kept: _Kept) -> tuple[_Empty, ...]:
+    """Each output tensor's layout."""
+    return tuple(_Empty.of(t) for t, _ in kept.tensors())
+
+
+# The attention forwards that, without autograd, leave out the log-sum-exp their backward
+# reads (argument ``compute_log_sumexp``, by position): a first run without autograd asks for
+# it as autograd's run does (the same kernel; its output the same bits).
+_WITH_AUTOGRAD = {torch.ops.aten._scaled_dot_product_efficient_attention.default: 4,
+                  torch.ops.aten._scaled_dot_product_cudnn_attention.default: 4}
 
 
 def _returned(output: Any) -> list[torch.Tensor]:
@@ -531,8 +559,11 @@ class Lean(_Eager, TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         marks = self.settled.get(func)  # None: ignored, a cast, or not in the settled forward
+        if func in _WITH_AUTOGRAD and marks is not None:
+            at = _WITH_AUTOGRAD[func]
+            args = (*args[:at], True, *args[at + 1:])
+        out = func(*args, **kwargs)
         if marks is None:
             facts = ops.facts(func)
             if not (facts.ignored or facts.cast):
@@ -548,15 +579,20 @@ class Lean(_Eager, TorchDispatchMode):
             self.unsettled = True
             return out
         mark = marks[len(calls)]
-        if mark is RUN:
+        if mark is _RUN:
             calls.append(None)
-        elif mark is DEAD:
-            calls.append(_Dead.of(out))
+            return out
+        if mark.kind is DEAD:
+            entry = _Dead.of(out)
+            made = entry.outputs
         else:
-            kept = _Kept.of(func, args, kwargs, out, ops.facts(func).random, math.inf,
-                            len(self.funcs))
-            self.region.made.append(kept)
-            calls.append(kept)
+            entry = _Kept.of(func, args, kwargs, out, ops.facts(func).random, math.inf,
+                             len(self.funcs))
+            self.region.made.append(entry)
+            made = _made(entry)
+        calls.append(entry)
+        if made != mark.made:  # its outputs' shapes differ without autograd
+            self.unsettled = True
         return out
 
 
