@@ -23,7 +23,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -74,9 +74,10 @@ def deterministic(dev: torch.device) -> Iterator[None]:
 
 
 def measure(layers: int, sequence: int, repeats: int, dev: torch.device,
-            profiles: Path | None = None) -> dict:
+            profiles: Path | None = None, memory: Path | None = None) -> dict:
     """Plain, below the layer and whole, each measured (``profiles``: a folder where each
-    way's profiled step is written too)."""
+    way's profiled step is written too; ``memory``: one where, on CUDA, what one more step of
+    each way held at the allocator's peak is written, ``live_at_peak``)."""
     model = llama(layers).to(dev)
     ids = torch.randint(0, 1024, (1, sequence), generator=torch.Generator().manual_seed(0))
     ids = ids.to(dev)
@@ -147,6 +148,12 @@ def measure(layers: int, sequence: int, repeats: int, dev: torch.device,
         if profiles is not None:
             traced = traced_step(step, dev, trace_path(profiles, f"profile {way}"))
             busy = None if traced is None else traced.kernels_s + traced.copies_s
+        if memory is not None and cuda:
+            path = trace_path(memory, f"memory {way}")
+            try:
+                live_at_peak(step, dev, path)
+            except (RuntimeError, KeyError, TypeError) as e:  # a diagnostic: measuring goes on
+                path.write_text(f"not recorded: {e!r}\n")
         if not chosen:
             stats = plain  # the measured step's rows
         ways[way] = {"sites": len(stats.sites), "peak_resident_bytes": stats.peak_resident_bytes,
@@ -172,6 +179,45 @@ def measure(layers: int, sequence: int, repeats: int, dev: torch.device,
     return {"layers": layers, "sequence": sequence, "per_layer": per_layer,
             "ledger_freed_kib_per_token_per_layer": freed, "ways": ways, "device": str(dev),
             "estimate_h100_pcie_s8192": h100}
+
+
+def live_at_peak(step: Callable[[], object], dev: torch.device, path: Path) -> None:
+    """One more step with the allocator's history recorded: what was allocated at its peak,
+    by the innermost Python frame outside torch that allocated it, largest first."""
+    torch.cuda.synchronize(dev)
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, device=dev)
+    try:
+        step()
+        traces = torch.cuda.memory._snapshot(dev)["device_traces"][dev.index or 0]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None, device=dev)
+    live: dict[int, tuple[int, str]] = {}
+    total = peak = 0
+    at_peak: dict[int, tuple[int, str]] = {}
+    for event in traces:
+        if event["action"] == "alloc":
+            live[event["addr"]] = (event["size"], _allocated_by(event.get("frames", ())))
+            total += event["size"]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])[0]
+    by: dict[str, list[int]] = {}
+    for size, where in at_peak.values():
+        entry = by.setdefault(where, [0, 0])
+        entry[0] += size
+        entry[1] += 1
+    lines = [f"allocated at the peak (of this step's allocations): {peak / 2**20:.1f} MiB"]
+    lines += [f"{size / 2**20:10.1f} MiB {count:5d}  {where}"
+              for where, (size, count) in sorted(by.items(), key=lambda kv: -kv[1][0])[:30]]
+    path.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+
+
+def _allocated_by(frames: Sequence[dict]) -> str:
+    """The innermost frames outside torch's own files (two, innermost first)."""
+    ours = [f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in frames
+            if "/torch/" not in f["filename"] and f["filename"].endswith(".py")]
+    return " < ".join(ours[:2]) or "?"
 
 
 TITLE = "Recomputation below the layer: one Llama-3-8B layer"
@@ -242,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="one more step of each way under torch.profiler: its table beside OUT "
                         "(OUT-profile-WAY.txt) and, on CUDA, the seconds the device ran kernels")
+    p.add_argument("--memory", action="store_true",
+                   help="on CUDA, one more step of each way with the allocator's history: what "
+                        "was allocated at its peak, by where (OUT-memory/memory-WAY.txt)")
     args = p.parse_args(argv)
     dev = torch.device(args.device)
     if dev.type == "cuda":
@@ -250,7 +299,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         profiles = Path(f"{args.out}-profiles")
         profiles.mkdir(parents=True, exist_ok=True)
-    r = measure(args.layers, args.seq, args.repeats, dev, profiles)
+    memory = None
+    if args.memory:
+        memory = Path(f"{args.out}-memory")
+        memory.mkdir(parents=True, exist_ok=True)
+    r = measure(args.layers, args.seq, args.repeats, dev, profiles, memory)
     meta = result_meta(dev, command=" ".join(
         ["python", *sys.argv] if argv is None else ["python", __file__, *argv]),
         kind="measurement (the engine's ledger; this machine's times) beside an estimate")
