@@ -469,7 +469,7 @@ class _SeeingSaves(TorchDispatchMode):
         out = super().__exit__(*exc)
         if self._hooks is not None:
             self._hooks.__exit__(*exc)
-            self._hooks = None
+            self._hooks = self._ours = None  # ``seeing`` holds this mode: no cycle left behind
         return out
 
     def seen(self) -> bool:
