@@ -84,6 +84,7 @@ def measure(layers: int, sequence: int, repeats: int, dev: torch.device,
     off = cswap.Offloader(cswap.CSwapConfig(plan="keep", min_bytes=0, profile_steps=1,
                                             budget=None)).watch(model)
     names = [n for n in units(model) if n.count(".") == 2]  # the layers
+    off.recomputer.verdicts.whole.add(dev.type)  # whole layers too, to compare (not by default)
 
     cuda = dev.type == "cuda"
     grads: list[torch.Tensor] = []

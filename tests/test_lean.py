@@ -54,6 +54,18 @@ def test_every_block_of_the_test_networks_runs_first_without_autograd(name, monk
     assert len(calls) == 2 * len(layers)
 
 
+def test_a_whole_block_on_a_device_not_chosen_runs_under_checkpoint(monkeypatch):
+    """Where whole blocks were not measured to gain (``Verdicts.whole``: the CPU alone; here
+    not even it), they run under checkpoint, unwatched, bitwise."""
+    built, plain = fresh("gpt2", STEPS + 1)
+    calls = []
+    monkeypatch.setattr(recompute, "rerun", lambda *a, **k: calls.append(a) or lean.rerun(*a, **k))
+    run = recomputing(built, "raw", steps=STEPS + 1, whole=())
+    assert not differences(plain, run.steps)
+    assert not calls and run.verdicts == {}
+    assert lean.WHOLE_DEVICES == ("cpu",)
+
+
 class Net(nn.Module):
     """A block under test, then a linear layer; the block's auxiliary loss is added (where
     it keeps one), and a block returning two tensors has them summed."""

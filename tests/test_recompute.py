@@ -84,10 +84,11 @@ def outermost(names: list[str]) -> list[str]:
 
 
 def recomputing(built: Built, plan: str, choose=outermost, steps: int = STEPS,
-                lean: bool = True) -> Run:
+                lean: bool = True, whole: tuple[str, ...] | None = None) -> Run:
     """Train ``built`` under ``plan`` for ``steps`` steps, with the units ``choose`` picks
     recomputed from the first step after the measured one (``lean``: their first runs
-    without autograd where they are found fit)."""
+    without autograd where they are found fit; ``whole``: on these device types, not the
+    default ones, ``Verdicts.whole``)."""
     offloader = cswap.Offloader(cswap.CSwapConfig(plan=plan, min_bytes=0, profile_steps=1,
                                                   budget=None))
 
@@ -95,6 +96,8 @@ def recomputing(built: Built, plan: str, choose=outermost, steps: int = STEPS,
         skipped = offloader.watch(model).recompute(choose(list(units(model))))
         assert not skipped
         offloader.recomputer.verdicts.on = lean
+        if whole is not None:
+            offloader.recomputer.verdicts.whole = set(whole)
 
     try:
         record = train(built, steps, offloader, prepare)
@@ -755,7 +758,7 @@ def test_on_cuda_training_with_recomputed_blocks_is_bitwise_plain_training(name)
     built = Built(built.model.cuda(), {k: v.cuda() for k, v in built.inputs.items()},
                   built.loss)
     plain = train(built, STEPS + 2)
-    run = recomputing(built, "raw", steps=STEPS + 2)
+    run = recomputing(built, "raw", steps=STEPS + 2, whole=("cuda",))  # not by default there
     assert not differences(plain, run.steps)
     assert len(run.steps[1].stats.sites) < len(run.steps[0].stats.sites) / 2
     assert set(run.verdicts.values()) == {""}  # the last steps ran first without autograd

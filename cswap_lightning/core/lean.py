@@ -437,6 +437,17 @@ def _read(args: tuple, kwargs: dict, out: Any) -> tuple[list[torch.Tensor], list
     return given, list({id(n): n for t in made if (n := t.grad_fn) is not None}.values())
 
 
+# Where a whole unit's first run without autograd was measured to pay: the CPU (1.23-1.31x
+# the throughput of checkpoint, `benchmarks/results/lean-recompute-cpu-2026-11-27.md`). On an
+# H200, Llama-3-8B's layers so ran 3-5% slower than under checkpoint
+# (`benchmarks/results/selective-h200-2026-11-27-s8192.md`, `measure-llama-h200-2026-11-27.md`):
+# the recomputation runs the operators after the unit's last saved tensor too, for its
+# output's graph, which checkpoint stops before; the host time it saves hid behind kernels.
+WHOLE_DEVICES = ("cpu",)
+WHOLE_ELSEWHERE = ("recomputed whole on this device, it runs under checkpoint, which stops "
+                   "before the operators after its last saved tensor (``Verdicts.whole``)")
+
+
 class Verdicts:
     """Whether each unit's first run goes without autograd: ``why`` by unit name, ``""``
     where it does, else why not. The units chosen without one are watched together, every
@@ -444,13 +455,15 @@ class Verdicts:
     are given at its end, or, for a unit that reads an input more than once, once that
     step's backward has checked what else gave the input gradient (``AWAITING``, then
     ``SHARED`` or not).
-    ``on``: False runs every unit under checkpoint (to compare). ``model``: the model's
-    weak reference."""
+    ``on``: False runs every unit under checkpoint (to compare). ``whole``: the device types
+    where a unit recomputed whole may run first without autograd (``WHOLE_DEVICES``; below
+    the layer, everywhere). ``model``: the model's weak reference."""
 
     def __init__(self, model: Callable[[], nn.Module | None]) -> None:
         self.model = model
         self.why: dict[str, str] = {}
         self.on = True
+        self.whole = set(WHOLE_DEVICES)
         self.step: _Watching | None = None  # the step watching, from begin to end
 
     def of(self, name: str, modules: list[nn.Module]) -> str | None:

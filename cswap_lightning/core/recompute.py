@@ -46,7 +46,7 @@ from ..planning.dataflow import WEIGHTS
 from ..planning.profiler import Clock
 from ..planning.workload import BELOW, Below
 from .compile import containers, is_compiled
-from .lean import Verdicts, Watch, rerun
+from .lean import WHOLE_ELSEWHERE, Verdicts, Watch, rerun
 from .lean import parameters as lean_parameters
 from .rerun import (
     Buffer,
@@ -487,9 +487,12 @@ def checkpointed(run: Callable, parts: Parts, changed: list[Buffer], args: tuple
     inputs = (*args, *(kwargs[k] for k in tensors))
     first_run = FirstRun(parts, changed, parts.generators + generators_among(values),
                          CacheStates.of(values))
-    verdict = (verdicts.of(name, parts.modules)
-               if verdicts is not None and (region is None or region.choice is not None)
-               else "not watched")
+    if verdicts is None or (region is not None and region.choice is None):
+        verdict: str | None = "not watched"
+    elif region is None and _device_type(inputs) not in verdicts.whole:
+        verdict = WHOLE_ELSEWHERE
+    else:
+        verdict = verdicts.of(name, parts.modules)
     if verdict == "" and (region is None or region.choice.settled is not None):
         out = rerun(run, inputs, count, tensors, others, first_run, parts.modules,
                     partial(_witnessed, witness, own=True, below=region is not None),
@@ -524,6 +527,11 @@ def checkpointed(run: Callable, parts: Parts, changed: list[Buffer], args: tuple
         verdicts.watched(name, watch, out, partial(run, *args, **kwargs))
         watch = None  # ``body`` keeps the block's inputs alive through it until backward
     return out
+
+
+def _device_type(inputs: tuple) -> str:
+    """The device type of a unit's first tensor input (``"cpu"`` without one)."""
+    return next((t.device.type for t in inputs if isinstance(t, torch.Tensor)), "cpu")
 
 
 UNSETTLED = ("run without autograd, it runs other operators than its choice of what to keep "
