@@ -233,6 +233,21 @@ def test_known_answer_rle_all_zero_and_no_zero():
     assert payload_bytes(ones) == struct.pack("<QQ", 0, 3) + bytes.fromhex("003c" * 3)
 
 
+@pytest.mark.parametrize("elem_size", [1, 2, 4, 8])
+def test_rle_capacity_holds_every_payload(elem_size):
+    """The capacity is the largest payload of any number of runs (each one zero long, the
+    rest values): a single zero among 8-byte elements makes a larger payload than the most
+    runs do (an int64 tensor of 4096 elements, one zero: 32808 bytes)."""
+    rle = get_codec("rle")
+    for numel in range(1, 130):
+        largest = max(rle.payload_nbytes(numel, numel - r, elem_size, r)
+                      for r in range(math.ceil(numel / 2) + 1))
+        assert rle.capacity(numel, elem_size) == largest
+    ids = torch.arange(1, 4097, dtype=torch.int64)
+    ids[7] = 0
+    assert get_codec("rle").encode(ids).payload.numel() == 32808 <= rle.capacity(4096, 8)
+
+
 def test_header_known_bytes_and_properties():
     h = Header("zvc", torch.float16, (2, 3))
     assert h.to_bytes() == b"CSWP" + bytes([FORMAT_VERSION, 1, 1, 2]) + struct.pack("<qq", 2, 3)

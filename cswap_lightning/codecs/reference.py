@@ -146,9 +146,13 @@ class RLECodec(Codec):
         return 16 + 2 * _align16(4 * nruns) + nnz * elem_size
 
     def capacity(self, numel: int, elem_size: int) -> int:
-        # at most one run per two elements (runs are maximal), then the rest non-zero
-        runs = _cdiv(numel, 2)
-        return self.payload_nbytes(numel, numel - runs, elem_size, runs)
+        # r runs (at most one per two elements: runs are maximal) leave at most numel - r
+        # values. The run arrays take 16 bytes per four runs: that payload shrinks with r
+        # inside each group of four and grows (or, 8-byte elements, stays) from one group's
+        # first r to the next's, so the largest is none, or the last group's first r.
+        most = _cdiv(numel, 2)
+        return max(self.payload_nbytes(numel, numel - r, elem_size, r)
+                   for r in {0, 4 * ((most - 1) // 4) + 1 if most else 0})
 
     def payload_length(self, preamble: torch.Tensor, numel: int, elem_size: int
                        ) -> tuple[int, int | None]:
