@@ -369,7 +369,7 @@ def test_an_operator_that_makes_other_outputs_without_autograd_is_asked_as_autog
 
 @contextlib.contextmanager
 def left_to_the_collector() -> Iterator[list[torch.Tensor]]:
-    """The tensors only reference cycles held once the block ran: Python's cycle collector
+    """The tensors and storages only reference cycles held once the block ran: Python's cycle collector
     frees them whenever it runs; until then the device's memory stays taken (on the H200, the
     allocator's peak of layers recomputed below the layer rose above plain training's)."""
     found: list[torch.Tensor] = []
@@ -380,7 +380,7 @@ def left_to_the_collector() -> Iterator[list[torch.Tensor]]:
     finally:
         gc.set_debug(gc.DEBUG_SAVEALL)
         gc.collect()
-        found += [o for o in gc.garbage if isinstance(o, torch.Tensor)]
+        found += [o for o in gc.garbage if isinstance(o, (torch.Tensor, torch.UntypedStorage))]
         gc.garbage.clear()
         gc.set_debug(0)
         gc.enable()

@@ -36,8 +36,8 @@ beside the saved tensors (its temporaries in forward; weight gradients so far an
 gradients in backward).
 
 The engine's host time per moved tensor (its pack and unpack hooks, the copies' launches:
-99.3 us on the H200, 188 us on the H100) moves the host clock, half at the copy out and half
-at the unpack: where it adds up past the device's work, the step waits for the host. The two
+66.1 us on the H200, 99.3 before its transfer path made fewer CUDA calls, 188 us on the H100)
+moves the host clock, half at the copy out and half at the unpack: where it adds up past the device's work, the step waits for the host. The two
 directions never copy at once here, as in the engine: backward's first restore waits for
 forward's last copy out (on the H200 each direction ran at 50.3 GB/s with the other busy,
 55.0 alone). A codec's encoding runs on a lane of its own, as the engine queues it on its
@@ -187,8 +187,9 @@ class Engine:
     prefetch_bytes: int = 512 << 20  # the engine's fixed window when the H100 run was made
     inflight_bytes: int = AUTO_INFLIGHT_BYTES
     # measured, not a setting: the engine's host time per moved tensor on CUDA (`cswap bench
-    # overhead --device cuda`, plan=raw: 99.3 us on the H200, 2026-11-27)
-    host_s_per_move: float = 99.3e-6
+    # overhead --device cuda`, plan=raw: 66.1 us on the H200, 2026-11-27,
+    # benchmarks/results/overhead-h200-2026-11-27-b.md)
+    host_s_per_move: float = 66.1e-6
     # where a codec's kernels take their time, not measured yet (`cswap bench measure`'s int8
     # row tells; one of CODEC_KERNELS): "own stream", encoding on a lane of its own before the
     # copy out, decoding in the copy back's lane (the engine's streams); "copy lane", both in

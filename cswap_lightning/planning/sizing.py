@@ -103,9 +103,10 @@ def mixes(est: Estimate, budgets: Sequence[tuple[str, int]], finer: bool = False
 
 
 # The lossy codecs' speeds in bytes of bfloat16 tensors per second, measured on the H200
-# (`cswap bench codec`, 2026-11-27, 64 MiB, the slower of its sparsities: int8 compress 389
-# GB/s, decompress 1002 GB/s; fp8 443 and 883; benchmarks/results/codec-h200-2026-11-27.md).
-LOSSY_SPEEDS = {"int8": (389e9, 1002e9), "fp8": (443e9, 883e9)}
+# (`cswap bench codec`, 2026-11-27, 64 MiB, the slower of its sparsities 0, 50 and 90%, the
+# encoders skipping the division for zeros: int8 compress 536 GB/s, decompress 835 GB/s; fp8
+# 698 and 1006; benchmarks/results/codec-h200-2026-11-27-b.md).
+LOSSY_SPEEDS = {"int8": (536e9, 835e9), "fp8": (698e9, 1006e9)}
 _FLOATING = ("float32", "float16", "bfloat16")
 
 
