@@ -369,9 +369,10 @@ def test_an_operator_that_makes_other_outputs_without_autograd_is_asked_as_autog
 
 @contextlib.contextmanager
 def left_to_the_collector() -> Iterator[list[torch.Tensor]]:
-    """The tensors and storages only reference cycles held once the block ran: Python's cycle collector
-    frees them whenever it runs; until then the device's memory stays taken (on the H200, the
-    allocator's peak of layers recomputed below the layer rose above plain training's)."""
+    """The tensors and storages only reference cycles held once the block ran: Python's cycle
+    collector frees them whenever it runs; until then the device's memory stays taken (on the
+    H200, the allocator's peak of layers recomputed below the layer rose above plain
+    training's)."""
     found: list[torch.Tensor] = []
     gc.collect()
     gc.disable()
