@@ -95,3 +95,24 @@ def test_the_readme_states_what_recomputation_measured_against_the_replays_charg
             f"CNN's block {min(ratio['resnet50'], ratio['vgg16']):.2f}-"
             f"{max(ratio['resnet50'], ratio['vgg16']):.2f}x, and a BERT-large layer "
             f"{ratio['bert-large']:.2f}x") in readme
+
+
+def test_the_recomputation_check_sets_the_estimate_beside_the_h200s_steps():
+    """Every layer recomputed below the layer and whole, estimated for the H200 as ``cswap
+    plan`` estimates, beside the steps measured there: each way's measured steps are its, the
+    plain rows are 1.0x, and the README and ``cswap plan`` say what the check says."""
+    import json
+
+    rows = {r.way: r for r in calibration.below_check()}
+    assert list(rows) == list(calibration.SELECTIVE_WAYS)
+    measured = json.loads((calibration.EVIDENCE / calibration.SELECTIVE).read_text())["ways"]
+    for way, names in calibration.SELECTIVE_WAYS.items():
+        assert [m[0] for m in rows[way].measured] == list(names)
+        assert all(m[1] == measured[m[0]]["step_s"] for m in rows[way].measured)
+    assert rows["plain"].predicted_vs_plain == 1.0 == rows["plain"].measured[0][2]
+    below, whole = rows["every layer below the layer"], rows["every layer whole"]
+    assert 1.0 < below.predicted_vs_plain < whole.predicted_vs_plain
+    summary = calibration.below_summary(tuple(rows.values()))
+    assert f"predicted {below.predicted_vs_plain - 1:+.1%} on a plain step" in summary
+    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    assert summary in readme

@@ -44,6 +44,7 @@ def test_plan_prints_labelled_estimates_of_every_way(config, capsys):
     low, high = calibration.HELD_OUT_STEP_ERROR
     assert "ESTIMATES, not measurements" in out and f"{low:+.0%} to {high:+.0%}" in out
     assert "Checked end to end once" in " ".join(out.split())
+    assert calibration.below_summary(calibration.below_check()) in out
     for row in ("weights", "gradients", "optimizer state", "saved activations",
                 "peak without help (step)", "peak of the optimizer's update",
                 "without help: FITS", "none (no help)", "none (checkpointing)",

@@ -134,8 +134,8 @@ def header(est: Estimate, spec: models.Model, lossy: str | None = None) -> str:
               f"within {low:+.0%} to {high:+.0%} and the saved bytes exact (one H100 profile "
               "saved copies the trace does not make). The allocator's fragmentation is not "
               "modelled.")
-    lines = [title, where, caveat + " " + calibration.end_to_end_summary(
-        calibration.end_to_end())]
+    lines = [title, where, " ".join((caveat, calibration.end_to_end_summary(
+        calibration.end_to_end()), calibration.below_summary(calibration.below_check())))]
     if lossy is not None:
         encode, decode = sizing.lossy_speeds(lossy, dev)
         lines.append(f"{lossy}: encoding at {encode / 1e9:.0f} GB/s and decoding at "

@@ -34,7 +34,7 @@ import torch
 from . import sizing
 from .devices import DEVICES, Device, Rates
 from .estimate import Setup, estimate, saved_bytes, traced
-from .replay import Engine, predict
+from .replay import Engine, checkpoint_all, predict
 from .workload import from_profile
 
 EVIDENCE = Path(__file__).parent / "evidence"
@@ -252,6 +252,62 @@ def end_to_end_summary(rows: tuple[EndToEnd, ...]) -> str:
             f"{ckpt.predicted_s / ckpt.measured_s - 1:+.1%}, so its ratios against "
             f"checkpointing ran high there ({ckpt.predicted_s / at.predicted_s:.2f}x "
             f"predicted, {ckpt.measured_s / at.measured_s:.2f}x measured).")
+
+
+# Llama-3-8B's shapes, 4 layers, sequence 8192, batch 1, bf16, on an H200
+# (`benchmarks/selective.py --seq 8192`): plain training, every layer recomputed below the
+# layer (first runs without autograd, and under checkpoint) and whole (under checkpoint, as
+# CUDA runs it), each way's step measured, by its name there.
+SELECTIVE = "h200-2026-11-27/selective-llama3-8b-4l-s8192.json"
+SELECTIVE_SETUP = Setup("llama-3-8b", 8192, 1, torch.bfloat16, layers=4)
+SELECTIVE_WAYS = {"plain": ("plain",),
+                  "every layer below the layer": ("below the layer",
+                                                  "below the layer, under checkpoint"),
+                  "every layer whole": ("whole, under checkpoint",)}
+
+
+@dataclass(frozen=True)
+class BelowCheck:
+    """One way of the measured recomputation shape: its step predicted from the config and
+    measured (each measured way of it: ``SELECTIVE_WAYS``), both against plain training's."""
+
+    way: str
+    predicted_s: float
+    predicted_vs_plain: float
+    measured: tuple[tuple[str, float, float], ...]  # (its name, step seconds, against plain)
+
+
+@cache
+def below_check(engine: Engine | None = None) -> tuple[BelowCheck, ...]:
+    """Recomputation below the layer and whole, every layer, estimated on the H200 as
+    ``cswap plan`` estimates, beside the steps measured (``SELECTIVE``): what the estimate
+    charges recomputing, against what it cost."""
+    with open(EVIDENCE / SELECTIVE) as f:
+        measured = json.load(f)["ways"]
+    est = estimate(SELECTIVE_SETUP, DEVICES["h200"])
+    w, link = est.workload(), est.device.link
+    steps = [predict(w, link=link, engine=engine).step_s,
+             predict(w.with_below(0), checkpoint_all(), link=link, engine=engine).step_s,
+             predict(w, checkpoint_all(), link=link, engine=engine).step_s]
+    plain = measured["plain"]["step_s"]
+    return tuple(BelowCheck(way, s, s / steps[0], tuple(
+        (name, measured[name]["step_s"], measured[name]["step_s"] / plain) for name in names))
+        for (way, names), s in zip(SELECTIVE_WAYS.items(), steps, strict=True))
+
+
+def below_summary(rows: tuple[BelowCheck, ...]) -> str:
+    """One sentence: what recomputing every layer below the layer and whole cost, predicted
+    against measured."""
+    by = {r.way: r for r in rows}
+    plain, below, whole = by["plain"], by["every layer below the layer"], by["every layer whole"]
+    return (f"Recomputing checked once (Llama-3-8B's shapes, 4 layers, sequence 8192, an "
+            f"H200; the plain step itself predicted "
+            f"{plain.predicted_s / plain.measured[0][1] - 1:+.0%}): every layer below the "
+            f"layer predicted "
+            f"{below.predicted_vs_plain - 1:+.1%} on a plain step, measured "
+            f"{min(m[2] for m in below.measured) - 1:+.1%} to "
+            f"{max(m[2] for m in below.measured) - 1:+.1%}; whole, predicted "
+            f"{whole.predicted_vs_plain - 1:+.1%}, measured {whole.measured[0][2] - 1:+.1%}.")
 
 
 def validate() -> list[Check]:
