@@ -254,12 +254,14 @@ def end_to_end_summary(rows: tuple[EndToEnd, ...]) -> str:
             f"predicted, {ckpt.measured_s / at.measured_s:.2f}x measured).")
 
 
-# Llama-3-8B's shapes, 4 layers, sequence 8192, batch 1, bf16, on an H200
-# (`benchmarks/selective.py --seq 8192`): plain training, every layer recomputed below the
-# layer (first runs without autograd, and under checkpoint) and whole (under checkpoint, as
-# CUDA runs it), each way's step measured, by its name there.
+# Llama-3-8B's layer shapes, 4 layers, a head of 1024 words (``SELECTIVE_CONFIG``), sequence
+# 8192, batch 1, bf16, on an H200 (`benchmarks/selective.py --seq 8192`): plain training,
+# every layer recomputed below the layer (first runs without autograd, and under
+# checkpoint) and whole (under checkpoint, as CUDA runs it), each way's step measured, by
+# its name there.
 SELECTIVE = "h200-2026-11-27/selective-llama3-8b-4l-s8192.json"
-SELECTIVE_SETUP = Setup("llama-3-8b", 8192, 1, torch.bfloat16, layers=4)
+SELECTIVE_CONFIG = EVIDENCE / "h200-2026-11-27/selective-llama3-8b-4l-config.json"
+SELECTIVE_SETUP = Setup(str(SELECTIVE_CONFIG), 8192, 1, torch.bfloat16)
 SELECTIVE_WAYS = {"plain": ("plain",),
                   "every layer below the layer": ("below the layer",
                                                   "below the layer, under checkpoint"),
@@ -300,8 +302,8 @@ def below_summary(rows: tuple[BelowCheck, ...]) -> str:
     against measured."""
     by = {r.way: r for r in rows}
     plain, below, whole = by["plain"], by["every layer below the layer"], by["every layer whole"]
-    return (f"Recomputing checked once (Llama-3-8B's shapes, 4 layers, sequence 8192, an "
-            f"H200; the plain step itself predicted "
+    return (f"Recomputing checked once (Llama-3-8B's layer shapes, 4 layers, sequence 8192, "
+            f"an H200; the plain step itself predicted "
             f"{plain.predicted_s / plain.measured[0][1] - 1:+.0%}): every layer below the "
             f"layer predicted "
             f"{below.predicted_vs_plain - 1:+.1%} on a plain step, measured "
