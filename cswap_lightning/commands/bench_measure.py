@@ -12,8 +12,9 @@ For each model, in one process:
    the model watched: the engine measures, plans and checks on its own; its rows are
    predicted by its own replay of its measured step, for the plan it ran, and the planner's
    mix from the captured profile is shown beside), the default engine on a run that fits,
-   every block recomputed by the engine and nothing moved (checkpointing's memory: what its
-   first runs without autograd gain, ``core/lean.py``), and every tensor swapped through
+   every block recomputed by the engine and nothing moved (checkpointing's memory; on the CPU
+   its first runs without autograd, ``core/lean.py``, on CUDA its blocks under checkpoint,
+   ``Verdicts.whole``), and every tensor swapped through
    int8 (``plan="int8"``), predicted at the int8 kernels' speeds measured on the H200
    (``planning/sizing.LOSSY_SPEEDS``): what tells whether the replay should charge a
    codec's encoding to the link, as it does, or to the compute stream.
