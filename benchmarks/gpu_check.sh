@@ -124,11 +124,11 @@ if [[ -z ${DRY:-} ]] && selected kernels && ! grep -q "^kernels: ok" "$SUMMARY";
     ENGINE=("${CSWAP[@]}")
     echo "kernels did not pass: the engine's steps run on the reference codecs" | tee -a "$SUMMARY"
 fi
-# Named tests first: by default the code no GPU has run yet (the first runs without
-# autograd of recomputed blocks, whole and below the layer, on CUDA's RNG; the transfer
-# path's fewer CUDA calls);
+# Named tests first: by default those changed since a GPU last ran them (the recipe test
+# past CUDA's plain-timed step; whole blocks run first without autograd on CUDA only when
+# asked; the allocator's peaks with layers recomputed, after the reference-cycle fix);
 # TESTS='tests/test_x.py::test_y ...' names others, TESTS=' ' none.
-TESTS=${TESTS-tests/test_engine.py::test_lossless_on_cuda tests/test_recompute.py::test_on_cuda_training_with_recomputed_blocks_is_bitwise_plain_training tests/test_selective.py::test_on_cuda_layers_below_the_layer_are_bitwise_plain_training}
+TESTS=${TESTS-tests/test_recipes.py::test_recipe_on_gpu_moves_activations_off_the_device tests/test_recompute.py::test_on_cuda_training_with_recomputed_blocks_is_bitwise_plain_training tests/test_recompute.py::test_on_cuda_the_allocators_peak_drops_with_recomputed_layers tests/test_selective.py::test_on_cuda_the_allocators_peak_drops_by_what_the_layers_no_longer_keep tests/test_selective.py::test_on_cuda_layers_below_the_layer_are_bitwise_plain_training}
 if [[ -n ${TESTS// /} ]]; then
     step tests 90 python3 -m pytest -q -p no:cacheprovider $TESTS
 fi
