@@ -12,9 +12,10 @@ For each model, in one process:
    the model watched: the engine measures, plans and checks on its own; its rows are
    predicted by its own replay of its measured step, for the plan it ran, and the planner's
    mix from the captured profile is shown beside), the default engine on a run that fits,
-   every block recomputed by the engine and nothing moved (checkpointing's memory; on the CPU
-   its first runs without autograd, ``core/lean.py``, on CUDA its blocks under checkpoint,
-   ``Verdicts.whole``), and every tensor swapped through
+   every block recomputed by the engine and nothing moved (checkpointing's memory) as the
+   device runs it by default (on the CPU first without autograd, ``core/lean.py``; on CUDA
+   under checkpoint, ``Verdicts.whole``) and with first runs without autograd (what they
+   gain or lose there), and every tensor swapped through
    int8 (``plan="int8"``), predicted at the int8 kernels' speeds measured on the H200
    (``planning/sizing.LOSSY_SPEEDS``): what tells whether the replay should charge a
    codec's encoding to the link, as it does, or to the compute stream.
@@ -76,8 +77,10 @@ from .traced import trace_path, traced_step
 
 LEVELS = (0.85, 0.5)
 INT8_ALL = "cswap int8, every tensor swapped"
-# Checkpointing's memory, the engine's recomputation: its first runs without autograd
+# Checkpointing's memory, the engine's recomputation as the device runs it by default (on
+# CUDA under checkpoint, ``Verdicts.whole``), and with its first runs without autograd
 RECOMPUTE_ALL = "cswap, every block recomputed"
+RECOMPUTE_ALL_LEAN = "cswap, every block recomputed, first runs without autograd"
 # The models of the first H100 run at their profiled sizes, and a Llama-3-8B layer stack.
 BATCH = {"gpt2-medium": 8, "resnet50": 128, "bert-large": 16, "vgg16": 64}
 
@@ -286,18 +289,22 @@ def run_model(key: str, dev: torch.device, out_dir: Path, rounds: int, small: bo
         model = copies[label] = clone()
         methods.append(Method(label, model, budget_bytes=b))
     methods.append(Method(RECOMPUTE_ALL, clone()))
+    methods.append(Method(RECOMPUTE_ALL_LEAN, clone()))
     methods.append(Method(INT8_ALL, clone()))
     # what the other copies hold beside one model's step
     others = (torch.cuda.memory_allocated(dev) - own_start) if dev.type == "cuda" else 0
     for m in methods[2:]:
         budget = "auto" if m.budget_bytes is None else m.budget_bytes + others
-        config = {INT8_ALL: CSwapConfig(plan="int8"),
-                  RECOMPUTE_ALL: CSwapConfig(plan="keep", budget=None)}.get(
-                      m.name, CSwapConfig(budget=budget))
+        recomputes = m.name in (RECOMPUTE_ALL, RECOMPUTE_ALL_LEAN)
+        config = (CSwapConfig(plan="int8") if m.name == INT8_ALL else
+                  CSwapConfig(plan="keep", budget=None) if recomputes else
+                  CSwapConfig(budget=budget))
         m.offloader = Offloader(config).watch(m.model)
         m.context = (lambda off=m.offloader: off)
-        if m.name == RECOMPUTE_ALL:
+        if recomputes:
             m.offloader.recompute(outermost(m.offloader.recomputer.units()))
+        if m.name == RECOMPUTE_ALL_LEAN:
+            m.offloader.recomputer.verdicts.whole.add(dev.type)
 
     # predictions from this device's profile
     link = measure_link(dev)
@@ -311,6 +318,7 @@ def run_model(key: str, dev: torch.device, out_dir: Path, rounds: int, small: bo
     rows["checkpointing"] = {"predicted_step_s": ck.step_s - ck.optimizer_s,
                              "predicted_peak": ck.peak_bytes}
     rows[RECOMPUTE_ALL] = dict(rows["checkpointing"])
+    rows[RECOMPUTE_ALL_LEAN] = dict(rows["checkpointing"])
     for label, b in engines:
         if b is None:
             rows[label] = {"predicted_step_s": rows["no offload"]["predicted_step_s"],
