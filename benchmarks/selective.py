@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import io
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -149,6 +152,7 @@ def measure(layers: int, sequence: int, repeats: int, dev: torch.device,
         if profiles is not None:
             traced = traced_step(step, dev, trace_path(profiles, f"profile {way}"))
             busy = None if traced is None else traced.kernels_s + traced.copies_s
+            host_functions(step, trace_path(profiles, f"host {way}"))
         if memory is not None and cuda:
             path = trace_path(memory, f"memory {way}")
             try:
@@ -180,6 +184,19 @@ def measure(layers: int, sequence: int, repeats: int, dev: torch.device,
     return {"layers": layers, "sequence": sequence, "per_layer": per_layer,
             "ledger_freed_kib_per_token_per_layer": freed, "ways": ways, "device": str(dev),
             "estimate_h100_pcie_s8192": h100}
+
+
+def host_functions(step: Callable[[], object], path: Path, steps: int = 3) -> None:
+    """``steps`` more steps under cProfile: the Python functions the host spent most time in
+    (their own time, per step), what a host-bound step is made of."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    path.write_text(f"{steps} steps under cProfile, own time first\n{text.getvalue()}")
 
 
 def live_at_peak(step: Callable[[], object], dev: torch.device, path: Path) -> None:
@@ -288,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--profile", action="store_true",
                    help="one more step of each way under torch.profiler: its table beside OUT "
-                        "(OUT-profile-WAY.txt) and, on CUDA, the seconds the device ran kernels")
+                        "(OUT-profiles/profile-WAY.txt) and, on CUDA, the seconds the device "
+                        "ran kernels; and three under cProfile (OUT-profiles/host-WAY.txt)")
     p.add_argument("--memory", action="store_true",
                    help="on CUDA, one more step of each way with the allocator's history: what "
                         "was allocated at its peak, by where (OUT-memory/memory-WAY.txt)")
