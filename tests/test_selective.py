@@ -343,6 +343,13 @@ def attending(monkeypatch) -> Iterator[Built]:
     ops.facts.cache_clear()
 
 
+def test_the_attention_kernels_asked_for_their_log_sum_exp_take_it_where_asked():
+    """The position each is asked at is its schema's ``compute_log_sumexp`` (a torch that
+    moved it would be asked something else)."""
+    for func, at in selective._WITH_AUTOGRAD.items():
+        assert func._schema.arguments[at].name == "compute_log_sumexp", func
+
+
 @pytest.mark.parametrize("asked", [True, False])
 def test_an_operator_that_makes_other_outputs_without_autograd_is_asked_as_autograd_asks(
         attending, asked, monkeypatch):
