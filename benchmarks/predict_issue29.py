@@ -229,8 +229,9 @@ def markdown(cases: dict[str, dict], check: dict | None = None) -> str:
                          f"{r['measured_vs_keep']:.3f}x | "
                          f"{r['measured_vs_checkpointing']:.3f}x |")
         lines += ["", (f"Recomputing every layer, checked the same way against "
-                       f"`{check['below_source']}` (Llama-3-8B's shapes, 4 layers, sequence "
-                       "8192, batch 1, full fine-tuning, an H200): the step predicted and "
+                       f"`{check['below_source']}` (Llama-3-8B's layer shapes, 4 layers, the "
+                       "benchmark's 1024-word head, sequence 8192, batch 1, full fine-tuning, "
+                       "an H200): the step predicted and "
                        "measured, each against plain training's. Below the layer, measured "
                        "with first runs without autograd and under checkpoint; whole, under "
                        "checkpoint (CUDA's default)."), "",
