@@ -17,9 +17,11 @@
 #   3. codec: zvc, rle, int8 and fp8 at 16 and 64 MiB against a device-to-device copy (the
 #      lossy codecs' speeds are what the planner weighs int8 and fp8 on the link by);
 #   4. selective: Llama-3-8B's layer shapes (4 layers, s4096 b1) recomputed below the layer
-#      and whole against plain training: step time, the allocator's peak, gradients bitwise
-#      beside plain against plain, and one step of each under torch.profiler: the time the
-#      GPU ran kernels beside the step's (`benchmarks/selective.py --profile`);
+#      and whole, with and without first runs without autograd, against plain training: step
+#      time (forward's host and end, backward), the allocator's peak, gradients bitwise
+#      beside plain against plain, one step of each under torch.profiler (the time the GPU
+#      ran kernels beside the step's) and three under cProfile (where the host's time goes:
+#      `benchmarks/selective.py --profile`);
 #   5. overhead: host time per saved tensor on CUDA (`cswap bench overhead --device cuda`);
 #   6. exit-codes: the CUDA cases of tests/test_exit.py (exit status with and without close(),
 #      the CUDA codecs; CI runs the CPU ones);
