@@ -110,6 +110,7 @@ def predict(case: str, setup: Setup, codecs: tuple[str | None, ...], lower_goal:
            "device": est.device.name, "saved_activations_gib": saved / GiB,
            "codec_kernels": (engine or Engine()).codec_kernels,
            "recompute_scale": (engine or Engine()).recompute_scale,
+           "below_scale": (engine or Engine()).below_scale,
            "checkpointing_peak_gib": checkpointing.prediction.peak_bytes / GiB,
            "optimizer_peak_gib": est.optimizer_peak / GiB,
            "fits_the_device": est.optimizer_peak <= sizing.usable(est.device),
@@ -200,11 +201,15 @@ NOTE = ("Every figure is the replay's prediction of an estimated step on an H100
 def markdown(cases: dict[str, dict], check: dict | None = None) -> str:
     first = next(iter(cases.values()))
     note = NOTE.format(kernels=CODEC_KERNELS[first["codec_kernels"]])
-    scale = first["recompute_scale"]
+    scale, below = first["recompute_scale"], first.get("below_scale", 1.0)
     if scale != 1.0:
         note += (f" Recomputing a whole layer is charged {scale:g}x its profiled forward (a "
                  "bracket: what the models' checkpointing measured against the replay's charge "
                  "on an H200); below the layer, as estimated.")
+    if below != 1.0:
+        note += (f" Recomputing below the layer is charged {below:g}x its estimate (a bracket: "
+                 "what every layer so recomputed measured against the estimate on an H200, "
+                 "`calibration.below_check`).")
     lines = [note, "", "## Goals", "", "| goal | predicted | met |", "|---|---|---|"]
     for goal, predicted, met in goals(cases):
         lines.append(f"| {goal} | {predicted} | {'yes' if met else 'NO'} |")
@@ -278,13 +283,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recompute-scale", type=float, default=Engine.recompute_scale,
                    help="what recomputing a block costs against its forward "
                    "(replay.Engine.recompute_scale; a bracket, not a calibration)")
+    p.add_argument("--below-scale", type=float, default=Engine.below_scale,
+                   help="what recomputing below the layer costs against its estimate "
+                   "(replay.Engine.below_scale; a bracket, not a calibration)")
     p.add_argument("--quick", action="store_true",
                    help="2 layers of each at a short sequence: to see it run, not the goals")
     args = p.parse_args(argv)
     layers, sequence = (2, 1024) if args.quick else (None, 8192)
     llama = {"model": "llama-3-8b", "sequence": sequence, "batch": 1, "dtype": torch.bfloat16,
              "layers": layers}
-    engine = Engine(codec_kernels=args.codec_kernels, recompute_scale=args.recompute_scale)
+    engine = Engine(codec_kernels=args.codec_kernels, recompute_scale=args.recompute_scale,
+                    below_scale=args.below_scale)
     cases = {}
     for case, setup, codecs, lower in (
             ("Llama-3-8B LoRA", Setup(**llama, lora=models.LoRA()), CODECS, True),

@@ -42,12 +42,14 @@ def test_the_codecs_kernels_and_recomputations_price_can_be_set(tmp_path, monkey
     script = load_benchmark("predict_issue29", monkeypatch)
     out = str(tmp_path / "p")
     assert script.main(["--quick", "--codec-kernels", "compute", "--recompute-scale", "0.7",
-                        "--out", out]) == 0
+                        "--below-scale", "1.6", "--out", out]) == 0
     data = json.loads((tmp_path / "p.json").read_text())
     assert {c["codec_kernels"] for c in data["cases"].values()} == {"compute"}
     assert {c["recompute_scale"] for c in data["cases"].values()} == {0.7}
+    assert {c["below_scale"] for c in data["cases"].values()} == {1.6}
     text = (tmp_path / "p.md").read_text()
     assert script.CODEC_KERNELS["compute"] in text and "charged 0.7x its profiled" in text
+    assert "below the layer is charged 1.6x its estimate" in text
 
 
 def test_a_goal_at_checkpointings_peak_needs_the_row_within_that_peak(monkeypatch):

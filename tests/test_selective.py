@@ -888,6 +888,22 @@ def test_on_cuda_the_allocators_peak_drops_by_what_the_layers_no_longer_keep():
     assert plain.peak_allocated_bytes - recomputed.peak_allocated_bytes > 0.5 * freed
 
 
+def test_below_scale_prices_below_the_layer_and_leaves_whole_layers_as_profiled():
+    """The other bracket (``Engine.below_scale``): below the layer measured dearer than
+    estimated on the H200."""
+    w = layer_and_head().with_below()
+    dearer = replace(ENGINE, below_scale=2.0)
+    below_ = replay.Mix(blocks={"l:elementwise": replay.RECOMPUTE})
+    assert replay.predict(w, below_, LINK, dearer).recompute_s == pytest.approx(
+        2 * replay.predict(w, below_, LINK, ENGINE).recompute_s)
+    whole = replay.Mix(blocks={"l": replay.RECOMPUTE})
+    merged = w.merged({"l"})
+    assert replay.predict(merged, whole, LINK, dearer).recompute_s == pytest.approx(
+        replay.predict(merged, whole, LINK, ENGINE).recompute_s)
+    with pytest.raises(ValueError, match="below_scale.*0"):
+        replay.Engine(below_scale=0.0)
+
+
 def test_recompute_scale_prices_whole_layers_and_leaves_below_the_layer_as_estimated():
     """The bracket's share (``Engine.recompute_scale``) is what checkpointing whole layers
     measured; below the layer measured dearer than estimated, so it is not scaled."""

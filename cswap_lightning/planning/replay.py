@@ -36,21 +36,21 @@ beside the saved tensors (its temporaries in forward; weight gradients so far an
 gradients in backward).
 
 The engine's host time per moved tensor (its pack and unpack hooks, the copies' launches:
-66.1 us on the H200, 99.3 before its transfer path made fewer CUDA calls, 188 us on the H100)
-moves the host clock, half at the copy out and half at the unpack: where it adds up past the device's work, the step waits for the host. The two
-directions never copy at once here, as in the engine: backward's first restore waits for
-forward's last copy out (on the H200 each direction ran at 50.3 GB/s with the other busy,
-55.0 alone). A codec's encoding runs on a lane of its own, as the engine queues it on its
-compress stream: the copy out waits for its tensor's encoding, and the next tensor encodes
-while this one is copied; decoding takes the copy back's lane (the engine decodes on the
-restore stream). A codec whose encoding reads a size back to the host (the reference zvc
-and rle: ``Codec.waits``) holds forward until its encoding is done. What the kernels take
-from compute's SMs is not modelled; until a GPU measurement says which is nearer,
-``Engine.codec_kernels`` can put them in the copy's lane (as the replay did before) or on
-the compute stream's clock instead. Not modelled either: the host's own time to issue each
-op's kernels (a profile holds device times only), and the allocator's fragmentation.
-Every figure the replay gives is a prediction, not a measurement.
-"""
+66.1 us on the H200, 99.3 before its transfer path made fewer CUDA calls, 188 us on the
+H100) moves the host clock, half at the copy out and half at the unpack: where it adds up
+past the device's work, the step waits for the host. The two directions never copy at once
+here, as in the engine: backward's first restore waits for forward's last copy out (on the
+H200 each direction ran at 50.3 GB/s with the other busy, 55.0 alone). A codec's encoding
+runs on a lane of its own, as the engine queues it on its compress stream: the copy out
+waits for its tensor's encoding, and the next tensor encodes while this one is copied;
+decoding takes the copy back's lane (the engine decodes on the restore stream). A codec
+whose encoding reads a size back to the host (the reference zvc and rle: ``Codec.waits``)
+holds forward until its encoding is done. What the kernels take from compute's SMs is not
+modelled; until a GPU measurement says which is nearer, ``Engine.codec_kernels`` can put
+them in the copy's lane (as the replay did before) or on the compute stream's clock
+instead. Not modelled either: the host's own time to issue each op's kernels (a profile
+holds device times only), and the allocator's fragmentation. Every figure the replay gives
+is a prediction, not a measurement. """
 
 from __future__ import annotations
 
@@ -203,6 +203,11 @@ class Engine:
     # 0.66x (Llama) and 0.78x (GPT-2 medium) of it, 0.98-1.08x for CNNs' blocks, 3.68x for
     # BERT-large's (host-bound). Below the layer is left as estimated: it measured dearer
     recompute_scale: float = 1.0
+    # what recomputing below the layer costs against its estimate: 1 as estimated. Also a
+    # bracket: on the H200 (2026-11-27, Llama-3-8B's layer shapes, 8192 tokens) every layer so
+    # recomputed cost 1.46-1.78x the estimate's share of a plain step
+    # (``calibration.below_check``)
+    below_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.codec_kernels not in CODEC_KERNELS:
@@ -211,6 +216,9 @@ class Engine:
         if not self.recompute_scale > 0:
             raise ValueError(f"Engine.recompute_scale must be above 0 (1: as profiled), got "
                              f"{self.recompute_scale!r}")
+        if not self.below_scale > 0:
+            raise ValueError(f"Engine.below_scale must be above 0 (1: as estimated), got "
+                             f"{self.below_scale!r}")
 
 
 @dataclass(frozen=True)
@@ -512,7 +520,7 @@ class _Replay:
             ready = max(ready, self._unpack(storage))
         begin = max(self.compute, self.host, ready)
         self.wait += begin - max(self.compute, self.host)
-        seconds = b.recompute_s(w.ops, self.engine.recompute_scale)
+        seconds = b.recompute_s(w.ops, self.engine.recompute_scale, self.engine.below_scale)
         self.compute = begin + self.decoding + seconds
         self.decoding = 0.0
         self.recompute_s += seconds

@@ -118,11 +118,13 @@ class Block:
     below: tuple[Below, ...] = ()
     selective: Below | None = None
 
-    def recompute_s(self, ops: Sequence[Op], whole_scale: float = 1.0) -> float:
+    def recompute_s(self, ops: Sequence[Op], whole_scale: float = 1.0,
+                    below_scale: float = 1.0) -> float:
         """What recomputing it costs: its forward once more (times ``whole_scale``:
-        ``replay.Engine.recompute_scale``), or below the layer, its elementwise part."""
+        ``replay.Engine.recompute_scale``), or below the layer, its elementwise part (times
+        ``below_scale``: ``replay.Engine.below_scale``)."""
         if self.selective is not None:
-            return self.selective.seconds
+            return below_scale * self.selective.seconds
         return whole_scale * sum(op.forward_s for op in ops[self.ops.start:self.ops.stop])
 
 
