@@ -560,8 +560,7 @@ class Lean(_Eager, TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         marks = self.settled.get(func)  # None: ignored, a cast, or not in the settled forward
-        if func in _WITH_AUTOGRAD and marks is not None:
-            at = _WITH_AUTOGRAD[func]
+        if marks is not None and (at := _WITH_AUTOGRAD.get(func)) is not None:
             args = (*args[:at], True, *args[at + 1:])
         out = func(*args, **kwargs)
         if marks is None:

@@ -397,9 +397,8 @@ def table(mix: Choice, workload: Workload | None = None) -> str:
         if decision.swap_input:
             what += " (kept swapped)" if block.selective else " (input swapped)"
         saved = saved_bytes(workload, b)
-        seconds = block.recompute_s(workload.ops, mix.engine.recompute_scale,
-                                    mix.engine.below_scale)
-        cost = f"{1e3 * seconds:.3f}" if decision.action == "recompute" else "link"
+        cost = (f"{1e3 * mix.engine.recompute_s(block, workload.ops):.3f}"
+                if decision.action == "recompute" else "link")
         rows.append(f"{block.name:<28} {what:<22} {saved / 2**20:>6.1f} MiB {cost:>9}")
     p, keep = mix.prediction, mix.keep
     budget = "none" if mix.budget_bytes is None else f"{mix.budget_bytes / 2**20:.1f} MiB"

@@ -55,12 +55,12 @@ is a prediction, not a measurement. """
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from ..config import AUTO_INFLIGHT_BYTES, MAX_STORAGE_TO_VIEW_RATIO, CSwapConfig
-from .workload import Op, Workload
+from .workload import Block, Op, Workload
 
 GB = 1e9
 
@@ -219,6 +219,10 @@ class Engine:
         if not self.below_scale > 0:
             raise ValueError(f"Engine.below_scale must be above 0 (1: as estimated), got "
                              f"{self.below_scale!r}")
+
+    def recompute_s(self, block: Block, ops: Sequence[Op]) -> float:
+        """What recomputing ``block`` costs, priced with this engine's scales."""
+        return block.recompute_s(ops, self.recompute_scale, self.below_scale)
 
 
 @dataclass(frozen=True)
@@ -520,7 +524,7 @@ class _Replay:
             ready = max(ready, self._unpack(storage))
         begin = max(self.compute, self.host, ready)
         self.wait += begin - max(self.compute, self.host)
-        seconds = b.recompute_s(w.ops, self.engine.recompute_scale, self.engine.below_scale)
+        seconds = self.engine.recompute_s(b, w.ops)
         self.compute = begin + self.decoding + seconds
         self.decoding = 0.0
         self.recompute_s += seconds
