@@ -12,6 +12,11 @@
 #      interleaved beside the predictions, each with the host's time beside the device's,
 #      and one more step of each traced (the device's kernel and copy time: what it waited
 #      for);
+#   1b. finetune: `cswap bench finetune llama-3-8b --lora --seq 8192` (issue 29's setup, all 32
+#      layers, peft's LoRA, one copy of the model): no offload, checkpointing, cswap at
+#      checkpointing's peak and at 75% fewer saved activations, lossless and through int8
+#      (the goals `predictions-issue29-*` predicted for an H100 PCIe; `cswap plan ... --device
+#      h200` estimates this device);
 #   2. measure-llama: the same for Llama-3-8B's layer shapes (4 layers, s4096 b1: LLM
 #      fine-tuning, the planner's mixes and int8 against checkpointing; its profile too);
 #   3. codec: zvc, rle, int8 and fp8 at 16 and 64 MiB against a device-to-device copy (the
@@ -37,7 +42,7 @@
 #     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
 #       -d .whl hyperopt==0.3.0 jsonargparse==4.53.0 docstring-parser==0.18.0 \
-#       typeshed-client==2.14.0
+#       typeshed-client==2.14.0 peft==0.21.2 accelerate==1.15.0 psutil==7.2.2
 #     CSWAP_CACHE_DIR=$PWD/.devcache .venv/bin/python -m cswap_lightning build-ext
 #   then: run(command="bash benchmarks/gpu_check.sh", carry=[".whl", ".devcache"],
 #             timeout_s=500)
@@ -57,9 +62,10 @@
 #
 # Environment: OUT (set by the device machine), BUDGET_S (seconds for the whole call, default
 # 450), ONLY (space-separated step names to run instead of all), MODELS (the measure step's,
-# default "gpt2-medium resnet50"), TESTS (pytest node ids to run before the measure step, as
-# the step "tests"; by default the code no GPU has run yet), DRY=1 (list each step with
-# its limit and command, run nothing: `DRY=1 bash benchmarks/gpu_check.sh`).
+# default "gpt2-medium resnet50"), FT_SEQ (the finetune step's sequence, default 8192), TESTS
+# (pytest node ids to run before the measure step, as the step "tests"; by default the code no
+# GPU has run yet), DRY=1 (list each step with its limit and command, run nothing:
+# `DRY=1 bash benchmarks/gpu_check.sh`).
 set -u
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/gpu-check-out}
@@ -134,6 +140,9 @@ TESTS=${TESTS-tests/test_recipes.py::test_recipe_on_gpu_moves_activations_off_th
 if [[ -n ${TESTS// /} ]]; then
     step tests 90 python3 -m pytest -q -p no:cacheprovider $TESTS
 fi
+step finetune 300 "${ENGINE[@]}" bench finetune llama-3-8b --lora --seq ${FT_SEQ:-8192} \
+    --steps 5 --lossy int8 --out "$WORK/finetune-$TAG"
+[[ -f $WORK/finetune-$TAG.md ]] && grep "^|" "$WORK/finetune-$TAG.md" >>"$SUMMARY"
 step measure 300 "${ENGINE[@]}" bench measure --models ${MODELS:-gpt2-medium resnet50} --rounds 12 \
     --trace --out "$WORK/measure-$TAG"
 [[ -f $WORK/measure-$TAG.md ]] && grep "^|" "$WORK/measure-$TAG.md" >>"$SUMMARY"

@@ -24,6 +24,12 @@ def checkpointing_switch(model: nn.Module) -> Callable[..., None]:
     return enable if enable is not None else model.gradient_checkpointing_enable
 
 
+def checkpointing_off(model: nn.Module) -> None:
+    """Turn the model's activation checkpointing off (the switch's counterpart)."""
+    disable = getattr(model, "activation_checkpointing_disable", None)
+    (disable if disable is not None else model.gradient_checkpointing_disable)()
+
+
 def has_offload(switch: Callable[..., None]) -> bool:
     """Whether a checkpointing switch takes ``offload`` (transformers >= 5.17)."""
     return "offload" in inspect.signature(switch).parameters

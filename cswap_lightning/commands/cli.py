@@ -149,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     from .bench_suite import add_parser as add_suite_parser
 
     add_suite_parser(bench_kinds)
+    from .bench_finetune import add_parser as add_finetune_parser
+
+    add_finetune_parser(bench_kinds)
     from .plan import add_parser as add_plan_parser
 
     add_plan_parser(commands)
@@ -245,6 +248,11 @@ def main(argv: list[str] | None = None) -> int:
         from .bench_measure import run_measure_bench
 
         run_measure_bench(args.models, args.out, args.rounds, args.device, args.trace)
+        return 0
+    if args.bench == "finetune":
+        from .bench_finetune import run_finetune
+
+        run_finetune(args)
         return 0
     if args.bench == "suite":
         from .bench_suite import run_suite

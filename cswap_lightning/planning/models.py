@@ -87,12 +87,13 @@ def config_dict(name_or_path: str) -> dict:
 
 
 def model(name_or_path: str, dropout: bool = True, lora: LoRA | None = None,
-          layers: int | None = None) -> Model:
+          layers: int | None = None, overrides: dict | None = None) -> Model:
     """The model of a name (``KNOWN``, ``CNNS``) or config file; ``dropout=False`` sets every
     dropout of the config to 0 (as the H100 transformer profiles ran: no masks saved);
-    ``layers``: that many of its layers (a transformer's) instead of the config's."""
+    ``layers``: that many of its layers (a transformer's) instead of the config's;
+    ``overrides``: config fields to replace (a tiny model of the same kind, say)."""
     if name_or_path in CNNS:
-        if lora is not None or layers is not None:
+        if lora is not None or layers is not None or overrides:
             raise ValueError(f"LoRA and a number of layers are for the transformers models, "
                              f"not {name_or_path}")
         return _cnn(name_or_path)
@@ -101,7 +102,7 @@ def model(name_or_path: str, dropout: bool = True, lora: LoRA | None = None,
         path = Path(name)
         name = path.name if path.is_dir() else (
             path.parent.name if path.name == "config.json" and path.parent.name else path.stem)
-    data = config_dict(name_or_path)
+    data = config_dict(name_or_path) | (overrides or {})
     if layers is not None:
         key = "n_layer" if "n_layer" in data else "num_hidden_layers"
         data[key] = layers

@@ -1,0 +1,287 @@
+"""`cswap bench finetune`: a transformer's fine-tuning step, measured on this GPU the ways a user
+chooses between, for the setup `cswap plan` estimates.
+
+The setup is `cswap plan`'s (a model name or ``config.json``, sequence, batch, LoRA or full
+fine-tuning, bf16), its weights random and built on the device: nothing is downloaded. There is
+one copy of the model (a 7-8B model leaves no room for a second), so the methods run one after
+another on it, each warmed up, then timed:
+
+- no offload, first and again last: the control (the two say how far a sequential comparison
+  can be trusted on this machine);
+- activation checkpointing of every layer, through the model's own switch (non-reentrant);
+  with ``--peers``, transformers' built-in offload too (the layers' inputs in host memory);
+- cswap (``plan="auto"``, the model watched: it measures, plans, checks its plan) with the
+  allocator's budget at checkpointing's measured peak, and at no offload's peak less 75% of
+  the saved activations (counted in a step of its own: each storage autograd saved, the
+  parameters apart); with ``--lossy``, the first of those through that codec too.
+
+Each timed step is forward and backward (no optimizer), device time between events, the
+allocator's peak above the step's start plus what the model and batch held then. A method that
+runs out of memory, or fails, is reported so and the others go on.
+
+On the CPU (``--small``: a tiny model of the same kind) it is a dry run of the code path; its
+figures mean nothing. `cswap plan` with the same arguments and this device gives the estimate
+to set beside the measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from ..config import LOSSY_CODECS, CSwapConfig
+from ..core.engine import Offloader
+from ..hf_checkpointing import checkpointing_off
+from ..planning import models
+from ..records import fmt_bytes
+from .args import whole
+from .bench_measure import Method, _engine_summary, _settle, _step
+from .bench_step import device_name, result_meta, write_results
+from .suite_cases import hf_checkpointing
+
+LOWER = 0.75  # the share of the saved activations the second budget frees
+NO_OFFLOAD, NO_OFFLOAD_AGAIN = "no offload", "no offload, again (the control)"
+CHECKPOINTING, HF_OFFLOAD = "activation checkpointing", "HF built-in offload"
+AT_CHECKPOINTING = "cswap, budget checkpointing's peak"
+AT_LOWER = f"cswap, budget {LOWER:.0%} lower saved activations"
+# The tiny model of ``--small``: the same code path on the CPU
+SMALL = {"hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 256, "bos_token_id": 0, "eos_token_id": 0}
+SMALL_LAYERS = 2
+
+
+def add_parser(bench_kinds) -> argparse.ArgumentParser:
+    """Register ``cswap bench finetune`` under the ``bench`` subcommands."""
+    p = bench_kinds.add_parser(
+        "finetune", help="an LLM fine-tuning step on this GPU: no offload, checkpointing and "
+        "cswap at checkpointing's peak and at 75%% fewer saved activations, measured (the "
+        "setup `cswap plan` estimates)")
+    p.add_argument("model", help=f"one of {', '.join(models.KNOWN)}, or a transformers "
+                   "config.json (or its folder)")
+    p.add_argument("--seq", type=whole(1), default=4096, help="tokens per sequence")
+    p.add_argument("--batch", type=whole(1), default=1, help="sequences per step")
+    tuning = p.add_mutually_exclusive_group()
+    tuning.add_argument("--lora", dest="lora", action="store_true",
+                        help="LoRA (peft) on every linear layer but the head; the rest frozen")
+    tuning.add_argument("--full", dest="lora", action="store_false",
+                        help="full fine-tuning (the default)")
+    p.add_argument("--layers", type=whole(1), default=None,
+                   help="that many of the model's layers instead of its config's")
+    p.add_argument("--steps", type=whole(1), default=5, help="timed steps per method")
+    p.add_argument("--lossy", choices=LOSSY_CODECS, default=None,
+                   help="also cswap at checkpointing's peak through this lossy codec")
+    p.add_argument("--peers", action="store_true",
+                   help="also transformers' built-in offload (checkpointing, inputs on the host)")
+    p.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (a dry run)")
+    p.add_argument("--small", action="store_true",
+                   help="a tiny model of the same kind (the CPU's dry run)")
+    p.add_argument("--out", required=True, help="write markdown and JSON results here (stem)")
+    return p
+
+
+def run_finetune(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
+    """Build the model on the device, run each method, write ``args.out``.md and .json."""
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("cswap bench finetune: no CUDA device here; --device cpu --small runs "
+                         "the code path on the CPU")
+    began = time.monotonic()
+    model, spec = _build(args, dev)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (args.batch, args.seq),
+                        generator=torch.Generator().manual_seed(0)).to(dev)
+    batch = {"input_ids": ids, "labels": ids}
+    loss = SimpleNamespace(loss=lambda net, b: net(**b).loss)  # what ``_step`` calls
+    start = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+    log(f"{spec.name}: built on {device_name(dev)} ({time.monotonic() - began:.0f} s); "
+        f"{fmt_bytes(start)} allocated")
+
+    rows: dict[str, dict] = {}
+
+    def measure(name: str, method: Method, warm: Callable[[Method], None],
+                cleanup: Callable[[], None] = lambda: None) -> None:
+        """Warm ``method`` up, time it, keep its row; out of memory or failing, say so."""
+        began = time.monotonic()
+        try:
+            warm(method)
+            method.steps = [_step(method, loss, batch, dev, start) for _ in range(args.steps)]
+            rows[name] = _row(method)
+            log(f"{name}: {rows[name]['step_s'] * 1e3:.1f} ms, peak "
+                f"{fmt_bytes(rows[name]['peak_bytes'])} ({time.monotonic() - began:.0f} s)")
+        except torch.OutOfMemoryError:
+            rows[name] = {"method": name, "failed": "out of memory"}
+            log(f"{name}: out of memory")
+        except Exception as err:  # noqa: BLE001 - the other methods go on
+            rows[name] = {"method": name, "failed": f"{type(err).__name__}: {str(err)[:300]}"}
+            log(f"{name}: FAILED: {rows[name]['failed']}")
+        finally:
+            if method.offloader is not None:
+                with contextlib.suppress(Exception):
+                    method.offloader.close()
+            cleanup()
+            method.steps = []
+            gc.collect()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def warm(method: Method) -> None:
+        _settle(method, loss, batch, dev, start)
+
+    measure(NO_OFFLOAD, Method(NO_OFFLOAD, model), warm)
+    saved = _saved_bytes(model, batch)
+    keep_peak = rows[NO_OFFLOAD].get("peak_bytes")
+    hf_checkpointing(model, offload=False)
+    measure(CHECKPOINTING, Method(CHECKPOINTING, model), warm, lambda: checkpointing_off(model))
+    if args.peers:
+        hf_checkpointing(model, offload=True)
+        measure(HF_OFFLOAD, Method(HF_OFFLOAD, model), warm, lambda: checkpointing_off(model))
+    if dev.type == "cuda":
+        at_checkpointing = rows[CHECKPOINTING].get("peak_bytes")
+        lower = keep_peak - int(LOWER * saved) if keep_peak else None
+    else:  # no allocator: the engine's budget is its saved tensors' (the ledger's), a dry run
+        at_checkpointing, lower = saved // 10, int((1 - LOWER) * saved)
+    budgets = [(AT_CHECKPOINTING, at_checkpointing, None), (AT_LOWER, lower, None)]
+    if args.lossy:
+        budgets.append((f"cswap {args.lossy}, budget checkpointing's peak", at_checkpointing,
+                        args.lossy))
+    for name, budget, lossy in budgets:
+        if budget is None:  # what it is set by ran out of memory
+            continue
+        config = CSwapConfig(budget=budget, **({"lossy": lossy} if lossy else {}),
+                             **({"min_bytes": 0} if args.small else {}))  # tiny tensors too
+        offloader = Offloader(config).watch(model)
+        method = Method(name, model, lambda off=offloader: off, offloader, budget_bytes=budget)
+        measure(name, method, warm)
+        rows[name]["budget_bytes"] = budget
+    measure(NO_OFFLOAD_AGAIN, Method(NO_OFFLOAD_AGAIN, model), warm)
+
+    _compare(rows)
+    setup = {"model": spec.name, "sequence": args.seq, "batch": args.batch,
+             "tuning": "LoRA" if args.lora else "full", "dtype": str(_dtype(dev)),
+             "saved_activations_bytes": saved, "start_bytes": start,
+             "seconds": time.monotonic() - began}
+    plan = (f"cswap plan {args.model} --seq {args.seq} --batch {args.batch} "
+            f"{'--lora' if args.lora else '--full'}"
+            + (f" --layers {args.layers}" if args.layers else ""))
+    meta = result_meta(dev, kind="measurement" if dev.type == "cuda" and not args.small
+                       else "dry run (CPU or a tiny model: the figures mean nothing)")
+    table = markdown(setup, list(rows.values()), plan)
+    print(table)
+    write_results(args.out, f"cswap bench finetune: {spec.name}", meta,
+                  {"setup": setup, "rows": list(rows.values()), "estimate_command": plan},
+                  table)
+    return rows
+
+
+def _dtype(dev: torch.device) -> torch.dtype:
+    return torch.bfloat16 if dev.type == "cuda" else torch.float32
+
+
+def _build(args: argparse.Namespace, dev: torch.device) -> tuple[nn.Module, models.Model]:
+    """The model of the setup, its weights random, made on ``dev`` in its dtype (a 7-8B model
+    made on the host first would take minutes)."""
+    lora = models.LoRA() if args.lora else None
+    spec = models.model(args.model, lora=lora, layers=args.layers or (
+        SMALL_LAYERS if args.small else None), overrides=SMALL if args.small else None)
+    if not spec.sequence:
+        raise SystemExit(f"cswap bench finetune: {args.model} is not a transformer; "
+                         "`cswap bench measure` measures the CNNs")
+    dtype, default = _dtype(dev), torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(dev):
+            torch.manual_seed(0)
+            model = spec.build()
+    except ModuleNotFoundError as err:
+        raise SystemExit(f"cswap bench finetune: {err}; --lora needs peft (pip install peft)"
+                         ) from None
+    finally:
+        torch.set_default_dtype(default)
+    return model.to(dtype).train(), spec
+
+
+def _saved_bytes(model: nn.Module, batch: dict) -> int:
+    """The bytes autograd saves in one forward, each storage once, the parameters apart (the
+    activations a budget frees a share of)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    sizes: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            sizes[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(**batch).loss
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(sizes.values())
+
+
+def _row(m: Method) -> dict:
+    """A method's medians over its timed steps (and its engine's decisions)."""
+    steps = m.steps
+    row = {"method": m.name, "timed_steps": len(steps), "warmup_steps": m.warmup,
+           "step_s": statistics.median(s.step_ms for s in steps) / 1e3,
+           "forward_s": statistics.median(s.forward_ms for s in steps) / 1e3,
+           "host_forward_s": statistics.median(s.host_forward_ms for s in steps) / 1e3,
+           "peak_bytes": max(s.peak for s in steps)}
+    if m.offloader is not None:
+        row |= {k: v for k, v in _engine_summary(m).items() if k != "plan_table"}
+    return row
+
+
+def _compare(rows: dict[str, dict]) -> None:
+    """Each row's step time against no offload's and throughput against checkpointing's."""
+    keep = rows[NO_OFFLOAD].get("step_s")
+    ckpt = rows.get(CHECKPOINTING, {}).get("step_s")
+    for row in rows.values():
+        if "step_s" not in row:
+            continue
+        if keep:
+            row["time_vs_no_offload"] = row["step_s"] / keep
+        if ckpt:
+            row["throughput_vs_checkpointing"] = ckpt / row["step_s"]
+
+
+def markdown(setup: dict, rows: list[dict], plan: str) -> str:
+    saved = setup["saved_activations_bytes"]
+    lines = [
+        (f"{setup['model']}, {setup['tuning']} fine-tuning, sequence {setup['sequence']}, batch "
+         f"{setup['batch']}, {setup['dtype'].removeprefix('torch.')}, random weights. Saved "
+         f"activations {fmt_bytes(saved)} (each storage autograd saved, once, the "
+         f"parameters apart); the model and batch held {fmt_bytes(setup['start_bytes'])} at "
+         "a step's start. The methods ran one after another on one copy of the model; no "
+         "offload ran first and again last (the control). A step is forward and backward, "
+         "device time; peak: the allocator's. The estimate of the same setup: "
+         f"`{plan} --device DEVICE`."), "",
+        ("| method | budget | what ran | step (ms) | vs no offload | throughput vs "
+         "checkpointing | peak | forward: device / host (ms) | warm-up steps |"),
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        budget = fmt_bytes(r["budget_bytes"]) if r.get("budget_bytes") else ""
+        if "failed" in r:
+            lines.append(f"| {r['method']} | {budget} | {r['failed']} | | | | | | |")
+            continue
+        ran = r.get("engine_how") or r["method"]
+        if r.get("engine_how"):
+            ran += (f" ({r['recomputed_blocks']} blocks recomputed, "
+                    f"{fmt_bytes(r['offloaded_bytes'])} moved a step")
+            ran += "" if r.get("settled", True) else ", NOT settled"
+            ran += ")"
+        lines.append(
+            f"| {r['method']} | {budget} | {ran} | {r['step_s'] * 1e3:.1f} | "
+            f"{r.get('time_vs_no_offload', float('nan')):.3f}x | "
+            f"{r.get('throughput_vs_checkpointing', float('nan')):.3f}x | "
+            f"{fmt_bytes(r['peak_bytes'])} | {r['forward_s'] * 1e3:.1f} / "
+            f"{r['host_forward_s'] * 1e3:.1f} | {r['warmup_steps']} |")
+    return "\n".join(lines) + "\n"

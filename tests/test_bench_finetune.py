@@ -1,0 +1,66 @@
+"""`cswap bench finetune` on the CPU: its dry run (a tiny model of the setup's kind) runs every
+method on one copy of the model and reports each; a method that runs out of memory is
+reported so while the others go on."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cswap_lightning.commands import bench_finetune
+from cswap_lightning.commands.cli import main
+
+pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+ENGINES = (bench_finetune.AT_CHECKPOINTING, bench_finetune.AT_LOWER)
+
+
+def _rows(out) -> dict[str, dict]:
+    return {r["method"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+
+
+def test_the_dry_run_measures_every_method_on_one_model(tmp_path):
+    out = tmp_path / "ft"
+    assert main(["bench", "finetune", "llama-3-8b", "--lora", "--small", "--device", "cpu",
+                 "--seq", "32", "--steps", "2", "--out", str(out)]) == 0
+    rows = _rows(out)
+    assert list(rows) == [bench_finetune.NO_OFFLOAD, bench_finetune.CHECKPOINTING, *ENGINES,
+                          bench_finetune.NO_OFFLOAD_AGAIN]
+    for row in rows.values():
+        assert "failed" not in row, row
+        assert row["timed_steps"] == 2 and row["step_s"] > 0
+    assert rows[bench_finetune.CHECKPOINTING]["throughput_vs_checkpointing"] == 1.0
+    saved = json.loads(out.with_suffix(".json").read_text())["setup"]["saved_activations_bytes"]
+    assert saved > 0
+    lower = rows[bench_finetune.AT_LOWER]
+    assert lower["budget_bytes"] == int(0.25 * saved)  # the CPU's budgets: the ledger's terms
+    assert lower["settled"] and lower["offloaded_bytes"] > 0  # it had to move what it saved
+    assert "cswap plan llama-3-8b --seq 32 --batch 1 --lora" in out.with_suffix(".md").read_text()
+
+
+def test_a_method_out_of_memory_is_reported_and_the_others_go_on(tmp_path, monkeypatch):
+    step = bench_finetune._step
+
+    def short_of_memory(method, *args):
+        if method.name == bench_finetune.CHECKPOINTING:
+            raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+        return step(method, *args)
+
+    monkeypatch.setattr(bench_finetune, "_step", short_of_memory)
+    out = tmp_path / "ft"
+    assert main(["bench", "finetune", "gpt2-medium", "--small", "--device", "cpu", "--seq",
+                 "32", "--steps", "1", "--out", str(out)]) == 0
+    rows = _rows(out)
+    assert rows[bench_finetune.CHECKPOINTING] == {
+        "method": bench_finetune.CHECKPOINTING, "failed": "out of memory"}
+    assert all("step_s" in rows[name] for name in (*ENGINES, bench_finetune.NO_OFFLOAD_AGAIN))
+    assert "throughput_vs_checkpointing" not in rows[bench_finetune.NO_OFFLOAD]
+    assert "| activation checkpointing |  | out of memory |" in out.with_suffix(".md").read_text()
+
+
+def test_a_cnn_is_refused_with_the_command_that_measures_it(tmp_path):
+    with pytest.raises(SystemExit, match="bench measure"):
+        main(["bench", "finetune", "resnet50", "--device", "cpu", "--out", str(tmp_path / "x")])
