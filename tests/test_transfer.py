@@ -161,3 +161,16 @@ def test_forward_never_reads_a_compressed_length_back():
     stats = off.tracked_step()
     assert stats.stored_bytes and stats.stored_bytes < stats.offloaded_bytes
     off.close()
+
+
+@pytest.mark.gpu
+def test_the_current_stream_is_torchs_own_found_again():
+    from cswap_lightning.core.transfer import current_stream
+
+    index = torch.cuda.current_device()
+    assert current_stream(index) == torch.cuda.current_stream(index)
+    assert current_stream(index) is current_stream(index)  # made once
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert current_stream(index) == side == torch.cuda.current_stream()
+    assert current_stream(index) == torch.cuda.default_stream(index)

@@ -47,7 +47,7 @@ from .tensors import (
     version_error,
     version_probe,
 )
-from .transfer import Stored
+from .transfer import Stored, current_stream
 
 if TYPE_CHECKING:
     from ..config import CSwapConfig
@@ -487,7 +487,7 @@ class Step:
         finally:
             self._lock.release()
         if ready is not None:  # every unpack: backward may run this op on another stream
-            stream = torch.cuda.current_stream(base.device)
+            stream = current_stream(base.device.index)
             stream.wait_event(ready)
             base.record_stream(stream)
         if stride is not None and (offset or base.shape != size or base.stride() != stride):

@@ -44,6 +44,8 @@ from ..records import StepStats
 from .arena import ArenaReport, HostMemory, Lease, stop_unpinner
 
 OFFLOAD, RESTORE, COMPRESS = range(3)  # a device's side streams
+# Each stream found current, by what torch names it with: (stream id, device index, type)
+_CURRENT: dict[tuple[int, int, int], torch.cuda.Stream] = {}
 _CPU = torch.device("cpu")  # compared with, as ``device.type`` makes a string (0.3 us)
 _PREAMBLE = 16  # bytes at a payload's start that tell its length
 HEADROOM = 0.06  # more than last time's length copied at first: sparsity drifts a little
@@ -171,7 +173,7 @@ class Transfer:
     def _offload_cuda(self, stored: Stored, flat: torch.Tensor, codec: Codec,
                       count_nonzero: bool, seed: int) -> None:
         device = flat.device
-        compute = torch.cuda.current_stream(device)
+        compute = current_stream(device.index)
         offload = self._stream(device, OFFLOAD)
         payload = flat
         if codec.name != "raw":  # encoded on its own stream, so copies of others go on
@@ -234,7 +236,7 @@ class Transfer:
                     stored.payload[stored.copied:length].copy_(buffer[stored.copied:length],
                                                                non_blocking=True)
                     if buffer.is_cuda:
-                        stored.done = torch.cuda.current_stream(buffer.device).record_event()
+                        stored.done = current_stream(buffer.device.index).record_event()
                         if stored.lease is not None:
                             stored.lease.last_use = stored.done
         except Exception as err:  # noqa: BLE001 - the buffer still holds the payload
@@ -424,7 +426,8 @@ class Transfer:
         once all have passed, a step's figures can be read without waiting."""
         if device is None or device == _CPU:
             return []
-        streams = [torch.cuda.current_stream(device), *self._streams.get(device, ())]
+        index = torch.cuda.current_device() if device.index is None else device.index
+        streams = [current_stream(index), *self._streams.get(device, ())]
         return [stream.record_event() for stream in streams]
 
     def step_closed(self, step: StepStats, device: torch.device | None = None,
@@ -481,6 +484,21 @@ class Transfer:
             warnings.warn(message, RuntimeWarning, stacklevel=2)
 
 
+def current_stream(index: int) -> torch.cuda.Stream:
+    """``torch.cuda.current_stream(index)`` (an int: a tensor's ``device.index``) without a
+    new ``Stream`` each call: three calls per moved tensor took a tenth of its host time on
+    an H200 (``benchmarks/results/overhead-h200-2026-11-27-b.md``), mostly building the
+    object and parsing the device. The same stream, found again by torch's name for it."""
+    key = torch._C._cuda_getCurrentStream(index)
+    stream = _CURRENT.get(key)
+    if stream is None:
+        if len(_CURRENT) > 256:  # streams made and dropped (pool streams come back)
+            _CURRENT.clear()
+        stream = _CURRENT[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1],
+                                                   device_type=key[2])
+    return stream
+
+
 class _on:  # a context manager, named like torch.cuda.stream
     """Make ``stream`` current (and its device, where it is not), then restore both; None
     does nothing (the CPU). The device first, so that leaving does not set the thread's own
@@ -500,11 +518,11 @@ class _on:  # a context manager, named like torch.cuda.stream
             return
         # the device switch only where it is not current (a model over several GPUs)
         self._device = (torch.cuda.device(stream.device_index)
-                        if stream.device_index != torch.cuda.current_device() else None)
+                        if stream.device_index != torch._C._cuda_getDevice() else None)
         if self._device is not None:
             self._device.__enter__()
         if self._previous is None:
-            self._previous = torch.cuda.current_stream(stream.device_index)
+            self._previous = current_stream(stream.device_index)
         torch.cuda.set_stream(stream)
 
     def __exit__(self, *exc) -> None:
