@@ -64,3 +64,22 @@ def test_a_method_out_of_memory_is_reported_and_the_others_go_on(tmp_path, monke
 def test_a_cnn_is_refused_with_the_command_that_measures_it(tmp_path):
     with pytest.raises(SystemExit, match="bench measure"):
         main(["bench", "finetune", "resnet50", "--device", "cpu", "--out", str(tmp_path / "x")])
+
+
+def test_without_no_offloads_step_the_budgets_it_sets_are_not_run(tmp_path, monkeypatch):
+    step = bench_finetune._step
+
+    def short_of_memory(method, *args):
+        if method.name == bench_finetune.NO_OFFLOAD:
+            raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+        return step(method, *args)
+
+    monkeypatch.setattr(bench_finetune, "_step", short_of_memory)
+    out = tmp_path / "ft"
+    assert main(["bench", "finetune", "llama-3-8b", "--small", "--device", "cpu", "--seq", "32",
+                 "--steps", "1", "--out", str(out)]) == 0
+    rows = _rows(out)
+    assert rows[bench_finetune.NO_OFFLOAD]["failed"] == "out of memory"
+    assert not set(ENGINES) & set(rows)  # their budgets are shares of what it measures
+    assert rows[bench_finetune.CHECKPOINTING]["step_s"] > 0
+    assert "not counted" in out.with_suffix(".md").read_text()

@@ -136,8 +136,8 @@ def run_finetune(args: argparse.Namespace, log: Callable[[str], None] = print) -
         _settle(method, loss, batch, dev, start)
 
     measure(NO_OFFLOAD, Method(NO_OFFLOAD, model), warm)
-    saved = _saved_bytes(model, batch)
     keep_peak = rows[NO_OFFLOAD].get("peak_bytes")
+    saved = _saved_bytes(model, batch) if keep_peak is not None else None
     hf_checkpointing(model, offload=False)
     measure(CHECKPOINTING, Method(CHECKPOINTING, model), warm, lambda: checkpointing_off(model))
     if args.peers:
@@ -145,15 +145,17 @@ def run_finetune(args: argparse.Namespace, log: Callable[[str], None] = print) -
         measure(HF_OFFLOAD, Method(HF_OFFLOAD, model), warm, lambda: checkpointing_off(model))
     if dev.type == "cuda":
         at_checkpointing = rows[CHECKPOINTING].get("peak_bytes")
-        lower = keep_peak - int(LOWER * saved) if keep_peak else None
-    else:  # no allocator: the engine's budget is its saved tensors' (the ledger's), a dry run
+        lower = None if saved is None else keep_peak - int(LOWER * saved)
+    elif saved is not None:  # no allocator: the budget is the engine's saved tensors' (a dry run)
         at_checkpointing, lower = saved // 10, int((1 - LOWER) * saved)
+    else:
+        at_checkpointing = lower = None
     budgets = [(AT_CHECKPOINTING, at_checkpointing, None), (AT_LOWER, lower, None)]
     if args.lossy:
         budgets.append((f"cswap {args.lossy}, budget checkpointing's peak", at_checkpointing,
                         args.lossy))
     for name, budget, lossy in budgets:
-        if budget is None:  # what it is set by ran out of memory
+        if budget is None:  # what it is set by did not run
             continue
         config = CSwapConfig(budget=budget, **({"lossy": lossy} if lossy else {}),
                              **({"min_bytes": 0} if args.small else {}))  # tiny tensors too
@@ -255,10 +257,11 @@ def _compare(rows: dict[str, dict]) -> None:
 
 def markdown(setup: dict, rows: list[dict], plan: str) -> str:
     saved = setup["saved_activations_bytes"]
+    saved = "not counted (no offload did not run)" if saved is None else fmt_bytes(saved)
     lines = [
         (f"{setup['model']}, {setup['tuning']} fine-tuning, sequence {setup['sequence']}, batch "
          f"{setup['batch']}, {setup['dtype'].removeprefix('torch.')}, random weights. Saved "
-         f"activations {fmt_bytes(saved)} (each storage autograd saved, once, the "
+         f"activations {saved} (each storage autograd saved, once, the "
          f"parameters apart); the model and batch held {fmt_bytes(setup['start_bytes'])} at "
          "a step's start. The methods ran one after another on one copy of the model; no "
          "offload ran first and again last (the control). A step is forward and backward, "
