@@ -215,3 +215,39 @@ def test_replays_kept_across_budgets_give_the_same_mixes_with_fewer_replays(monk
                                                               fresh.engine)
     assert choices[False, "replays"] < 0.8 * choices[True, "replays"]
     assert any(c.inflight_bytes == 4 << 30 for c in choices[True])  # the wider bound was tried
+
+
+def test_recomputing_more_blocks_never_makes_a_step_faster():
+    """What the search skips by: with the earliest blocks swapped, no set of later blocks
+    recomputed is faster than none (recomputation only adds work), on every profile."""
+    from itertools import combinations
+
+    from cswap_lightning.planning.replay import KEEP, BlockDecision, Mix
+
+    for model in ("gpt2-medium", "resnet50"):
+        w = evidence.workload(model)
+        later = [b.name for b in w.blocks if b.recomputable][-4:]
+        for swapped in (0, 2, len(w.blocks) // 2):
+            swaps = {b.name: BlockDecision("swap") for b in w.blocks[:swapped]}
+            alone = predict(w, Mix(KEEP, swaps), LINK, ENGINE).step_s
+            for k in (1, 2, 4):
+                for names in combinations(later, k):
+                    plan = Mix(KEEP, swaps | {n: BlockDecision("recompute") for n in names
+                                              if n not in swaps})
+                    assert predict(w, plan, LINK, ENGINE).step_s >= alone
+
+
+def test_a_search_told_of_a_faster_plan_finds_it_only_where_it_is_beaten():
+    """``faster_than``: the same plan where it is faster than that, none that fits and is
+    faster otherwise; the searches skipped run fewer replays."""
+    w = evidence.workload("resnet50")
+    budget = int(0.4 * predict(w, link=LINK, engine=ENGINE).peak_bytes)
+    free, told = mix.Replays(), mix.Replays()
+    chosen = mix.choose(w, budget, LINK, ENGINE, replays=free)
+    assert chosen.fits and chosen.how != "keep everything"
+    same = mix.choose(w, budget, LINK, ENGINE, faster_than=chosen.prediction.step_s * 1.001)
+    assert (same.how, same.prediction) == (chosen.how, chosen.prediction)
+    beaten = mix.choose(w, budget, LINK, ENGINE, replays=told,
+                        faster_than=chosen.prediction.step_s)
+    assert not (beaten.fits and beaten.prediction.step_s < chosen.prediction.step_s)
+    assert len(told._predictions) < len(free._predictions)

@@ -30,6 +30,7 @@ figure is a prediction.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -114,22 +115,24 @@ class Choice:
 def choose(workload: Workload, budget_bytes: int | None, link: Link | None = None,
            engine: Engine | None = None, codec_of: CodecOf | None = None,
            recompute: bool = True, inflight_choices: Sequence[int] = (),
-           replays: Replays | None = None) -> Choice:
+           replays: Replays | None = None, faster_than: float = math.inf) -> Choice:
     """The fastest plan the replay predicts to fit ``budget_bytes`` (the allocator's peak);
     ``codec_of(workload, block)`` is how a swapped block travels (raw by default);
     ``recompute=False``
     only keeps or swaps; ``inflight_choices``: larger bounds on bytes in flight than
     ``engine``'s the plan may use, where the replay's peak with the copies in flight
     (``held_peak_bytes``) stays within the budget; ``replays``: predictions made before, for
-    the same step at other budgets."""
+    the same step at other budgets; ``faster_than``: a step time another plan has already
+    (where none is faster, the plan returned may be any, not fitting)."""
     engine, replays = engine or Engine(), replays or Replays()
-    best = _choose(workload, budget_bytes, link or Link(), engine, codec_of, recompute, replays)
+    best = _choose(workload, budget_bytes, link or Link(), engine, codec_of, recompute, replays,
+                   faster_than=faster_than)
     for bound in sorted(b for b in inflight_choices if b > engine.inflight_bytes):
         if not best.fits or best.how == "keep everything":
             break
         wider = _choose(workload, budget_bytes, link or Link(),
                         replace(engine, inflight_bytes=bound), codec_of, recompute, replays,
-                        held=True)
+                        held=True, faster_than=best.prediction.step_s)
         if not (wider.fits and wider.prediction.step_s < best.prediction.step_s):
             break  # a wider bound held more than the budget, or gained nothing
         best = wider
@@ -146,9 +149,13 @@ def choose_among(workloads: Sequence[Workload], budget_bytes: int | None,
     codec per block): the fastest mix that fits, else the first's. ``replays``: predictions
     made before, for the same step at other budgets."""
     replays = replays or Replays()
-    mixes = [choose(w, budget_bytes, link, engine, codec_of, inflight_choices=inflight_choices,
-                    replays=replays)
-             for w in workloads for codec_of in codecs]
+    mixes, fastest = [], math.inf
+    for w, codec_of in product(workloads, codecs):
+        mixes.append(choose(w, budget_bytes, link, engine, codec_of,
+                            inflight_choices=inflight_choices, replays=replays,
+                            faster_than=fastest))
+        if mixes[-1].fits:
+            fastest = min(fastest, mixes[-1].prediction.step_s)
     fitting = [m for m in mixes if m.fits]
     best = min(fitting, key=lambda m: m.prediction.step_s) if fitting else mixes[0]
     base = next((w for w in workloads if any(b.below for b in w.blocks)
@@ -215,9 +222,9 @@ class _Unit:
 
 def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: Engine,
             codec_of: CodecOf | None, recompute: bool, replays: Replays,
-            held: bool = False) -> Choice:
+            held: bool = False, faster_than: float = math.inf) -> Choice:
     """``choose`` at one bound on bytes in flight (``held``: the copies in flight count
-    against the budget too)."""
+    against the budget too; ``faster_than``: as ``choose``'s)."""
     codec_of = codec_of or (lambda w, block: RAW)
 
     def merged(parents: frozenset[str]) -> Workload:
@@ -267,12 +274,23 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
     # For each count of earliest blocks swapped (raw or compressed; where blocks can be
     # recomputed below the layer, also so with what they keep swapped), the fewest
     # recomputations that fit.
+    # Recomputing only adds work, so none of them is faster than the blocks swapped alone:
+    # where that is no faster than the fastest so far, the search for it is skipped.
     ways = (False, True) if any(b.selective for b in workload.blocks) else (False,)
     candidates: dict[str, tuple[tuple[Workload, Mix], Prediction]] = {}
+    fastest, skipped = faster_than, False
     for (n, ranked), below in product(enumerate(rankings), ways):
         for swapped in range(len(names) + 1):
-            left = len(eligible(ranked, swapped))
-            k = _first(left + 1, lambda k, r=ranked, s=swapped, b=below: fits(mixed(r, s, k, b)))
+            alone = mixed(ranked, swapped, 0, below)
+            if fits(alone):
+                k = 0
+            elif run(alone).step_s >= fastest:
+                skipped = True
+                continue
+            else:
+                left = len(eligible(ranked, swapped))
+                k = _first(left + 1,
+                           lambda k, r=ranked, s=swapped, b=below: fits(mixed(r, s, k, b)))
             if k is None:
                 continue
             chosen = mixed(ranked, swapped, k, below)
@@ -282,6 +300,7 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
                    + f", recompute {recomputed}" + (" of the finest units" if n else "")
                    + _weighed(*chosen) + _through(chosen[1]))
             candidates[how] = (chosen, run(chosen))
+            fastest = min(fastest, candidates[how][1].step_s)
             if k == 0:  # swapping more would only add link time
                 break
     # every unit recomputed is not enough, or nothing is: move inputs too, on the workload
@@ -301,6 +320,9 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
                 decisions[block.name] = BlockDecision("recompute")
         return whole, Mix(KEEP, decisions)
 
+    if not candidates and skipped:  # none faster than ``faster_than``
+        return Choice(Mix(), keep, keep, budget_bytes, False, "none faster",
+                      engine=engine, workload=workload)
     if not candidates and full:
         k = _first(len(whole.blocks) + 1, lambda k: fits(moved(k)))
         if k is not None:

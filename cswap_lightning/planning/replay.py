@@ -288,6 +288,7 @@ class _Replay:
                  timeline: bool) -> None:
         self.w, self.link, self.engine = workload, link, engine
         self.decisions = plan.decisions(workload)
+        self.storage_of, self.activation, self.kept_below = workload.save_facts
         # what each recomputed block keeps (its input; below the layer, what its last op
         # saves), None for the others
         self.inputs = [workload.recompute_inputs(b) if d.action == "recompute" else None
@@ -295,6 +296,10 @@ class _Replay:
         # the saves of blocks that would keep them below the layer but are not recomputed
         self.absent = {i for op in workload.ops if self.inputs[op.block] is None
                        for i in op.saves if workload.saved[i].below}
+        # the last op of each recomputed block: backward recomputes the block there
+        self.recomputes_at = {k for k, op in enumerate(workload.ops)
+                              if self.inputs[op.block] is not None
+                              and workload.blocks[op.block].ops.stop - 1 == k}
         self.record = timeline
         self.timeline: list[Interval] = []
         # clocks (seconds) and what they add up
@@ -354,12 +359,13 @@ class _Replay:
         now = self.w.start_bytes + self.device_bytes + self.copies + self.grads + other
         if now > self.peak:
             self.peak, self.peak_at = now, f"{phase} {op.module or '(functions)'}"
-        ends, k = self.out_ends, max(self.running_head, self.out_head)
-        while k < len(ends) and ends[k] <= self.compute:  # the compute clock only goes on
+        ends, compute = self.out_ends, self.compute
+        k = max(self.running_head, self.out_head)
+        while k < len(ends) and ends[k] <= compute:  # the compute clock only goes on
             k += 1
         self.running_head = k
-        copying = self.out_before[-1] - self.out_before[k]
-        self.held_peak = max(self.held_peak, now + copying)
+        held = now + self.out_before[-1] - self.out_before[k]  # and the copies running
+        self.held_peak = max(self.held_peak, held)
 
     def _allocate(self, storage: int) -> None:
         if storage not in self.device:
@@ -372,14 +378,14 @@ class _Replay:
     def _hold(self, i: int) -> None:
         """Save ``i`` keeps its storage on the device until its op in backward is done."""
         if i not in self.holding:
-            storage = self.w.saved[i].storage
+            storage = self.storage_of[i]
             self.holding.add(i)
             self.holders[storage] = self.holders.get(storage, 0) + 1
             self._allocate(storage)
 
     def _release(self, i: int) -> None:
         if i in self.holding:
-            storage = self.w.saved[i].storage
+            storage = self.storage_of[i]
             self.holding.remove(i)
             self.holders[storage] -= 1
             if not self.holders[storage]:
@@ -394,31 +400,33 @@ class _Replay:
 
     # -- forward ------------------------------------------------------------------------------
     def _forward(self) -> None:
-        w = self.w
-        for k, op in enumerate(w.ops):
+        storage_of, activation, absent = self.storage_of, self.activation, self.absent
+        for k, op in enumerate(self.w.ops):
             decision, inputs = self.decisions[op.block], self.inputs[op.block]
             begin = max(self.compute, self.host)
             self.stall += begin - self.compute
             self.compute = begin + op.forward_s
             if self.record:
                 self._mark("compute", f"forward {op.module}", begin, self.compute)
-            saves = [i for i in op.saves if i not in self.absent]
+            saves = [i for i in op.saves if i not in absent] if absent else op.saves
             for i in saves:
-                if w.saved[i].storage == i and w.saved[i].activation:
+                if storage_of[i] == i and activation[i]:
                     self._allocate(i)
             self._point(op.forward_other, "forward", op)
+            if not saves:
+                continue
+            swap = decision.action == "swap" or decision.swap_input
             for i in saves:
-                s = w.saved[i]
-                if not s.activation or s.storage in self.entries:  # moved already: shared
+                storage = storage_of[i]
+                if not activation[i] or storage in self.entries:  # moved already: shared
                     continue
-                if inputs is not None and s.storage not in inputs:
+                if inputs is not None and storage not in inputs:
                     continue  # recomputed in backward
-                swap = decision.action == "swap" or decision.swap_input
                 if swap and self._movable(i):
-                    self._move_out(s.storage, decision.codec, i)
+                    self._move_out(storage, decision.codec, i)
                 else:
                     self._hold(i)
-            for storage in {w.saved[i].storage for i in saves}:
+            for storage in {storage_of[i] for i in saves}:
                 if self.last_forward_op[storage] == k and storage not in self.holders:
                     self._free(storage)  # forward lets go of it
 
@@ -463,15 +471,16 @@ class _Replay:
         self.order = self._prefetch_order()
         self.position = {storage: n for n, storage in enumerate(self.order)}
         input_copy: dict[int, set[int]] = {}  # recomputed block -> its input's copy back
+        storage_of, activation, kept_below = self.storage_of, self.activation, self.kept_below
         for k in range(len(w.ops) - 1, -1, -1):
             op = w.ops[k]
-            if self._recomputes_at(k):
+            if k in self.recomputes_at:
                 self._recompute(op.block, input_copy)
             ready = self.host
             used: set[int] = set()
-            for i in op.saves:
-                storage = w.saved[i].storage
-                if not w.saved[i].activation or w.saved[i].below or storage not in self.entries:
+            for i in op.saves if self.entries else ():
+                storage = storage_of[i]
+                if not activation[i] or kept_below[i] or storage not in self.entries:
                     continue  # (what a recomputation below the layer kept is done with)
                 if storage in input_copy.get(op.block, ()):  # back for the recompute
                     ready = max(ready, self.entries[storage].back_end)
@@ -496,21 +505,19 @@ class _Replay:
         """Moved storages in the order backward first asks for them (the order the engine
         learns from the step before)."""
         order: dict[int, None] = {}
+        if not self.entries:
+            return []
+        storage_of = self.storage_of
         for k in range(len(self.w.ops) - 1, -1, -1):
             op = self.w.ops[k]
-            if self._recomputes_at(k):
+            if k in self.recomputes_at:
                 for storage in self.inputs[op.block]:
                     if storage in self.entries:
                         order.setdefault(storage)
             for i in op.saves:
-                if self.w.saved[i].storage in self.entries:
-                    order.setdefault(self.w.saved[i].storage)
+                if storage_of[i] in self.entries:
+                    order.setdefault(storage_of[i])
         return list(order)
-
-    def _recomputes_at(self, k: int) -> bool:
-        """Whether op ``k`` is the last op of a recomputed block: backward recomputes there."""
-        block = self.w.ops[k].block
-        return self.inputs[block] is not None and self.w.blocks[block].ops.stop - 1 == k
 
     def _recompute(self, block: int, input_copy: dict[int, set[int]]) -> None:
         """Run a block's forward again (below the layer: its elementwise part), once what it

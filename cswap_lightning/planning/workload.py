@@ -43,6 +43,7 @@ import json
 import re
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 
 # A block recomputed below the layer (``core/selective.py``) is named as the block, and this.
@@ -140,6 +141,13 @@ class Workload:
     start_bytes: int  # allocated before the step: weights, the batch
     peak_bytes: int  # the profile's measured peak
     weight_bytes: int  # the weights autograd saved (each storage once)
+
+    @cached_property
+    def save_facts(self) -> tuple[list[int], list[bool], list[bool]]:
+        """Each save's storage, whether it is an activation, and whether only a recomputation
+        below the layer keeps it: lists the replay reads at every op, made once."""
+        return ([s.storage for s in self.saved], [s.activation for s in self.saved],
+                [s.below for s in self.saved])
 
     @property
     def forward_s(self) -> float:
