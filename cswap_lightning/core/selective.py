@@ -544,8 +544,12 @@ class Lean(_Eager, TorchDispatchMode):
     def __init__(self, region: Region) -> None:
         super().__init__()
         self.region = region
-        self.settled = region.choice.settled
-        self.mutable = {func for func in self.settled if ops.facts(func).mutable}
+        # For each settled operator all its calls need, found with one lookup (an operator's
+        # hash is a Python call): its marks, the argument autograd's run passes as True, whether
+        # it writes in place, and the region's list of its calls.
+        self.settled = {func: (marks, _WITH_AUTOGRAD.get(func), ops.facts(func).mutable,
+                               region.calls[func])
+                        for func, marks in region.choice.settled.items()}
         self.funcs: list[Any] = []
         self.unsettled = False  # an operator called more often than the choice settled
         self.written: dict[int, int] = {}  # each storage changed in place: the latest call's
@@ -559,21 +563,22 @@ class Lean(_Eager, TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        marks = self.settled.get(func)  # None: ignored, a cast, or not in the settled forward
-        if marks is not None and (at := _WITH_AUTOGRAD.get(func)) is not None:
-            args = (*args[:at], True, *args[at + 1:])
-        out = func(*args, **kwargs)
-        if marks is None:
+        settled = self.settled.get(func)  # None: ignored, a cast, or not in the settled forward
+        if settled is None:
+            out = func(*args, **kwargs)
             facts = ops.facts(func)
             if not (facts.ignored or facts.cast):
                 self.funcs.append(func)
                 self.unsettled = True
             return out
+        marks, at, mutable, calls = settled
+        if at is not None:
+            args = (*args[:at], True, *args[at + 1:])
+        out = func(*args, **kwargs)
         self.funcs.append(func)
-        if func in self.mutable:
+        if mutable:
             for t in ops.written(func, args, kwargs):
                 self.written[storage_key(t)] = len(self.funcs)
-        calls = self.region.calls[func]
         if len(calls) >= len(marks):
             self.unsettled = True
             return out
@@ -603,7 +608,9 @@ class Recomputing(_Eager, _SeeingSaves):
     def __init__(self, region: Region) -> None:
         super().__init__()
         self.region = region
-        self.counts: dict[Any, int] = defaultdict(int)
+        # each operator's facts, its calls in the block's first run and how many ran again
+        # (one lookup per call: an operator's hash is a Python call)
+        self.seen: dict[Any, list[Any]] = {}
         self.tainted = Tainted()
 
     def saw(self, t: torch.Tensor) -> None:
@@ -612,7 +619,10 @@ class Recomputing(_Eager, _SeeingSaves):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        facts = ops.facts(func)
+        seen = self.seen.get(func)
+        if seen is None:
+            seen = self.seen[func] = [ops.facts(func), self.region.calls.get(func, ()), 0]
+        facts, calls, i = seen
         if facts.ignored:
             return func(*args, **kwargs)
         if facts.cast:
@@ -620,9 +630,7 @@ class Recomputing(_Eager, _SeeingSaves):
         # Matched by operator and call count: casts may run more often than the first time
         # (autocast casts a weight again that its first run found cached by an earlier call
         # of the block, in the same forward).
-        i = self.counts[func]
-        self.counts[func] = i + 1
-        calls = self.region.calls.get(func, ())
+        seen[2] = i + 1
         if i >= len(calls):
             if self.region.keep(func):
                 raise RuntimeError(
