@@ -41,15 +41,20 @@ def test_the_dry_run_measures_every_method_on_one_model(tmp_path):
     assert "cswap plan llama-3-8b --seq 32 --batch 1 --lora" in out.with_suffix(".md").read_text()
 
 
-def test_a_method_out_of_memory_is_reported_and_the_others_go_on(tmp_path, monkeypatch):
+def _short_of_memory(monkeypatch, name: str) -> None:
+    """Method ``name``'s steps run out of memory."""
     step = bench_finetune._step
 
-    def short_of_memory(method, *args):
-        if method.name == bench_finetune.CHECKPOINTING:
+    def short(method, *args):
+        if method.name == name:
             raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
         return step(method, *args)
 
-    monkeypatch.setattr(bench_finetune, "_step", short_of_memory)
+    monkeypatch.setattr(bench_finetune, "_step", short)
+
+
+def test_a_method_out_of_memory_is_reported_and_the_others_go_on(tmp_path, monkeypatch):
+    _short_of_memory(monkeypatch, bench_finetune.CHECKPOINTING)
     out = tmp_path / "ft"
     assert main(["bench", "finetune", "gpt2-medium", "--small", "--device", "cpu", "--seq",
                  "32", "--steps", "1", "--out", str(out)]) == 0
@@ -67,14 +72,7 @@ def test_a_cnn_is_refused_with_the_command_that_measures_it(tmp_path):
 
 
 def test_without_no_offloads_step_the_budgets_it_sets_are_not_run(tmp_path, monkeypatch):
-    step = bench_finetune._step
-
-    def short_of_memory(method, *args):
-        if method.name == bench_finetune.NO_OFFLOAD:
-            raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
-        return step(method, *args)
-
-    monkeypatch.setattr(bench_finetune, "_step", short_of_memory)
+    _short_of_memory(monkeypatch, bench_finetune.NO_OFFLOAD)
     out = tmp_path / "ft"
     assert main(["bench", "finetune", "llama-3-8b", "--small", "--device", "cpu", "--seq", "32",
                  "--steps", "1", "--out", str(out)]) == 0
