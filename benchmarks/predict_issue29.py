@@ -22,7 +22,7 @@ import torch
 
 from cswap_lightning.commands.bench_step import result_meta, write_results
 from cswap_lightning.planning import calibration, mix, models, sizing
-from cswap_lightning.planning.devices import device
+from cswap_lightning.planning.devices import DEVICES, device
 from cswap_lightning.planning.estimate import Estimate, Setup, estimate
 from cswap_lightning.planning.replay import CODEC_KERNELS, Engine
 
@@ -86,8 +86,9 @@ def within(est: Estimate, keep: sizing.Way, saved: int, steps: int, replays: mix
 
 
 def predict(case: str, setup: Setup, codecs: tuple[str | None, ...], lower_goal: bool,
-            steps: int, engine: Engine | None = None, log=print) -> dict:
-    est = estimate(setup, device("h100-pcie"))
+            steps: int, engine: Engine | None = None, log=print,
+            on: str = "h100-pcie") -> dict:
+    est = estimate(setup, device(on))
     keep, checkpointing = sizing.baselines(est, engine)
     saved = est.saved_bytes
     budgets = [("checkpointing's peak", checkpointing.prediction.peak_bytes)]
@@ -107,7 +108,7 @@ def predict(case: str, setup: Setup, codecs: tuple[str | None, ...], lower_goal:
     out = {"case": case, "setup": {"model": setup.model, "sequence": setup.sequence,
                                    "batch": setup.batch, "dtype": str(setup.dtype),
                                    "lora": setup.lora is not None, "layers": setup.layers},
-           "device": est.device.name, "saved_activations_gib": saved / GiB,
+           "device": est.device.name, "device_key": on, "saved_activations_gib": saved / GiB,
            "codec_kernels": (engine or Engine()).codec_kernels,
            "recompute_scale": (engine or Engine()).recompute_scale,
            "below_scale": (engine or Engine()).below_scale,
@@ -188,19 +189,21 @@ def goals(cases: dict[str, dict]) -> list[tuple[str, str, bool]]:
 
 
 TITLE = "Issue 29's goals, predicted (cswap plan's estimate)"
-NOTE = ("Every figure is the replay's prediction of an estimated step on an H100 PCIe (54 GB/s "
-        "each way); a step is forward and backward, the optimizer apart. The planner weighs "
+NOTE = ("Every figure is the replay's prediction of an estimated step on an {device} ({link:.0f} "
+        "GB/s each way); a step is forward and backward, the optimizer apart. The planner weighs "
         "every layer kept, swapped, recomputed whole or below the layer (its elementwise work "
         "again, from the fewest bytes kept or swapped); with a codec, blocks may "
         "also travel through it (its speeds: the H200's measured int8 and fp8 kernels scaled to "
         "the device's memory rate; {kernels}). Budgets are the allocator's "
-        "bytes and are not clipped to the device's 80 GB (full fine-tuning with AdamW does not "
-        "fit one anyway).")
+        "bytes and are not clipped to the device's memory (full fine-tuning with AdamW does not "
+        "fit an 80 GB one anyway).")
 
 
 def markdown(cases: dict[str, dict], check: dict | None = None) -> str:
     first = next(iter(cases.values()))
-    note = NOTE.format(kernels=CODEC_KERNELS[first["codec_kernels"]])
+    on = device(first.get("device_key", "h100-pcie"))
+    note = NOTE.format(device=on.name, link=on.link.d2h / 1e9,
+                       kernels=CODEC_KERNELS[first["codec_kernels"]])
     scale, below = first["recompute_scale"], first.get("below_scale", 1.0)
     if scale != 1.0:
         note += (f" Recomputing a whole layer is charged {scale:g}x its profiled forward (a "
@@ -286,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--below-scale", type=float, default=Engine.below_scale,
                    help="what recomputing below the layer costs against its estimate "
                    "(replay.Engine.below_scale; a bracket, not a calibration)")
+    p.add_argument("--device", choices=tuple(DEVICES), default="h100-pcie",
+                   help="the device estimated (the goals were set for an H100 PCIe)")
     p.add_argument("--quick", action="store_true",
                    help="2 layers of each at a short sequence: to see it run, not the goals")
     args = p.parse_args(argv)
@@ -301,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             ("GPT-2 medium", Setup("gpt2-medium", 1024, 8, layers=layers), (None, "int8"),
              False)):
         cases[case] = predict(case, setup, codecs, lower, 1 if args.quick else args.steps,
-                              engine)
+                              engine, on=args.device)
     meta = result_meta(torch.device("cpu"), command=" ".join(
         ["python", *sys.argv] if argv is None else ["python", __file__, *argv]),
         kind="prediction (meta-device trace, roofline calibrated on the H100 and H200 "

@@ -153,6 +153,9 @@ class Timed(NamedTuple):
     alloc_retries: int = 0
     forward_wait_ms: float = 0.0  # an engine's own waits (its last closed step's)
     backward_wait_ms: float = 0.0
+    # device milliseconds until the method's context was entered: the host's work there,
+    # the device idle (each timed step starts synchronized)
+    enter_ms: float = 0.0
 
 
 _DRIVER_CALLS = ("num_device_alloc", "num_alloc_retries")
@@ -168,10 +171,12 @@ def _step(m: Method, spec: Model, batch, dev: torch.device, own_start: int) -> T
         before = torch.cuda.memory_allocated(dev)
         stats = torch.cuda.memory_stats(dev)
         calls = [stats[key] for key in _DRIVER_CALLS]
-        marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
         marks[0].record()
     began = time.perf_counter()
     with m.context():
+        if cuda:
+            marks[3].record()
         loss = spec.loss(m.model, batch)
     if cuda:
         marks[1].record()
@@ -194,7 +199,7 @@ def _step(m: Method, spec: Model, batch, dev: torch.device, own_start: int) -> T
     stats = torch.cuda.memory_stats(dev)
     driver = (stats[key] - c for key, c in zip(_DRIVER_CALLS, calls, strict=True))
     return Timed(marks[0].elapsed_time(marks[2]), marks[0].elapsed_time(marks[1]), peak,
-                 before, *host, *driver, *waits)
+                 before, *host, *driver, *waits, marks[0].elapsed_time(marks[3]))
 
 
 def _settle(m: Method, spec: Model, batch, dev: torch.device, own_start: int,
@@ -395,6 +400,7 @@ def run_model(key: str, dev: torch.device, out_dir: Path, rounds: int, small: bo
                 "alloc_retries": sum(s.alloc_retries for s in m.steps),
                 "forward_wait_s": statistics.median(s.forward_wait_ms for s in m.steps) / 1e3,
                 "backward_wait_s": statistics.median(s.backward_wait_ms for s in m.steps) / 1e3,
+                "enter_s": statistics.median(s.enter_ms for s in m.steps) / 1e3,
                 "peak_bytes": max(s.peak for s in m.steps), "timed_steps": len(m.steps),
                 "allocated_at_start": statistics.median(s.before for s in m.steps)}
         if m.offloader is not None:
@@ -543,6 +549,8 @@ def markdown(results: list[dict], dev: torch.device) -> str:
             if r.get("recomputed_blocks"):
                 ran += (f"; {r['first_runs_without_autograd']} of {r['recomputed_blocks']} "
                         "recomputed blocks first without autograd")
+            entered = r.get("enter_s", 0.0)  # the device idle while the engine's block began
+            entered = f" (entered at {1e3 * entered:.1f})" if entered >= 1e-4 else ""
             traced = ("trace FAILED" if "trace_failed" in r else
                       f"{1e3 * r['traced_kernels_s']:.1f} / {1e3 * r['traced_copies_s']:.1f}"
                       if "traced_kernels_s" in r else "")
@@ -550,7 +558,7 @@ def markdown(results: list[dict], dev: torch.device) -> str:
                 f"| {result['label']} | {r['method']} | {budget} | {ran} | "
                 f"{1e3 * step:.1f} / {1e3 * r['step_s']:.1f} | "
                 f"{100 * r['step_error']:+.0f}% | "
-                f"{1e3 * r['forward_s']:.1f} / {1e3 * r['host_forward_s']:.1f} | "
+                f"{1e3 * r['forward_s']:.1f} / {1e3 * r['host_forward_s']:.1f}{entered} | "
                 f"{traced} | {r['device_mallocs']} / {r['alloc_retries']} | "
                 f"{peak / 2**30:.2f} / {r['peak_bytes'] / 2**30:.2f} | "
                 f"{100 * r['peak_error']:+.0f}% | {r['time_vs_no_offload']:.3f}x | "
@@ -565,7 +573,8 @@ def markdown(results: list[dict], dev: torch.device) -> str:
             "from the captured profile at the same budget. Measured: median device time of "
             "forward and backward over the interleaved rounds, the host's time until forward "
             "returned beside the device's forward (near it, the host set the pace or waited "
-            "for the device), the caching allocator's calls to the driver over the timed "
+            "for the device; where the method's block took 0.1 ms or more to enter, the device's "
+            "time until then, idle: each timed step starts synchronized), the caching allocator's calls to the driver over the timed "
             "steps (each stalls the host; a retry synchronizes the device), and the "
             "allocator's peak as one model's (see "
             "`cswap_lightning/commands/bench_measure.py`).\n\n" + "\n".join(lines))
