@@ -63,7 +63,7 @@ def test_a_method_out_of_memory_is_reported_and_the_others_go_on(tmp_path, monke
         "method": bench_finetune.CHECKPOINTING, "failed": "out of memory"}
     assert all("step_s" in rows[name] for name in (*ENGINES, bench_finetune.NO_OFFLOAD_AGAIN))
     assert "throughput_vs_checkpointing" not in rows[bench_finetune.NO_OFFLOAD]
-    assert "| activation checkpointing |  | out of memory |" in out.with_suffix(".md").read_text()
+    assert "| activation checkpointing |  | out of memory | |" in out.with_suffix(".md").read_text()
 
 
 def test_a_cnn_is_refused_with_the_command_that_measures_it(tmp_path):
@@ -81,3 +81,17 @@ def test_without_no_offloads_step_the_budgets_it_sets_are_not_run(tmp_path, monk
     assert not set(ENGINES) & set(rows)  # their budgets are shares of what it measures
     assert rows[bench_finetune.CHECKPOINTING]["step_s"] > 0
     assert "not counted" in out.with_suffix(".md").read_text()
+
+
+def test_each_row_is_set_against_no_offload_and_checkpointing():
+    gib = 1 << 30
+    rows = {bench_finetune.NO_OFFLOAD: {"step_s": 1.0, "peak_bytes": 72 * gib},
+            bench_finetune.CHECKPOINTING: {"step_s": 1.4, "peak_bytes": 31 * gib},
+            bench_finetune.AT_LOWER: {"step_s": 1.05, "peak_bytes": 35 * gib},
+            "failed": {"failed": "out of memory"}}
+    bench_finetune._compare(rows, saved=49 * gib)
+    lower = rows[bench_finetune.AT_LOWER]
+    assert lower["time_vs_no_offload"] == pytest.approx(1.05)
+    assert lower["throughput_vs_checkpointing"] == pytest.approx(1.4 / 1.05)
+    assert lower["saved_activations_lower"] == pytest.approx(37 / 49)
+    assert rows["failed"] == {"failed": "out of memory"}

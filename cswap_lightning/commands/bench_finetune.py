@@ -165,7 +165,7 @@ def run_finetune(args: argparse.Namespace, log: Callable[[str], None] = print) -
         rows[name]["budget_bytes"] = budget
     measure(NO_OFFLOAD_AGAIN, Method(NO_OFFLOAD_AGAIN, model), warm)
 
-    _compare(rows)
+    _compare(rows, saved)
     setup = {"model": spec.name, "sequence": args.seq, "batch": args.batch,
              "tuning": "LoRA" if args.lora else "full", "dtype": str(_dtype(dev)),
              "saved_activations_bytes": saved, "start_bytes": start,
@@ -242,9 +242,11 @@ def _row(m: Method) -> dict:
     return row
 
 
-def _compare(rows: dict[str, dict]) -> None:
-    """Each row's step time against no offload's and throughput against checkpointing's."""
-    keep = rows[NO_OFFLOAD].get("step_s")
+def _compare(rows: dict[str, dict], saved: int | None) -> None:
+    """Each row's step time against no offload's, throughput against checkpointing's, and
+    how much of the saved activations its peak is below no offload's (``saved``: their
+    bytes)."""
+    keep, keep_peak = rows[NO_OFFLOAD].get("step_s"), rows[NO_OFFLOAD].get("peak_bytes")
     ckpt = rows.get(CHECKPOINTING, {}).get("step_s")
     for row in rows.values():
         if "step_s" not in row:
@@ -253,6 +255,8 @@ def _compare(rows: dict[str, dict]) -> None:
             row["time_vs_no_offload"] = row["step_s"] / keep
         if ckpt:
             row["throughput_vs_checkpointing"] = ckpt / row["step_s"]
+        if saved and keep_peak:
+            row["saved_activations_lower"] = (keep_peak - row["peak_bytes"]) / saved
 
 
 def markdown(setup: dict, rows: list[dict], plan: str) -> str:
@@ -268,13 +272,16 @@ def markdown(setup: dict, rows: list[dict], plan: str) -> str:
          "device time; peak: the allocator's. The estimate of the same setup: "
          f"`{plan} --device DEVICE`."), "",
         ("| method | budget | what ran | step (ms) | vs no offload | throughput vs "
-         "checkpointing | peak | forward: device / host (ms) | warm-up steps |"),
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+         "checkpointing | peak | saved activations lower | forward: device / host (ms) | "
+         "warm-up steps |"),
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         budget = fmt_bytes(r["budget_bytes"]) if r.get("budget_bytes") else ""
         if "failed" in r:
-            lines.append(f"| {r['method']} | {budget} | {r['failed']} | | | | | | |")
+            lines.append(f"| {r['method']} | {budget} | {r['failed']} | | | | | | | |")
             continue
+        lower = (f"{r['saved_activations_lower']:.0%}" if "saved_activations_lower" in r
+                 else "")
         ran = r.get("engine_how") or r["method"]
         if r.get("engine_how"):
             ran += (f" ({r['recomputed_blocks']} blocks recomputed, "
@@ -285,6 +292,6 @@ def markdown(setup: dict, rows: list[dict], plan: str) -> str:
             f"| {r['method']} | {budget} | {ran} | {r['step_s'] * 1e3:.1f} | "
             f"{r.get('time_vs_no_offload', float('nan')):.3f}x | "
             f"{r.get('throughput_vs_checkpointing', float('nan')):.3f}x | "
-            f"{fmt_bytes(r['peak_bytes'])} | {r['forward_s'] * 1e3:.1f} / "
+            f"{fmt_bytes(r['peak_bytes'])} | {lower} | {r['forward_s'] * 1e3:.1f} / "
             f"{r['host_forward_s'] * 1e3:.1f} | {r['warmup_steps']} |")
     return "\n".join(lines) + "\n"
