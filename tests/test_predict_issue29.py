@@ -190,3 +190,30 @@ def test_the_measured_llm_shape_is_predicted_beside_its_measurement(monkeypatch)
     freed = (1 - calibration.END_TO_END_LEVEL) * measured["no offload"]["peak_bytes"] / 2**30
     assert check["rows"][2]["predicted_peak_gib"] <= keep["predicted_peak_gib"] - freed + 1e-9
     assert check["rows"][3]["predicted_peak_gib"] <= ckpt["predicted_peak_gib"] + 1e-9
+
+
+def test_the_readme_states_the_h200_predictions_of_what_bench_finetune_measures(monkeypatch):
+    """The H200's count of goals met and the figures of the setup `cswap bench finetune`
+    measures there are the committed file's."""
+    from pathlib import Path
+
+    script = load_benchmark("predict_issue29", monkeypatch)
+    root = Path(__file__).parents[1]
+    data = json.loads((root / "benchmarks" / "results" /
+                       "predictions-issue29-h200-2026-11-27.json").read_text())
+    cases = data["cases"]
+    assert {c["device_key"] for c in cases.values()} == {"h200"}
+    readme = " ".join((root / "README.md").read_text().split())
+    words = dict(enumerate(("none", "one", "two", "three", "four", "five", "six", "all")))
+    met = sum(m for *_, m in script.goals(cases))
+    assert f"`predictions-issue29-h200-2026-11-27.md`), {words[met]} of the seven" in readme
+
+    def lora(budget: str, codec: str) -> dict:
+        return next(r for r in cases["Llama-3-8B LoRA"]["rows"]
+                    if r["budget"].startswith(budget) and r["codec"] == codec)
+
+    assert (f"predicted at {lora('checkpointing', 'lossless')['vs_checkpointing']:.2f}x "
+            f"checkpointing's throughput at its peak lossless, "
+            f"{lora('checkpointing', 'int8')['vs_checkpointing']:.2f}x with int8, and 75% lower "
+            f"saved activations for {lora('75%', 'lossless')['vs_keep'] - 1:.1%} of the "
+            "step") in readme
