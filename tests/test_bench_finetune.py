@@ -95,3 +95,35 @@ def test_each_row_is_set_against_no_offload_and_checkpointing():
     assert lower["throughput_vs_checkpointing"] == pytest.approx(1.4 / 1.05)
     assert lower["saved_activations_lower"] == pytest.approx(37 / 49)
     assert rows["failed"] == {"failed": "out of memory"}
+
+
+def test_a_run_cut_short_keeps_the_rows_it_reached(tmp_path, monkeypatch):
+    step = bench_finetune._step
+
+    def interrupted(method, *args):
+        if method.name == bench_finetune.CHECKPOINTING:
+            raise KeyboardInterrupt
+        return step(method, *args)
+
+    monkeypatch.setattr(bench_finetune, "_step", interrupted)
+    out = tmp_path / "ft"
+    with pytest.raises(KeyboardInterrupt):
+        main(["bench", "finetune", "llama-3-8b", "--small", "--device", "cpu", "--seq", "32",
+              "--steps", "1", "--out", str(out)])
+    rows = _rows(out)
+    assert rows[bench_finetune.NO_OFFLOAD]["step_s"] > 0
+    assert bench_finetune.AT_LOWER not in rows
+
+
+def test_a_checkpointing_switch_that_fails_is_reported_and_the_others_go_on(tmp_path,
+                                                                            monkeypatch):
+    def no_switch(model, offload):
+        raise RuntimeError("this model has no checkpointing switch (a test's)")
+
+    monkeypatch.setattr(bench_finetune, "hf_checkpointing", no_switch)
+    out = tmp_path / "ft"
+    assert main(["bench", "finetune", "llama-3-8b", "--small", "--device", "cpu", "--seq", "32",
+                 "--steps", "1", "--out", str(out)]) == 0
+    rows = _rows(out)
+    assert rows[bench_finetune.CHECKPOINTING]["failed"].startswith("RuntimeError: this model")
+    assert all("step_s" in rows[name] for name in (*ENGINES, bench_finetune.NO_OFFLOAD_AGAIN))

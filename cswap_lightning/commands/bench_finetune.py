@@ -105,6 +105,25 @@ def run_finetune(args: argparse.Namespace, log: Callable[[str], None] = print) -
         f"{fmt_bytes(start)} allocated")
 
     rows: dict[str, dict] = {}
+    setup = {"model": spec.name, "sequence": args.seq, "batch": args.batch,
+             "tuning": "LoRA" if args.lora else "full", "dtype": str(_dtype(dev)),
+             "saved_activations_bytes": None, "start_bytes": start}
+    plan = (f"cswap plan {args.model} --seq {args.seq} --batch {args.batch} "
+            f"{'--lora' if args.lora else '--full'}"
+            + (f" --layers {args.layers}" if args.layers else ""))
+    meta = result_meta(dev, kind="measurement" if dev.type == "cuda" and not args.small
+                       else "dry run (CPU or a tiny model: the figures mean nothing)")
+
+    def report(final: bool = False) -> None:
+        """The result files with the rows so far (a run cut short keeps what it reached)."""
+        _compare(rows, setup["saved_activations_bytes"])
+        setup["seconds"] = time.monotonic() - began
+        table = markdown(setup, list(rows.values()), plan)
+        if final:
+            print(table)
+        write_results(args.out, f"cswap bench finetune: {spec.name}", meta,
+                      {"setup": setup, "rows": list(rows.values()), "estimate_command": plan},
+                      table, quiet=not final)
 
     def measure(name: str, method: Method, warm: Callable[[Method], None],
                 cleanup: Callable[[], None] = lambda: None) -> None:
@@ -126,23 +145,32 @@ def run_finetune(args: argparse.Namespace, log: Callable[[str], None] = print) -
             if method.offloader is not None:
                 with contextlib.suppress(Exception):
                     method.offloader.close()
-            cleanup()
+            with contextlib.suppress(Exception):
+                cleanup()
             method.steps = []
             gc.collect()
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
+            report()
 
     def warm(method: Method) -> None:
         _settle(method, loss, batch, dev, start)
 
+    def checkpointed(offload: bool) -> Callable[[Method], None]:
+        def switch_on_and_warm(method: Method) -> None:
+            hf_checkpointing(model, offload=offload)
+            warm(method)
+        return switch_on_and_warm
+
     measure(NO_OFFLOAD, Method(NO_OFFLOAD, model), warm)
     keep_peak = rows[NO_OFFLOAD].get("peak_bytes")
-    saved = _saved_bytes(model, batch) if keep_peak is not None else None
-    hf_checkpointing(model, offload=False)
-    measure(CHECKPOINTING, Method(CHECKPOINTING, model), warm, lambda: checkpointing_off(model))
+    saved = setup["saved_activations_bytes"] = (
+        _saved_bytes(model, batch) if keep_peak is not None else None)
+    measure(CHECKPOINTING, Method(CHECKPOINTING, model), checkpointed(False),
+            lambda: checkpointing_off(model))
     if args.peers:
-        hf_checkpointing(model, offload=True)
-        measure(HF_OFFLOAD, Method(HF_OFFLOAD, model), warm, lambda: checkpointing_off(model))
+        measure(HF_OFFLOAD, Method(HF_OFFLOAD, model), checkpointed(True),
+                lambda: checkpointing_off(model))
     if dev.type == "cuda":
         at_checkpointing = rows[CHECKPOINTING].get("peak_bytes")
         lower = None if saved is None else keep_peak - int(LOWER * saved)
@@ -164,22 +192,7 @@ def run_finetune(args: argparse.Namespace, log: Callable[[str], None] = print) -
         measure(name, method, warm)
         rows[name]["budget_bytes"] = budget
     measure(NO_OFFLOAD_AGAIN, Method(NO_OFFLOAD_AGAIN, model), warm)
-
-    _compare(rows, saved)
-    setup = {"model": spec.name, "sequence": args.seq, "batch": args.batch,
-             "tuning": "LoRA" if args.lora else "full", "dtype": str(_dtype(dev)),
-             "saved_activations_bytes": saved, "start_bytes": start,
-             "seconds": time.monotonic() - began}
-    plan = (f"cswap plan {args.model} --seq {args.seq} --batch {args.batch} "
-            f"{'--lora' if args.lora else '--full'}"
-            + (f" --layers {args.layers}" if args.layers else ""))
-    meta = result_meta(dev, kind="measurement" if dev.type == "cuda" and not args.small
-                       else "dry run (CPU or a tiny model: the figures mean nothing)")
-    table = markdown(setup, list(rows.values()), plan)
-    print(table)
-    write_results(args.out, f"cswap bench finetune: {spec.name}", meta,
-                  {"setup": setup, "rows": list(rows.values()), "estimate_command": plan},
-                  table)
+    report(final=True)
     return rows
 
 
@@ -210,9 +223,9 @@ def _build(args: argparse.Namespace, dev: torch.device) -> tuple[nn.Module, mode
     return model.to(dtype).train(), spec
 
 
-def _saved_bytes(model: nn.Module, batch: dict) -> int:
+def _saved_bytes(model: nn.Module, batch: dict) -> int | None:
     """The bytes autograd saves in one forward, each storage once, the parameters apart (the
-    activations a budget frees a share of)."""
+    activations a budget frees a share of); None where the step runs out of memory."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     sizes: dict[int, int] = {}
 
@@ -222,10 +235,14 @@ def _saved_bytes(model: nn.Module, batch: dict) -> int:
             sizes[storage.data_ptr()] = storage.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(**batch).loss
-    loss.backward()
-    model.zero_grad(set_to_none=True)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(**batch).loss
+        loss.backward()
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        model.zero_grad(set_to_none=True)
     return sum(sizes.values())
 
 

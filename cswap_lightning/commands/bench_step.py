@@ -221,13 +221,16 @@ def result_meta(dev: torch.device, **details) -> dict:
             "command": " ".join(["cswap"] + sys.argv[1:]), **details}
 
 
-def write_results(out: str, title: str, meta: dict, data: dict, markdown: str) -> None:
-    """``out``.json (``meta`` and ``data``) and ``out``.md (``meta`` as a list, then ``markdown``)."""
+def write_results(out: str, title: str, meta: dict, data: dict, markdown: str,
+                  quiet: bool = False) -> None:
+    """``out``.json (``meta`` and ``data``) and ``out``.md (``meta`` as a list, then
+    ``markdown``); ``quiet``: without saying so (results written again as they grow)."""
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(f"{out}.json").write_text(json.dumps({"meta": meta, **data}, indent=2))
     header = "\n".join(f"- {k}: {v}" for k, v in meta.items())
     Path(f"{out}.md").write_text(f"# {title}\n\n{header}\n\n{markdown}\n")
-    print(f"results written to {out}.md and {out}.json")
+    if not quiet:
+        print(f"results written to {out}.md and {out}.json")
 
 
 def device_name(dev: torch.device) -> str:

@@ -504,9 +504,9 @@ class _Replay:
     def _prefetch_order(self) -> list[int]:
         """Moved storages in the order backward first asks for them (the order the engine
         learns from the step before)."""
-        order: dict[int, None] = {}
         if not self.entries:
             return []
+        order: dict[int, None] = {}
         storage_of = self.storage_of
         for k in range(len(self.w.ops) - 1, -1, -1):
             op = self.w.ops[k]
