@@ -10,10 +10,12 @@ another on it, each warmed up, then timed:
   can be trusted on this machine);
 - activation checkpointing of every layer, through the model's own switch (non-reentrant);
   with ``--peers``, transformers' built-in offload too (the layers' inputs in host memory);
-- cswap (``plan="auto"``, the model watched: it measures, plans, checks its plan) with the
-  allocator's budget at checkpointing's measured peak, and at no offload's peak less 75% of
-  the saved activations (counted in a step of its own: each storage autograd saved, the
-  parameters apart); with ``--lossy``, the first of those through that codec too.
+- cswap (``plan="auto"``, the model watched: it measures, plans, checks its plan) by default
+  (its budget what the device has free: where the step fits, the cost of a run that moves
+  nothing), with the allocator's budget at checkpointing's measured peak, and at no offload's
+  peak less 75% of the saved activations (counted in a step of its own: each storage autograd
+  saved, the parameters apart); with ``--lossy``, at checkpointing's peak through that codec
+  too.
 
 Each timed step is forward and backward (no optimizer), device time between events, the
 allocator's peak above the step's start plus what the model and batch held then. A method that
@@ -52,6 +54,7 @@ NO_OFFLOAD, NO_OFFLOAD_AGAIN = "no offload", "no offload, again (the control)"
 CHECKPOINTING, HF_OFFLOAD = "activation checkpointing", "HF built-in offload"
 AT_CHECKPOINTING = "cswap, budget checkpointing's peak"
 AT_LOWER = f"cswap, budget {LOWER:.0%} lower saved activations"
+DEFAULT = "cswap default"  # its budget what the device has free: a run that fits moves nothing
 # The tiny model of ``--small``: the same code path on the CPU
 SMALL = {"hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 256, "bos_token_id": 0, "eos_token_id": 0}
@@ -178,7 +181,8 @@ def run_finetune(args: argparse.Namespace, log: Callable[[str], None] = print) -
         at_checkpointing, lower = saved // 10, int((1 - LOWER) * saved)
     else:
         at_checkpointing = lower = None
-    budgets = [(AT_CHECKPOINTING, at_checkpointing, None), (AT_LOWER, lower, None)]
+    budgets = [(DEFAULT, "auto", None), (AT_CHECKPOINTING, at_checkpointing, None),
+               (AT_LOWER, lower, None)]
     if args.lossy:
         budgets.append((f"cswap {args.lossy}, budget checkpointing's peak", at_checkpointing,
                         args.lossy))
@@ -188,9 +192,11 @@ def run_finetune(args: argparse.Namespace, log: Callable[[str], None] = print) -
         config = CSwapConfig(budget=budget, **({"lossy": lossy} if lossy else {}),
                              **({"min_bytes": 0} if args.small else {}))  # tiny tensors too
         offloader = Offloader(config).watch(model)
-        method = Method(name, model, lambda off=offloader: off, offloader, budget_bytes=budget)
+        method = Method(name, model, lambda off=offloader: off, offloader,
+                        budget_bytes=budget if budget != "auto" else None)
         measure(name, method, warm)
-        rows[name]["budget_bytes"] = budget
+        if budget != "auto":
+            rows[name]["budget_bytes"] = budget
     measure(NO_OFFLOAD_AGAIN, Method(NO_OFFLOAD_AGAIN, model), warm)
     report(final=True)
     return rows
