@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from test_replay import ENGINE, LINK, MB, step
 
-from cswap_lightning.config import AUTO_INFLIGHT_BYTES
+from cswap_lightning.config import AUTO_INFLIGHT_BYTES, INFLIGHT_CHOICES
 from cswap_lightning.planning import mix
 from cswap_lightning.planning import profiled as evidence
 from cswap_lightning.planning.replay import Codec, checkpoint_all, predict, swap_all
@@ -251,3 +251,18 @@ def test_a_search_told_of_a_faster_plan_finds_it_only_where_it_is_beaten():
                         faster_than=chosen.prediction.step_s)
     assert not (beaten.fits and beaten.prediction.step_s < chosen.prediction.step_s)
     assert len(told._predictions) < len(free._predictions)
+
+
+@pytest.mark.parametrize("model", ["gpt2-medium", "bert-large", "resnet50", "vgg16"])
+def test_skipping_what_cannot_win_chooses_what_searching_everything_does(model):
+    workloads = evidence.candidates(model)
+    keep = predict(workloads[0], link=LINK, engine=ENGINE).peak_bytes
+    replays = {True: mix.Replays(), False: mix.Replays()}
+    for share in (0.3, 0.45, 0.6, 0.75, 0.9):
+        chosen = {prune: mix.choose_among(workloads, int(share * keep), LINK, ENGINE,
+                                          inflight_choices=INFLIGHT_CHOICES,
+                                          replays=replays[prune], prune=prune)[1]
+                  for prune in (True, False)}
+        assert (chosen[True].how, chosen[True].prediction) == (
+            chosen[False].how, chosen[False].prediction), share
+    assert len(replays[True]._predictions) <= len(replays[False]._predictions)

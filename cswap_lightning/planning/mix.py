@@ -115,7 +115,8 @@ class Choice:
 def choose(workload: Workload, budget_bytes: int | None, link: Link | None = None,
            engine: Engine | None = None, codec_of: CodecOf | None = None,
            recompute: bool = True, inflight_choices: Sequence[int] = (),
-           replays: Replays | None = None, faster_than: float = math.inf) -> Choice:
+           replays: Replays | None = None, faster_than: float = math.inf,
+           prune: bool = True) -> Choice:
     """The fastest plan the replay predicts to fit ``budget_bytes`` (the allocator's peak);
     ``codec_of(workload, block)`` is how a swapped block travels (raw by default);
     ``recompute=False``
@@ -123,16 +124,20 @@ def choose(workload: Workload, budget_bytes: int | None, link: Link | None = Non
     ``engine``'s the plan may use, where the replay's peak with the copies in flight
     (``held_peak_bytes``) stays within the budget; ``replays``: predictions made before, for
     the same step at other budgets; ``faster_than``: a step time another plan has already
-    (where none is faster, the plan returned may be any, not fitting)."""
+    (where none is faster, the plan returned may be any, not fitting); ``prune=False``: search
+    what cannot beat a plan found too (the same choice, more replays: what it saves is
+    measured against that, ``benchmarks/planner_speed.py``)."""
     engine, replays = engine or Engine(), replays or Replays()
+    faster_than = faster_than if prune else math.inf
     best = _choose(workload, budget_bytes, link or Link(), engine, codec_of, recompute, replays,
-                   faster_than=faster_than)
+                   faster_than=faster_than, prune=prune)
     for bound in sorted(b for b in inflight_choices if b > engine.inflight_bytes):
         if not best.fits or best.how == "keep everything":
             break
         wider = _choose(workload, budget_bytes, link or Link(),
                         replace(engine, inflight_bytes=bound), codec_of, recompute, replays,
-                        held=True, faster_than=best.prediction.step_s)
+                        held=True, faster_than=best.prediction.step_s if prune else math.inf,
+                        prune=prune)
         if not (wider.fits and wider.prediction.step_s < best.prediction.step_s):
             break  # a wider bound held more than the budget, or gained nothing
         best = wider
@@ -143,17 +148,18 @@ def choose_among(workloads: Sequence[Workload], budget_bytes: int | None,
                  link: Link | None = None, engine: Engine | None = None,
                  inflight_choices: Sequence[int] = (),
                  codecs: Sequence[CodecOf | None] = (None,),
-                 replays: Replays | None = None) -> tuple[Workload, Choice]:
+                 replays: Replays | None = None, prune: bool = True
+                 ) -> tuple[Workload, Choice]:
     """``choose`` for each of the same step's workloads (its units of recomputation cut
     otherwise, ``Workload.with_units``) and each way of swapping (``codecs``: raw, or a
     codec per block): the fastest mix that fits, else the first's. ``replays``: predictions
-    made before, for the same step at other budgets."""
+    made before, for the same step at other budgets; ``prune``: as ``choose``'s."""
     replays = replays or Replays()
     mixes, fastest = [], math.inf
     for w, codec_of in product(workloads, codecs):
         mixes.append(choose(w, budget_bytes, link, engine, codec_of,
                             inflight_choices=inflight_choices, replays=replays,
-                            faster_than=fastest))
+                            faster_than=fastest, prune=prune))
         if mixes[-1].fits:
             fastest = min(fastest, mixes[-1].prediction.step_s)
     fitting = [m for m in mixes if m.fits]
@@ -222,9 +228,9 @@ class _Unit:
 
 def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: Engine,
             codec_of: CodecOf | None, recompute: bool, replays: Replays,
-            held: bool = False, faster_than: float = math.inf) -> Choice:
+            held: bool = False, faster_than: float = math.inf, prune: bool = True) -> Choice:
     """``choose`` at one bound on bytes in flight (``held``: the copies in flight count
-    against the budget too; ``faster_than``: as ``choose``'s)."""
+    against the budget too; ``faster_than`` and ``prune``: as ``choose``'s)."""
     codec_of = codec_of or (lambda w, block: RAW)
 
     def merged(parents: frozenset[str]) -> Workload:
@@ -271,26 +277,37 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
                       if u.whole or workload.blocks[u.blocks[0]].parent not in whole}
         return merged(whole), Mix(KEEP, decisions)
 
+    fastest, skipped = faster_than, False
+
+    def least(ranked: list[_Unit], swapped: int, below: bool) -> int | None:
+        """The fewest recomputations that fit with ``swapped`` blocks swapped (None: none),
+        by bisection. Recomputing more only adds work, so once a count that does not fit
+        is no faster than the fastest plan so far, neither is the least that fits: with
+        ``prune``, the search stops there (``_Beaten``)."""
+        def ok(k: int) -> bool:
+            chosen = mixed(ranked, swapped, k, below)
+            if fits(chosen):
+                return True
+            if prune and run(chosen).step_s >= fastest:
+                raise _Beaten
+            return False
+
+        if prune and fastest < math.inf and ok(0):  # none at all (or beaten already)
+            return 0
+        return _first(len(eligible(ranked, swapped)) + 1, ok)
+
     # For each count of earliest blocks swapped (raw or compressed; where blocks can be
     # recomputed below the layer, also so with what they keep swapped), the fewest
     # recomputations that fit.
-    # Recomputing only adds work, so none of them is faster than the blocks swapped alone:
-    # where that is no faster than the fastest so far, the search for it is skipped.
     ways = (False, True) if any(b.selective for b in workload.blocks) else (False,)
     candidates: dict[str, tuple[tuple[Workload, Mix], Prediction]] = {}
-    fastest, skipped = faster_than, False
     for (n, ranked), below in product(enumerate(rankings), ways):
         for swapped in range(len(names) + 1):
-            alone = mixed(ranked, swapped, 0, below)
-            if fits(alone):
-                k = 0
-            elif run(alone).step_s >= fastest:
+            try:
+                k = least(ranked, swapped, below)
+            except _Beaten:
                 skipped = True
                 continue
-            else:
-                left = len(eligible(ranked, swapped))
-                k = _first(left + 1,
-                           lambda k, r=ranked, s=swapped, b=below: fits(mixed(r, s, k, b)))
             if k is None:
                 continue
             chosen = mixed(ranked, swapped, k, below)
@@ -336,6 +353,10 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
     w, plan = moved(len(whole.blocks))
     return Choice(plan, run((w, plan)), keep, budget_bytes, False, "does not fit",
                engine=engine, workload=w)
+
+
+class _Beaten(Exception):
+    """A search for the fewest recomputations found no faster plan than one found before."""
 
 
 def _through(plan: Mix) -> str:
