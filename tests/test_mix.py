@@ -218,23 +218,32 @@ def test_replays_kept_across_budgets_give_the_same_mixes_with_fewer_replays(monk
 
 
 def test_recomputing_more_blocks_never_makes_a_step_faster():
-    """What the search skips by: with the earliest blocks swapped, no set of later blocks
-    recomputed is faster than none (recomputation only adds work), on every profile."""
+    """What the search stops by: with the earliest blocks swapped, recomputing one more of
+    the later blocks never makes the step faster (recomputation only adds work), on every
+    profile and on a Llama's estimate, its layers recomputed whole and below the layer."""
     from itertools import combinations
 
+    from cswap_lightning.planning.devices import device
+    from cswap_lightning.planning.estimate import Setup, estimate
     from cswap_lightning.planning.replay import KEEP, BlockDecision, Mix
 
-    for model in ("gpt2-medium", "resnet50"):
-        w = evidence.workload(model)
+    llama = estimate(Setup("llama-3-8b", 1024, 1, layers=4), device("h100-pcie")).workload()
+    steps = [evidence.workload(m) for m in ("gpt2-medium", "bert-large", "resnet50", "vgg16")]
+    for case, w in enumerate([*steps, *evidence.unit_candidates(llama)]):  # below the layer too
         later = [b.name for b in w.blocks if b.recomputable][-4:]
         for swapped in (0, 2, len(w.blocks) // 2):
             swaps = {b.name: BlockDecision("swap") for b in w.blocks[:swapped]}
-            alone = predict(w, Mix(KEEP, swaps), LINK, ENGINE).step_s
-            for k in (1, 2, 4):
+
+            def step_s(names: tuple[str, ...], w=w, swaps=swaps) -> float:
+                return predict(w, Mix(KEEP, swaps | {n: BlockDecision("recompute")
+                                                     for n in names if n not in swaps}),
+                               LINK, ENGINE).step_s
+
+            for k in range(len(later)):
                 for names in combinations(later, k):
-                    plan = Mix(KEEP, swaps | {n: BlockDecision("recompute") for n in names
-                                              if n not in swaps})
-                    assert predict(w, plan, LINK, ENGINE).step_s >= alone
+                    fewer = step_s(names)
+                    for more in set(later) - set(names):
+                        assert step_s((*names, more)) >= fewer, (case, swapped, names, more)
 
 
 def test_a_search_told_of_a_faster_plan_finds_it_only_where_it_is_beaten():
