@@ -88,7 +88,7 @@ def within(est: Estimate, keep: sizing.Way, saved: int, steps: int, replays: mix
 def predict(case: str, setup: Setup, codecs: tuple[str | None, ...], lower_goal: bool,
             steps: int, engine: Engine | None = None, log=print,
             on: str = "h100-pcie") -> dict:
-    est = estimate(setup, device(on))
+    est, engine = estimate(setup, device(on)), engine or Engine()
     keep, checkpointing = sizing.baselines(est, engine)
     saved = est.saved_bytes
     budgets = [("checkpointing's peak", checkpointing.prediction.peak_bytes)]
@@ -109,9 +109,8 @@ def predict(case: str, setup: Setup, codecs: tuple[str | None, ...], lower_goal:
                                    "batch": setup.batch, "dtype": str(setup.dtype),
                                    "lora": setup.lora is not None, "layers": setup.layers},
            "device": est.device.name, "device_key": on, "saved_activations_gib": saved / GiB,
-           "codec_kernels": (engine or Engine()).codec_kernels,
-           "recompute_scale": (engine or Engine()).recompute_scale,
-           "below_scale": (engine or Engine()).below_scale,
+           "codec_kernels": engine.codec_kernels, "recompute_scale": engine.recompute_scale,
+           "below_scale": engine.below_scale,
            "checkpointing_peak_gib": checkpointing.prediction.peak_bytes / GiB,
            "optimizer_peak_gib": est.optimizer_peak / GiB,
            "fits_the_device": est.optimizer_peak <= sizing.usable(est.device),

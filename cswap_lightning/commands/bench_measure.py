@@ -573,9 +573,10 @@ def markdown(results: list[dict], dev: torch.device) -> str:
             "from the captured profile at the same budget. Measured: median device time of "
             "forward and backward over the interleaved rounds, the host's time until forward "
             "returned beside the device's forward (near it, the host set the pace or waited "
-            "for the device; where the method's block took 0.1 ms or more to enter, the device's "
-            "time until then, idle: each timed step starts synchronized), the caching allocator's calls to the driver over the timed "
-            "steps (each stalls the host; a retry synchronizes the device), and the "
+            "for the device; where the method's block took 0.1 ms or more to enter, the "
+            "device's time until then, idle: each timed step starts synchronized), the caching "
+            "allocator's calls to the driver over the timed steps (each stalls the host; a "
+            "retry synchronizes the device), and the "
             "allocator's peak as one model's (see "
             "`cswap_lightning/commands/bench_measure.py`).\n\n" + "\n".join(lines))
 

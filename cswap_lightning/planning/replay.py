@@ -50,7 +50,8 @@ modelled; until a GPU measurement says which is nearer, ``Engine.codec_kernels``
 them in the copy's lane (as the replay did before) or on the compute stream's clock
 instead. Not modelled either: the host's own time to issue each op's kernels (a profile
 holds device times only), and the allocator's fragmentation. Every figure the replay gives
-is a prediction, not a measurement. """
+is a prediction, not a measurement.
+"""
 
 from __future__ import annotations
 
