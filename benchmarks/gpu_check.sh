@@ -138,7 +138,7 @@ fi
 # without autograd on CUDA only when asked; the allocator's peaks with layers recomputed,
 # after the reference-cycle fix);
 # TESTS='tests/test_x.py::test_y ...' names others, TESTS=' ' none.
-TESTS=${TESTS-tests/test_transfer.py::test_the_current_stream_is_torchs_own_found_again tests/test_transfer.py::test_a_compressed_swap_holds_at_most_two_payload_buffers_more_than_a_raw_one tests/test_recipes.py::test_recipe_on_gpu_moves_activations_off_the_device tests/test_recompute.py::test_on_cuda_training_with_recomputed_blocks_is_bitwise_plain_training tests/test_recompute.py::test_on_cuda_the_allocators_peak_drops_with_recomputed_layers tests/test_selective.py::test_on_cuda_the_allocators_peak_drops_by_what_the_layers_no_longer_keep tests/test_selective.py::test_on_cuda_layers_below_the_layer_are_bitwise_plain_training}
+TESTS=${TESTS-tests/test_transfer.py::test_the_current_stream_is_torchs_own_found_again tests/test_capture.py::test_on_cuda_a_leaf_is_timed_by_its_kernels_not_by_a_slower_host tests/test_allocator.py::test_on_cuda_the_counters_are_torchs tests/test_transfer.py::test_a_compressed_swap_holds_at_most_two_payload_buffers_more_than_a_raw_one tests/test_recipes.py::test_recipe_on_gpu_moves_activations_off_the_device tests/test_recompute.py::test_on_cuda_training_with_recomputed_blocks_is_bitwise_plain_training tests/test_recompute.py::test_on_cuda_the_allocators_peak_drops_with_recomputed_layers tests/test_selective.py::test_on_cuda_the_allocators_peak_drops_by_what_the_layers_no_longer_keep tests/test_selective.py::test_on_cuda_layers_below_the_layer_are_bitwise_plain_training}
 if [[ -n ${TESTS// /} ]]; then
     step tests 90 python3 -m pytest -q -p no:cacheprovider $TESTS
 fi

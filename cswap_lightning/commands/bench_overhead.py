@@ -28,7 +28,8 @@ timed ones: the rows are what the steps after those cost, which keep and move wh
 checked plan says without tracking each tensor (the measured and checking steps track every
 tensor and cost more). Last, one step of ``plan=raw`` runs under cProfile, and the functions
 with the most time of their own are listed per saved tensor: on a GPU, which of the stream,
-event and copy calls the host time goes to.
+event and copy calls the host time goes to; and a read of the allocator's bytes in use is
+timed both ways (``allocator_reads``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..allocator import allocated_bytes
 from ..config import CSwapConfig
 from ..core.engine import Offloader
 from .bench_step import result_meta, write_results
@@ -115,6 +117,24 @@ def _function_name(where: tuple[str, int, str]) -> str:
     if file == "~":  # a built-in: the name says it (``<method 'copy_' of ...>``)
         return name
     return f"{file.rsplit('/', 2)[-1] if '/' in file else file}:{line} {name}"
+
+
+def allocator_reads(device: torch.device, calls: int = 200) -> dict[str, float]:
+    """On CUDA, the host's microseconds per read of the allocator's bytes in use: torch's
+    ``memory_allocated`` (every statistic flattened first) and ``allocator.allocated_bytes``,
+    the engine's and the capture's; nothing on the CPU."""
+    if device.type != "cuda":
+        return {}
+    reads = {"torch.cuda.memory_allocated": lambda: torch.cuda.memory_allocated(device),
+             "allocator.allocated_bytes": lambda: allocated_bytes(device)}
+    out = {}
+    for name, read in reads.items():
+        read()
+        start = time.perf_counter()
+        for _ in range(calls):
+            read()
+        out[name] = 1e6 * (time.perf_counter() - start) / calls
+    return out
 
 
 def run_overhead_bench(tensors: int = 2000, numel: int = 4096, rounds: int = 7,
@@ -206,6 +226,10 @@ def run_overhead_bench(tensors: int = 2000, numel: int = 4096, rounds: int = 7,
     table += ("\n\nWhere plan=raw's host time goes: the functions with the most time of their "
               "own in one step under cProfile, which slows Python calls more than calls into "
               "torch's C++ (it ranks, it does not time).\n\n" + where)
+    reads = allocator_reads(dev)
+    if reads:
+        table += ("\n\nReading the allocator's bytes in use, host time per call: "
+                  + ", ".join(f"{name} {us:.1f} us" for name, us in reads.items()) + ".")
     print(table)
     print(f"cswap plan=raw moved {moved / 2**20:.1f} MiB off the device per step; the default's "
           f"plan moved nothing and its steps ran {'without' if hooks_off else 'with'} hooks; "
@@ -217,6 +241,7 @@ def run_overhead_bench(tensors: int = 2000, numel: int = 4096, rounds: int = 7,
                            python_objects=len(gc.get_objects()))
         results = {"rows": rows, "raw_profile": profile, "moved_bytes": moved, "default_hooks_off": hooks_off,
                    "budget_moved_tensors": budgeted.offloaded_tensors,
-                   "budget_counted_tensors": budgeted.untracked_tensors}
+                   "budget_counted_tensors": budgeted.untracked_tensors,
+                   "allocator_read_us": reads}
         write_results(out, "cswap bench overhead", meta, results, table)
     return rows

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from ..allocator import peak_allocated_bytes
 from ..codecs import get_codec
 from ..config import CSwapConfig
 from ..planning import live, mix
@@ -285,7 +286,7 @@ class Learning:
         if (device is None or device.type != "cuda" or self.config.plan != "auto"
                 or self.plan is None or self.plan.budget_bytes is None):
             return False
-        peak = torch.cuda.max_memory_allocated(device)
+        peak = peak_allocated_bytes(device)
         torch.cuda.reset_peak_memory_stats(device)
         return peak >= _NEAR_BUDGET * self.plan.budget_bytes
 

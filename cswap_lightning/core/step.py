@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
+from ..allocator import peak_allocated_bytes
 from ..codecs import Codec, get_codec
 from ..codecs.lossy import relative_error, seed_of
 from ..config import LOSSY_CODECS
@@ -513,7 +514,7 @@ class Step:
             return
 
         def ended() -> None:
-            self.backward_peak = torch.cuda.max_memory_allocated(device)
+            self.backward_peak = peak_allocated_bytes(device)
 
         with contextlib.suppress(RuntimeError):  # an unpack outside backward: read at close
             torch.autograd.Variable._execution_engine.queue_callback(ended)
@@ -672,7 +673,7 @@ class Step:
         if self.device is not None and self.device.type == "cuda":
             self.stats.peak_allocated_bytes = (
                 self.backward_peak if self.backward_peak is not None
-                else torch.cuda.max_memory_allocated(self.device))
+                else peak_allocated_bytes(self.device))
 
 
 # Dynamo compiles every Python frame that starts while its frame callback is set, as it is

@@ -8,9 +8,14 @@ The planner predicts a device it has measured: the H100 profiles that ship in
   ``plain_backward_ms`` and the allocator's peak, the figures the replay scales to;
 - one hooked step: every saved tensor in order (the leaf module running when autograd saved
   it, its shape, dtype, bytes, storage bytes, whether its storage is a parameter's or seen
-  first, the allocator's bytes at that moment), and each leaf module's forward and backward
-  time and the allocator's bytes when its backward began. The hooks leave launch gaps, so
-  their totals (``forward_ms``, ``backward_ms``) are reported beside the plain ones.
+  first, the allocator's bytes at that moment; for a save between leaves, the leaf it
+  follows), each leaf module's forward and backward time, the time no leaf ran after its
+  forward and before its backward (the functions between leaves: attention, residual adds,
+  the loss), and the allocator's bytes when its backward began. The hooks cost the host
+  more than many of the kernels they time take: on CUDA the device spins first (a head start
+  of twice the plain forward), so that the host queues the hooked forward ahead of it and the
+  marks time the device's work. The hooked totals (``forward_ms``, ``backward_ms``) are
+  reported beside the plain ones, and the host's own forward beside the head start.
 
 Full backward hooks break modules that change their input in place (ResNet's
 ``ReLU(inplace=True)``); where the hooked step raises, it is run again without them, and the
@@ -24,9 +29,12 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 
 import torch
 from torch import nn
+
+from ..allocator import allocated_bytes, peak_allocated_bytes
 
 StepFn = Callable[[], torch.Tensor]  # runs forward, returns the loss
 
@@ -55,19 +63,65 @@ class _Clock:
 
 
 def _allocated(cuda: bool) -> int:
-    return torch.cuda.memory_allocated() if cuda else 0
+    return allocated_bytes() if cuda else 0
 
 
 @dataclass
 class _Module:
-    """One leaf module's marks on the hooked step."""
+    """One leaf module's marks on the hooked step, and the time no leaf ran after its forward
+    (and before its backward): the functions it hands its output to."""
 
     name: str
     forward: list[tuple[object, object]] = field(default_factory=list)
     backward: list[tuple[object, object]] = field(default_factory=list)
     backward_allocated: list[int] = field(default_factory=list)
+    forward_after: list[tuple[object, object]] = field(default_factory=list)
+    backward_after: list[tuple[object, object]] = field(default_factory=list)
     _open: list[object] = field(default_factory=list)
     _open_backward: list[object] = field(default_factory=list)
+
+
+@dataclass
+class _Between:
+    """The gaps of one pass (forward or backward) where no leaf module runs: attention, the
+    residual adds, the loss, any code called between leaves. A forward gap is credited to the
+    leaf whose forward it follows, a backward gap to the leaf whose backward it precedes (the
+    same functions, run backwards); ``lead`` holds the gaps before every leaf's forward."""
+
+    backward: bool
+    lead: list[tuple[object, object]] = field(default_factory=list)
+    _depth: int = 0
+    _since: tuple[_Module | None, object] | None = None  # who closed the last run, and when
+
+    def start(self, mark: object) -> None:
+        self._since = (None, mark)
+
+    def enter(self, leaf: _Module, mark: object) -> None:
+        if self._depth == 0 and self._since is not None:
+            self._credit(leaf if self.backward else self._since[0], self._since[1], mark)
+        self._depth += 1
+
+    def leave(self, leaf: _Module, mark: object) -> None:
+        self._depth = max(self._depth - 1, 0)
+        if self._depth == 0:
+            self._since = (leaf, mark)
+
+    def end(self, mark: object) -> None:
+        if self._depth == 0 and self._since is not None:
+            self._credit(None if self.backward else self._since[0], self._since[1], mark)
+        self._since = None
+
+    def after(self) -> str | None:
+        """The leaf whose forward the running gap follows ("" before the first; None inside
+        a leaf)."""
+        if self._depth or self._since is None:
+            return None
+        return "" if self._since[0] is None else self._since[0].name
+
+    def _credit(self, leaf: _Module | None, begin: object, end: object) -> None:
+        gaps = self.lead if leaf is None else (
+            leaf.backward_after if self.backward else leaf.forward_after)
+        gaps.append((begin, end))
 
 
 def _leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -95,20 +149,35 @@ def plain_times(model: nn.Module, step: StepFn, steps: int, cuda: bool
         del loss
         clock.sync()
         if cuda:
-            peak = max(peak, torch.cuda.max_memory_allocated())
+            peak = max(peak, peak_allocated_bytes())
         forward.append(clock.ms(begin, middle))
         backward.append(clock.ms(middle, end))
     model.zero_grad(set_to_none=True)
     return statistics.median(forward), statistics.median(backward), before, peak
 
 
-def _hooked_step(model: nn.Module, step: StepFn, cuda: bool, backward_hooks: bool
-                 ) -> tuple[list[dict], list[_Module], float, float]:
-    """One step with module and saved-tensor hooks: the saved rows and each leaf's marks."""
+@dataclass
+class _Hooked:
+    """What the hooked step saw: the saved rows, each leaf's marks, each pass's gaps, its
+    totals on the clock and the host's own time until forward returned."""
+
+    rows: list[dict]
+    marks: list[_Module]
+    between: tuple[_Between, _Between]
+    forward_ms: float
+    backward_ms: float
+    host_forward_ms: float
+
+
+def _hooked_step(model: nn.Module, step: StepFn, cuda: bool, backward_hooks: bool,
+                 head_start_ms: float = 0.0) -> _Hooked:
+    """One step with module and saved-tensor hooks: the saved rows and each leaf's marks.
+    ``head_start_ms``: on CUDA, the device first spins that long (``_keep_busy``)."""
     clock = _Clock(cuda)
     leaves = _leaves(model)
     marks = [_Module(name) for name, _ in leaves]
     running: list[str] = []  # the leaf modules inside one another's forward (rarely nested)
+    forward, backward = _Between(backward=False), _Between(backward=True)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: set[int] = set()
     rows: list[dict] = []
@@ -118,9 +187,11 @@ def _hooked_step(model: nn.Module, step: StepFn, cuda: bool, backward_hooks: boo
         def pre(_m, _args, mark=mark):
             running.append(mark.name)
             mark._open.append(clock.mark())
+            forward.enter(mark, mark._open[-1])
 
         def post(_m, _args, _out, mark=mark):
             mark.forward.append((mark._open.pop(), clock.mark()))
+            forward.leave(mark, mark.forward[-1][1])
             running.pop()
 
         handles += [module.register_forward_pre_hook(pre),
@@ -129,10 +200,12 @@ def _hooked_step(model: nn.Module, step: StepFn, cuda: bool, backward_hooks: boo
             def back_pre(_m, _grad, mark=mark):
                 mark.backward_allocated.append(_allocated(cuda))
                 mark._open_backward.append(clock.mark())
+                backward.enter(mark, mark._open_backward[-1])
 
             def back_post(_m, _gin, _gout, mark=mark):
                 if mark._open_backward:
                     mark.backward.append((mark._open_backward.pop(), clock.mark()))
+                    backward.leave(mark, mark.backward[-1][1])
 
             handles += [module.register_full_backward_pre_hook(back_pre),
                         module.register_full_backward_hook(back_post)]
@@ -140,32 +213,75 @@ def _hooked_step(model: nn.Module, step: StepFn, cuda: bool, backward_hooks: boo
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        rows.append({"i": len(rows), "module": running[-1] if running else "",
-                     "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
-                     "nbytes": t.numel() * t.element_size(), "storage_nbytes": storage.nbytes(),
-                     "parameter": ptr in params, "allocated": _allocated(cuda),
-                     "first_of_storage": ptr not in seen})
+        row = {"i": len(rows), "module": running[-1] if running else "",
+               "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+               "nbytes": t.numel() * t.element_size(), "storage_nbytes": storage.nbytes(),
+               "parameter": ptr in params, "allocated": _allocated(cuda),
+               "first_of_storage": ptr not in seen}
+        if not running and (after := forward.after()) is not None:
+            row["after"] = after  # a function's save: the leaf whose output it works on
+        rows.append(row)
         seen.add(ptr)
         return t
 
     model.zero_grad(set_to_none=True)
     clock.sync()
     try:
+        if cuda and head_start_ms > 0:
+            _keep_busy(head_start_ms)
+        host = time.perf_counter()
         begin = clock.mark()
+        forward.start(begin)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = step()
         middle = clock.mark()
+        host_forward_ms = 1e3 * (time.perf_counter() - host)
+        forward.end(middle)
+        if backward_hooks:
+            backward.start(middle)
         with warnings.catch_warnings():  # modules whose inputs need no gradient (embeddings)
             warnings.filterwarnings("ignore", "Full backward hook is firing")
             loss.backward()
         end = clock.mark()
+        backward.end(end)
         del loss
         clock.sync()
     finally:
         for handle in handles:
             handle.remove()
         model.zero_grad(set_to_none=True)
-    return rows, marks, clock.ms(begin, middle), clock.ms(middle, end)
+    return _Hooked(rows, marks, (forward, backward), clock.ms(begin, middle),
+                   clock.ms(middle, end), host_forward_ms)
+
+
+def _keep_busy(ms: float) -> None:
+    """Queue ``ms`` of spinning on the current stream: while the device spins, the host, slowed
+    by the hooks, queues the hooked forward ahead of it, so that its marks time the device's
+    work rather than the host's (on an H200 the hooks made GPT-2 medium's forward take 345 ms
+    against 35 plain, each module's time mostly the host's)."""
+    torch.cuda._sleep(max(1, round(ms * _cycles_per_ms())))
+
+
+@cache
+def _cycles_per_ms() -> float:
+    """``torch.cuda._sleep``'s cycles per millisecond on this device, timed once."""
+    begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    cycles = 10_000_000
+    torch.cuda._sleep(cycles // 10)  # warm-up
+    begin.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / max(begin.elapsed_time(end), 1e-3)
+
+
+def _hooked(model: nn.Module, step: StepFn, cuda: bool, head_start_ms: float, name: str,
+            log: Callable[[str], None]) -> _Hooked:
+    try:
+        return _hooked_step(model, step, cuda, True, head_start_ms)
+    except RuntimeError as err:  # full backward hooks and an in-place module (module docstring)
+        log(f"capture {name}: backward hooks failed ({str(err)[:100]}); without them")
+        return _hooked_step(model, step, cuda, False, head_start_ms)
 
 
 def capture(model: nn.Module, step: StepFn, name: str, *, warmup: int = 2, steps: int = 5,
@@ -179,24 +295,34 @@ def capture(model: nn.Module, step: StepFn, name: str, *, warmup: int = 2, steps
     forward_ms, backward_ms, before, peak = plain_times(model, step, steps, cuda)
     log(f"capture {name}: plain forward {forward_ms:.1f} ms, backward {backward_ms:.1f} ms, "
         f"peak {peak / 2**30:.2f} GiB")
-    try:
-        rows, marks, hooked_f, hooked_b = _hooked_step(model, step, cuda, backward_hooks=True)
-    except RuntimeError as err:  # full backward hooks and an in-place module (module docstring)
-        log(f"capture {name}: backward hooks failed ({str(err)[:100]}); without them")
-        rows, marks, hooked_f, hooked_b = _hooked_step(model, step, cuda, backward_hooks=False)
+    head_start = 2 * forward_ms + 20 if cuda else 0.0
+    hooked = _hooked(model, step, cuda, head_start, name, log)
+    if cuda and hooked.host_forward_ms > head_start and hooked.forward_ms > 1.15 * forward_ms:
+        head_start = 1.5 * hooked.host_forward_ms + 20  # the host fell behind: more room
+        hooked = _hooked(model, step, cuda, head_start, name, log)
     clock.sync()
-    modules = [{"module": m.name,
-                "forward_ms": sum(clock.ms(a, b) for a, b in m.forward),
-                "backward_ms": sum(clock.ms(a, b) for a, b in m.backward),
+
+    def ms(pairs: list[tuple[object, object]]) -> float:
+        return sum(clock.ms(a, b) for a, b in pairs)
+
+    modules = [{"module": m.name, "forward_ms": ms(m.forward), "backward_ms": ms(m.backward),
+                "forward_after_ms": ms(m.forward_after),
+                "backward_after_ms": ms(m.backward_after),
                 "calls": len(m.forward), "backward_allocated": m.backward_allocated}
-               for m in marks]
+               for m in hooked.marks]
+    rows = hooked.rows
     log(f"capture {name}: {len(rows)} saved tensors, "
         f"{sum(r['storage_nbytes'] for r in rows if r['first_of_storage']) / 2**30:.2f} GiB "
-        f"of storages; hooked forward {hooked_f:.1f} ms, backward {hooked_b:.1f} ms")
+        f"of storages; hooked forward {hooked.forward_ms:.1f} ms (the host's "
+        f"{hooked.host_forward_ms:.1f} ms, head start {head_start:.0f} ms), backward "
+        f"{hooked.backward_ms:.1f} ms")
     return {"name": name,
             "device": torch.cuda.get_device_name() if cuda else "cpu",
             "torch": torch.__version__, "dtype": str(param.dtype).removeprefix("torch."),
             "plain_forward_ms": forward_ms, "plain_backward_ms": backward_ms,
-            "forward_ms": hooked_f, "backward_ms": hooked_b,
+            "forward_ms": hooked.forward_ms, "backward_ms": hooked.backward_ms,
+            "host_forward_ms": hooked.host_forward_ms, "head_start_ms": head_start,
+            "forward_lead_ms": ms(hooked.between[0].lead),
+            "backward_lead_ms": ms(hooked.between[1].lead),
             "allocated_before_step": before, "peak_allocated": peak,
             "saved": rows, "modules": modules}

@@ -10,9 +10,11 @@ allocator's bytes when a module's backward began, forward and backward without a
 :class:`Workload`:
 
 - **ops**: runs of saves by one module, each storage saved once in a run (one autograd op, or a
-  few of one module): the unit of compute, memory and events in the replay. The hooks leave
-  launch gaps in the modules' times, so they are scaled to sum to the plain totals; time spent
-  outside any leaf module (attention's core, the loss) is spread over them in proportion too.
+  few of one module): the unit of compute, memory and events in the replay. The modules'
+  times are scaled to sum to the plain totals (the hooks cost time; where the host fell
+  behind, the device waited inside the modules it timed). Time spent outside any leaf module
+  (attention's core, the loss) goes to the functions' runs saved there where the profile
+  timed it (``capture``'s gaps), and is spread over the modules in proportion where not.
   Where the profile has no backward times (its backward hooks did not fire), an op's backward
   takes its forward time times the plain backward/forward ratio.
 - **blocks**: what activation checkpointing recomputes: transformer layers (``...h.3``,
@@ -327,8 +329,7 @@ def from_profile(data: dict) -> Workload:
     runs = _runs(saved)
     blocks, block_of_run = _blocks(saved, runs)
     modules = data["modules"]
-    forward_s, backward_s = _times(modules, saved, runs, data["plain_forward_ms"] / 1e3,
-                                   data["plain_backward_ms"] / 1e3)
+    forward_s, backward_s = _times(data, saved, runs)
     forward_other = _forward_other(data["saved"], saved, runs, start)
     # a frozen weight (LoRA's base) makes no gradient; profiles without the key train all
     trained = [row.get("requires_grad", True) for row in data["saved"]]
@@ -451,24 +452,42 @@ def _named_span(block: Block, saved: Sequence[Saved], runs: Sequence[range]) -> 
     return replace(block, name=first if first == last else f"{first} .. {last}")
 
 
-def _times(modules: Sequence[dict], saved: Sequence[Saved], runs: Sequence[range],
-           plain_forward: float, plain_backward: float) -> tuple[list[float], list[float]]:
+def _times(data: dict, saved: Sequence[Saved], runs: Sequence[range]
+           ) -> tuple[list[float], list[float]]:
     """Each run's forward and backward seconds, scaled to the plain totals (module docstring):
     a module's time is split evenly over its runs; a module that saved nothing (dropout at
-    rate 0, a pooling that keeps nothing) adds its time to the module registered before it."""
+    rate 0, a pooling that keeps nothing) adds its time to the module registered before it.
+    Where the profile timed the gaps between leaf modules (``capture``: ``forward_after_ms``),
+    a leaf's gaps go to the functions' runs saved in them (attention after its projections,
+    the loss after the head), or to its own runs where those saved nothing; older profiles
+    leave that time to the scaling, spread over every module."""
+    modules, rows = data["modules"], data["saved"]
     runs_of: dict[str, list[int]] = {}
+    after_of: dict[str, list[int]] = {}  # a leaf -> the functions' runs saved after it
     for k, run in enumerate(runs):
-        runs_of.setdefault(saved[run[0]].module, []).append(k)
+        module = saved[run[0]].module
+        runs_of.setdefault(module, []).append(k)
+        if not module and "after" in rows[run[0]]:
+            after_of.setdefault(rows[run[0]]["after"], []).append(k)
     forward, backward = [0.0] * len(runs), [0.0] * len(runs)
+
+    def add(targets: list[int], forward_ms: float, backward_ms: float) -> None:
+        for k in targets:
+            forward[k] += forward_ms / len(targets)
+            backward[k] += backward_ms / len(targets)
+
     owner: str | None = None
     for m in modules:
         name = m["module"]
         if name in runs_of:
             owner = name
         target = runs_of.get(name) or (runs_of[owner][-1:] if owner else [0])
-        for k in target:
-            forward[k] += m["forward_ms"] / len(target)
-            backward[k] += m["backward_ms"] / len(target)
+        add(target, m["forward_ms"], m["backward_ms"])
+        add(after_of.get(name) or target, m.get("forward_after_ms", 0.0),
+            m.get("backward_after_ms", 0.0))
+    add(after_of.get("") or [0], data.get("forward_lead_ms", 0.0),
+        data.get("backward_lead_ms", 0.0))
+    plain_forward, plain_backward = data["plain_forward_ms"] / 1e3, data["plain_backward_ms"] / 1e3
     total_forward, total_backward = sum(forward), sum(backward)
     if total_forward <= 0:
         raise ValueError("the profile's modules have no forward time")
