@@ -295,7 +295,7 @@ def capture(model: nn.Module, step: StepFn, name: str, *, warmup: int = 2, steps
     forward_ms, backward_ms, before, peak = plain_times(model, step, steps, cuda)
     log(f"capture {name}: plain forward {forward_ms:.1f} ms, backward {backward_ms:.1f} ms, "
         f"peak {peak / 2**30:.2f} GiB")
-    head_start = 2 * forward_ms + 20 if cuda else 0.0
+    head_start = 2 * forward_ms + 20 if cuda and hasattr(torch.cuda, "_sleep") else 0.0
     hooked = _hooked(model, step, cuda, head_start, name, log)
     if cuda and hooked.host_forward_ms > head_start and hooked.forward_ms > 1.15 * forward_ms:
         head_start = 1.5 * hooked.host_forward_ms + 20  # the host fell behind: more room
