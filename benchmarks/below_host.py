@@ -44,18 +44,14 @@ from collections.abc import Callable
 import torch
 import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-)
+from torch.utils.checkpoint import checkpoint
 
 from cswap_lightning.commands.bench_step import result_meta, write_results
+from cswap_lightning.commands.suite_cases import selective_context
 from cswap_lightning.core.lean import Verdicts
 from cswap_lightning.core.recompute import checkpointed
 from cswap_lightning.core.rerun import Parts
 from cswap_lightning.core.selective import Choice, Observer, Region
-from cswap_lightning.planning import ops
 from cswap_lightning.planning.profiler import Clock
 
 aten = torch.ops.aten
@@ -69,12 +65,6 @@ def llama(layers: int) -> transformers.PreTrainedModel:
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config)
-
-
-def sac_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-    """Save what ours keeps: the outputs of matrix products and attention."""
-    return (CheckpointPolicy.MUST_SAVE if ops.kept(func)
-            else CheckpointPolicy.PREFER_RECOMPUTE)
 
 
 def below_call(forward: Callable, choice: Choice, *args, **kwargs):
@@ -155,8 +145,8 @@ def wrap(model: transformers.PreTrainedModel, method: str, observing: Observing)
         elif method == "whole":
             run = functools.partial(checkpoint, forward, use_reentrant=False)
         elif method == "sac":
-            run = functools.partial(checkpoint, forward, use_reentrant=False, context_fn=(
-                functools.partial(create_selective_checkpoint_contexts, sac_policy)))
+            run = functools.partial(checkpoint, forward, use_reentrant=False,
+                                    context_fn=selective_context)
         elif method == "below":
             run = functools.partial(below_call, forward, Choice())
         elif method.startswith("lean"):

@@ -16,7 +16,8 @@
 #      layers, peft's LoRA, one copy of the model): no offload, checkpointing, cswap at
 #      checkpointing's peak and at 75% fewer saved activations, lossless and through int8
 #      (the goals `predictions-issue29-*` predicted for an H100 PCIe; `cswap plan ... --device
-#      h200` estimates this device);
+#      h200` estimates this device), then the peers: transformers' offload and torch's
+#      selective checkpointing (matmuls and attention saved);
 #   2. measure-llama: the same for Llama-3-8B's layer shapes (4 layers, s4096 b1: LLM
 #      fine-tuning, the planner's mixes and int8 against checkpointing; its profile too);
 #   3. codec: zvc, rle, int8 and fp8 at 16 and 64 MiB against a device-to-device copy (the
@@ -143,7 +144,7 @@ if [[ -n ${TESTS// /} ]]; then
     step tests 90 python3 -m pytest -q -p no:cacheprovider $TESTS
 fi
 step finetune 300 "${ENGINE[@]}" bench finetune llama-3-8b --lora --seq ${FT_SEQ:-8192} \
-    --steps 5 --lossy int8 --out "$WORK/finetune-$TAG"
+    --steps 5 --lossy int8 --peers --out "$WORK/finetune-$TAG"
 [[ -f $WORK/finetune-$TAG.md ]] && grep "^|" "$WORK/finetune-$TAG.md" >>"$SUMMARY"
 step measure 300 "${ENGINE[@]}" bench measure --models ${MODELS:-gpt2-medium resnet50} --rounds 12 \
     --trace --out "$WORK/measure-$TAG"

@@ -120,7 +120,7 @@ def test_a_run_cut_short_keeps_the_rows_it_reached(tmp_path, monkeypatch):
 
 def test_a_checkpointing_switch_that_fails_is_reported_and_the_others_go_on(tmp_path,
                                                                             monkeypatch):
-    def no_switch(model, offload):
+    def no_switch(model, **how):
         raise RuntimeError("this model has no checkpointing switch (a test's)")
 
     monkeypatch.setattr(bench_finetune, "hf_checkpointing", no_switch)
@@ -130,3 +130,57 @@ def test_a_checkpointing_switch_that_fails_is_reported_and_the_others_go_on(tmp_
     rows = _rows(out)
     assert rows[bench_finetune.CHECKPOINTING]["failed"].startswith("RuntimeError: this model")
     assert all("step_s" in rows[name] for name in (*ENGINES, bench_finetune.NO_OFFLOAD_AGAIN))
+
+
+def test_the_peers_run_on_the_same_model_after_cswap(tmp_path):
+    out = tmp_path / "ft"
+    assert main(["bench", "finetune", "llama-3-8b", "--lora", "--small", "--device", "cpu",
+                 "--seq", "32", "--steps", "1", "--peers", "--out", str(out)]) == 0
+    rows = _rows(out)
+    assert list(rows) == [bench_finetune.NO_OFFLOAD, bench_finetune.CHECKPOINTING, *ENGINES,
+                          bench_finetune.HF_OFFLOAD, bench_finetune.SELECTIVE,
+                          bench_finetune.NO_OFFLOAD_AGAIN]
+    # transformers' offload pins host memory, which needs a GPU: the one failure here
+    assert rows[bench_finetune.HF_OFFLOAD]["failed"].startswith("RuntimeError: pin_memory")
+    assert all("failed" not in row for name, row in rows.items()
+               if name != bench_finetune.HF_OFFLOAD)
+
+
+def test_selective_checkpointing_trains_bitwise_as_plain_saving_matmuls_only(monkeypatch):
+    """The peer is set up as its users set it up: the same gradients as plain training, its
+    policy consulted on every operator of the layers, matrix products saved and the
+    elementwise work run again."""
+    import transformers
+
+    from cswap_lightning.commands import suite_cases
+    from cswap_lightning.hf_checkpointing import checkpointing_off
+
+    decided: list[tuple[str, str]] = []
+    policy = suite_cases.sac_policy
+
+    def recording(ctx, func, *args, **kwargs):
+        decision = policy(ctx, func, *args, **kwargs)
+        decided.append((func.__name__, decision.name))
+        return decision
+
+    monkeypatch.setattr(suite_cases, "sac_policy", recording)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=64, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 64, (2, 16))
+
+    def grads() -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    plain = grads()
+    suite_cases.hf_checkpointing(model, offload=False, selective=True)
+    selective = grads()
+    checkpointing_off(model)
+    assert all(torch.equal(a, b) for a, b in zip(plain, selective, strict=True))
+    saved = {name for name, decision in decided if decision == "MUST_SAVE"}
+    assert "mm.default" in saved and len(saved) <= 4  # matmuls and attention only
+    assert any(decision == "PREFER_RECOMPUTE" for _, decision in decided)

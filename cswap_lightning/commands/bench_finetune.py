@@ -9,7 +9,10 @@ another on it, each warmed up, then timed:
 - no offload, first and again last: the control (the two say how far a sequential comparison
   can be trusted on this machine);
 - activation checkpointing of every layer, through the model's own switch (non-reentrant);
-  with ``--peers``, transformers' built-in offload too (the layers' inputs in host memory);
+  with ``--peers``, transformers' built-in offload too (the layers' inputs in host memory),
+  and torch's selective checkpointing (``suite_cases.sac_policy``: the outputs of matrix
+  products and attention saved, the rest run again: torchtitan's ``op`` mode, the peer of
+  recomputation below the layer);
 - cswap (``plan="auto"``, the model watched: it measures, plans, checks its plan) by default
   (its budget what the device has free: where the step fits, the cost of a run that moves
   nothing), with the allocator's budget at checkpointing's measured peak, and at no offload's
@@ -52,6 +55,7 @@ from .suite_cases import hf_checkpointing
 LOWER = 0.75  # the share of the saved activations the second budget frees
 NO_OFFLOAD, NO_OFFLOAD_AGAIN = "no offload", "no offload, again (the control)"
 CHECKPOINTING, HF_OFFLOAD = "activation checkpointing", "HF built-in offload"
+SELECTIVE = "selective checkpointing (torch SAC: matmuls and attention saved)"
 AT_CHECKPOINTING = "cswap, budget checkpointing's peak"
 AT_LOWER = f"cswap, budget {LOWER:.0%} lower saved activations"
 DEFAULT = "cswap default"  # its budget what the device has free: a run that fits moves nothing
@@ -82,7 +86,8 @@ def add_parser(bench_kinds) -> argparse.ArgumentParser:
     p.add_argument("--lossy", choices=LOSSY_CODECS, default=None,
                    help="also cswap at checkpointing's peak through this lossy codec")
     p.add_argument("--peers", action="store_true",
-                   help="also transformers' built-in offload (checkpointing, inputs on the host)")
+                   help="also transformers' built-in offload (checkpointing, inputs on the "
+                   "host) and torch's selective checkpointing (matmuls and attention saved)")
     p.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (a dry run)")
     p.add_argument("--small", action="store_true",
                    help="a tiny model of the same kind (the CPU's dry run)")
@@ -159,9 +164,10 @@ def run_finetune(args: argparse.Namespace, log: Callable[[str], None] = print) -
     def warm(method: Method) -> None:
         _settle(method, loss, batch, dev, start)
 
-    def checkpointed(offload: bool) -> Callable[[Method], None]:
+    def checkpointed(offload: bool = False, selective: bool = False
+                     ) -> Callable[[Method], None]:
         def switch_on_and_warm(method: Method) -> None:
-            hf_checkpointing(model, offload=offload)
+            hf_checkpointing(model, offload=offload, selective=selective)
             warm(method)
         return switch_on_and_warm
 
@@ -169,11 +175,8 @@ def run_finetune(args: argparse.Namespace, log: Callable[[str], None] = print) -
     keep_peak = rows[NO_OFFLOAD].get("peak_bytes")
     saved = setup["saved_activations_bytes"] = (
         _saved_bytes(model, batch) if keep_peak is not None else None)
-    measure(CHECKPOINTING, Method(CHECKPOINTING, model), checkpointed(False),
+    measure(CHECKPOINTING, Method(CHECKPOINTING, model), checkpointed(),
             lambda: checkpointing_off(model))
-    if args.peers:
-        measure(HF_OFFLOAD, Method(HF_OFFLOAD, model), checkpointed(True),
-                lambda: checkpointing_off(model))
     if dev.type == "cuda":
         at_checkpointing = rows[CHECKPOINTING].get("peak_bytes")
         lower = None if saved is None else keep_peak - int(LOWER * saved)
@@ -197,6 +200,11 @@ def run_finetune(args: argparse.Namespace, log: Callable[[str], None] = print) -
         measure(name, method, warm)
         if budget != "auto":
             rows[name]["budget_bytes"] = budget
+    if args.peers:  # after cswap's: a run cut short keeps those first
+        measure(HF_OFFLOAD, Method(HF_OFFLOAD, model), checkpointed(offload=True),
+                lambda: checkpointing_off(model))
+        measure(SELECTIVE, Method(SELECTIVE, model), checkpointed(selective=True),
+                lambda: checkpointing_off(model))
     measure(NO_OFFLOAD_AGAIN, Method(NO_OFFLOAD_AGAIN, model), warm)
     report(final=True)
     return rows

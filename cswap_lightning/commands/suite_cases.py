@@ -16,10 +16,12 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from ..config import CSwapConfig
 from ..core.engine import Offloader
 from ..hf_checkpointing import checkpointing_switch, has_offload
+from ..planning import ops
 from .bench_step import _Counted
 
 if TYPE_CHECKING:
@@ -209,9 +211,10 @@ class Skip(Exception):
     """A method that cannot run here; the message says why."""
 
 
-def hf_checkpointing(model: nn.Module, offload: bool) -> None:
+def hf_checkpointing(model: nn.Module, offload: bool, selective: bool = False) -> None:
     """Non-reentrant checkpointing of each layer through the model's own switch, with its
-    built-in offload where asked."""
+    built-in offload where asked; ``selective``: torch's selective checkpointing
+    (``selective_context``)."""
     import transformers
 
     enable = checkpointing_switch(model)
@@ -219,7 +222,21 @@ def hf_checkpointing(model: nn.Module, offload: bool) -> None:
         raise Skip(f"transformers {transformers.__version__} has no built-in activation offload "
                    "(offload=True to gradient_checkpointing_enable, transformers >= 5.17, or "
                    "to activation_checkpointing_enable, >= 5.23)")
-    enable({"use_reentrant": False}, **({"offload": True} if offload else {}))
+    kwargs = {"use_reentrant": False} | ({"context_fn": selective_context} if selective else {})
+    enable(kwargs, **({"offload": True} if offload else {}))
+
+
+def sac_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    """Selective checkpointing's choice per operator, as torchtitan's ``op`` mode makes it
+    (without its option of saving every other matrix product): the outputs of matrix
+    products and attention saved, the rest run again."""
+    return CheckpointPolicy.MUST_SAVE if ops.kept(func) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context() -> tuple:
+    """torch's selective checkpointing contexts under ``sac_policy`` (a checkpoint's
+    ``context_fn``)."""
+    return create_selective_checkpoint_contexts(sac_policy)
 
 
 # -- what a method does ---------------------------------------------------------------------
