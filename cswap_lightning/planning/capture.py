@@ -14,8 +14,10 @@ The planner predicts a device it has measured: the H100 profiles that ship in
   the loss), and the allocator's bytes when its backward began. The hooks cost the host
   more than many of the kernels they time take: on CUDA the device spins first (a head start
   of twice the plain forward), so that the host queues the hooked forward ahead of it and the
-  marks time the device's work. The hooked totals (``forward_ms``, ``backward_ms``) are
-  reported beside the plain ones, and the host's own forward beside the head start.
+  marks time the device's work. The driver queues a bounded number of launches, so a forward
+  of many small kernels may still wait for the host in its later part: the capture says so.
+  The hooked totals (``forward_ms``, ``backward_ms``) are reported beside the plain ones, and
+  the host's own forward beside the head start.
 
 Full backward hooks break modules that change their input in place (ResNet's
 ``ReLU(inplace=True)``); where the hooked step raises, it is run again without them, and the
@@ -300,6 +302,10 @@ def capture(model: nn.Module, step: StepFn, name: str, *, warmup: int = 2, steps
     if cuda and hooked.host_forward_ms > head_start and hooked.forward_ms > 1.15 * forward_ms:
         head_start = 1.5 * hooked.host_forward_ms + 20  # the host fell behind: more room
         hooked = _hooked(model, step, cuda, head_start, name, log)
+    if cuda and hooked.forward_ms > 1.15 * forward_ms:  # the driver queues so many launches
+        log(f"capture {name}: the device still waited for the host in the hooked forward "
+            f"({hooked.forward_ms:.1f} ms against {forward_ms:.1f} plain): its later modules' "
+            "times are partly the host's")
     clock.sync()
 
     def ms(pairs: list[tuple[object, object]]) -> float:
