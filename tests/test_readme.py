@@ -82,3 +82,32 @@ def test_the_logging_lines_show_the_planners_decisions(caplog):
         assert any(m.startswith("cswap: planned to move") for m in planned), planned
     finally:
         logger.setLevel(level)
+
+
+def test_the_use_it_lines_run_as_written_and_a_step_that_fits_ends_without_hooks(tmp_path):
+    """"Use it": each line as written, on a small model on the CPU; the default moves nothing
+    where the step fits, and once its plan is checked its steps run without hooks."""
+    import lightning
+    import torch
+    import transformers
+    from torch import nn
+    from torch.nn import functional as F
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    names = {"lightning": lightning, "transformers": transformers, "model": model,
+             "args": transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[]),
+             "data": [], "x": torch.randn(8, 16), "y": torch.randint(0, 4, (8,)),
+             "loss_fn": F.cross_entropy}
+    block = README.split("## Use it")[1].split("```python")[1].split("```")[0]
+    exec(block, names)  # noqa: S102 - as written
+    offloader = names["offloader"]
+    try:
+        for _ in range(6):
+            with offloader:
+                loss = F.cross_entropy(model(names["x"]), names["y"])
+            loss.backward()
+        last = offloader.last_step()
+        assert last.hooks_off and last.offloaded_bytes == 0
+    finally:
+        offloader.close()
