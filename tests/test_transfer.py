@@ -26,17 +26,21 @@ class Copy:
 
 def test_forward_waits_at_the_in_flight_bound_on_the_oldest_copy_only():
     transfer = Transfer(inflight_bytes=1024 * KiB)
-    copies = [Copy(), Copy()]
-    for copy in copies:
-        transfer._track(copy, 512 * KiB, None)
+    copies, payloads = [Copy(), Copy()], [Stored(torch.device("cpu")) for _ in range(2)]
+    for copy, stored in zip(copies, payloads, strict=True):
+        stored.done = copy  # a raw payload's copy out
+        transfer._track(copy, 512 * KiB, stored)
     transfer._bound(256 * KiB)  # 1.25 MiB would be in flight: wait for the oldest
     assert copies[0].waited and not copies[1].waited
     assert transfer._inflight_bytes == 512 * KiB
+    # a payload whose copy was seen done keeps no event: its restore waits for nothing
+    assert payloads[0].done is None and payloads[1].done is copies[1]
     transfer._bound(256 * KiB)  # fits now: no wait
     assert not copies[1].waited
     copies[1].done = True
     transfer.poll()  # done copies are let go without waiting
     assert not copies[1].waited and transfer._inflight_bytes == 0
+    assert payloads[1].done is None
 
 
 def pending_zvc(transfer: Transfer, t: torch.Tensor, site: int = 0) -> tuple[Stored, Copy]:

@@ -110,9 +110,9 @@ class Transfer:
             self.arena_everywhere = True
         self.host_memory = HostMemory(pin=pin_memory) if arena else None
         self.inflight_limit = inflight_bytes
-        # device copies not yet done: (event after the copy, bytes, the compressed payload to
-        # settle once it is done or None), oldest first
-        self._inflight: deque[tuple[torch.cuda.Event, int, Stored | None]] = deque()
+        # device copies not yet done: (event after the copy, bytes, its payload: settled once
+        # the copy is done where compressed), oldest first
+        self._inflight: deque[tuple[torch.cuda.Event, int, Stored]] = deque()
         self._inflight_bytes = 0
         # Backward's threads (one per device) restore while another may settle: one at a time.
         self._lock = threading.Lock()
@@ -193,7 +193,7 @@ class Transfer:
             if stored.lease is not None:
                 stored.lease.last_use = stored.done
             payload.record_stream(offload)
-        self._track(stored.done, flat.nbytes, stored if stored.pending is not None else None)
+        self._track(stored.done, flat.nbytes, stored)
 
     def _place(self, stored: Stored, flat: torch.Tensor, payload: torch.Tensor,
                codec: Codec, stream: torch.cuda.Stream | None = None) -> None:
@@ -270,15 +270,17 @@ class Transfer:
                 self.waited_s += time.perf_counter() - start
             self._inflight.popleft()
             self._inflight_bytes -= size
-            if stored is not None and stored.pending is not None:
+            if stored.pending is not None:
                 self._settle(stored)
+            elif stored.done is event:  # the copy is done: its restore waits for nothing
+                stored.done = None
 
     def poll(self) -> None:
         """Settle the copies that are done, without waiting (unpack and end of forward)."""
         if self._inflight:
             self._bound(None)
 
-    def _track(self, event: torch.cuda.Event, nbytes: int, stored: Stored | None) -> None:
+    def _track(self, event: torch.cuda.Event, nbytes: int, stored: Stored) -> None:
         self._inflight.append((event, nbytes, stored))
         self._inflight_bytes += nbytes
 
@@ -378,7 +380,8 @@ class Transfer:
             return self._decode(stored, payload, owned=stored.lease is None), None
         stream = self._stream(device, RESTORE)
         with _on(stream):
-            stream.wait_event(stored.done)
+            if stored.done is not None:  # None: its copy out was seen done (``_settle_done``)
+                stream.wait_event(stored.done)
             copy = payload.to(device, non_blocking=True)
             copied = stream.record_event() if stored.lease is not None else None
             if stored.lease is not None:
