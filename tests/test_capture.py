@@ -46,7 +46,9 @@ def test_function_saves_name_the_leaf_they_follow_and_the_gaps_fill_each_pass():
                                                 for m in modules)
         assert tiled == pytest.approx(profile[f"{way}_ms"], rel=1e-9)
     assert profile["head_start_ms"] == 0.0  # the CPU's clock is the host's
-    assert profile["host_forward_ms"] > 0
+    assert profile["host_forward_ms"] > 0 and profile["plain_host_forward_ms"] > 0
+    # each leaf's host time brackets its marks (the same clock on the CPU)
+    assert all(m["forward_host_ms"] >= m["forward_ms"] > 0 for m in modules)
 
 
 def _row(i: int, module: str, after: str | None = None) -> dict:

@@ -5,7 +5,9 @@ The planner predicts a device it has measured: the H100 profiles that ship in
 (or model) replays the same way (``workload.from_profile``). Three kinds of step are run:
 
 - plain steps (no hook at all), timed with device events: ``plain_forward_ms``,
-  ``plain_backward_ms`` and the allocator's peak, the figures the replay scales to;
+  ``plain_backward_ms`` and the allocator's peak, the figures the replay scales to, and the
+  host's own time until forward returned (``plain_host_forward_ms``: beside the device's,
+  whether the host set the pace);
 - one hooked step: every saved tensor in order (the leaf module running when autograd saved
   it, its shape, dtype, bytes, storage bytes, whether its storage is a parameter's or seen
   first, the allocator's bytes at that moment; for a save between leaves, the leaf it
@@ -16,8 +18,9 @@ The planner predicts a device it has measured: the H100 profiles that ship in
   of twice the plain forward), so that the host queues the hooked forward ahead of it and the
   marks time the device's work. The driver queues a bounded number of launches, so a forward
   of many small kernels may still wait for the host in its later part: the capture says so.
-  The hooked totals (``forward_ms``, ``backward_ms``) are reported beside the plain ones, and
-  the host's own forward beside the head start.
+  The hooked totals (``forward_ms``, ``backward_ms``) are reported beside the plain ones, the
+  host's own forward beside the head start, and each leaf's host time in its forward, the
+  hooks' own included (``forward_host_ms``: what a replay with a host clock would need).
 
 Full backward hooks break modules that change their input in place (ResNet's
 ``ReLU(inplace=True)``); where the hooked step raises, it is run again without them, and the
@@ -79,7 +82,9 @@ class _Module:
     backward_allocated: list[int] = field(default_factory=list)
     forward_after: list[tuple[object, object]] = field(default_factory=list)
     backward_after: list[tuple[object, object]] = field(default_factory=list)
+    forward_host_s: float = 0.0  # the host's time inside its forward, hooks included
     _open: list[object] = field(default_factory=list)
+    _open_host: list[float] = field(default_factory=list)
     _open_backward: list[object] = field(default_factory=list)
 
 
@@ -130,12 +135,22 @@ def _leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if name and not any(m.children())]
 
 
-def plain_times(model: nn.Module, step: StepFn, steps: int, cuda: bool
-                ) -> tuple[float, float, int, int]:
-    """Median forward and backward milliseconds of ``steps`` plain steps, the allocator's bytes
-    before a step and its peak during one."""
+@dataclass(frozen=True)
+class _Plain:
+    """Plain steps' medians (milliseconds; ``host_forward_ms``: the host's until forward
+    returned) and the allocator's bytes before a step and its peak during one."""
+
+    forward_ms: float
+    backward_ms: float
+    host_forward_ms: float
+    before: int
+    peak: int
+
+
+def plain_times(model: nn.Module, step: StepFn, steps: int, cuda: bool) -> _Plain:
+    """``steps`` plain steps, timed (``_Plain``)."""
     clock = _Clock(cuda)
-    forward, backward = [], []
+    forward, backward, host = [], [], []
     before = peak = 0
     for _ in range(steps):
         model.zero_grad(set_to_none=True)
@@ -143,9 +158,11 @@ def plain_times(model: nn.Module, step: StepFn, steps: int, cuda: bool
         before = _allocated(cuda)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
+        began = time.perf_counter()
         begin = clock.mark()
         loss = step()
         middle = clock.mark()
+        host.append(1e3 * (time.perf_counter() - began))
         loss.backward()
         end = clock.mark()
         del loss
@@ -155,7 +172,8 @@ def plain_times(model: nn.Module, step: StepFn, steps: int, cuda: bool
         forward.append(clock.ms(begin, middle))
         backward.append(clock.ms(middle, end))
     model.zero_grad(set_to_none=True)
-    return statistics.median(forward), statistics.median(backward), before, peak
+    return _Plain(statistics.median(forward), statistics.median(backward),
+                  statistics.median(host), before, peak)
 
 
 @dataclass
@@ -188,12 +206,14 @@ def _hooked_step(model: nn.Module, step: StepFn, cuda: bool, backward_hooks: boo
     for (_, module), mark in zip(leaves, marks, strict=True):
         def pre(_m, _args, mark=mark):
             running.append(mark.name)
+            mark._open_host.append(time.perf_counter())
             mark._open.append(clock.mark())
             forward.enter(mark, mark._open[-1])
 
         def post(_m, _args, _out, mark=mark):
             mark.forward.append((mark._open.pop(), clock.mark()))
             forward.leave(mark, mark.forward[-1][1])
+            mark.forward_host_s += time.perf_counter() - mark._open_host.pop()
             running.pop()
 
         handles += [module.register_forward_pre_hook(pre),
@@ -294,9 +314,11 @@ def capture(model: nn.Module, step: StepFn, name: str, *, warmup: int = 2, steps
     cuda = param.device.type == "cuda"
     clock = _Clock(cuda)
     plain_times(model, step, warmup, cuda)
-    forward_ms, backward_ms, before, peak = plain_times(model, step, steps, cuda)
-    log(f"capture {name}: plain forward {forward_ms:.1f} ms, backward {backward_ms:.1f} ms, "
-        f"peak {peak / 2**30:.2f} GiB")
+    plain = plain_times(model, step, steps, cuda)
+    forward_ms = plain.forward_ms
+    log(f"capture {name}: plain forward {forward_ms:.1f} ms (the host's "
+        f"{plain.host_forward_ms:.1f} ms), backward {plain.backward_ms:.1f} ms, "
+        f"peak {plain.peak / 2**30:.2f} GiB")
     head_start = 2 * forward_ms + 20 if cuda and hasattr(torch.cuda, "_sleep") else 0.0
     hooked = _hooked(model, step, cuda, head_start, name, log)
     if cuda and hooked.host_forward_ms > head_start and hooked.forward_ms > 1.15 * forward_ms:
@@ -314,6 +336,7 @@ def capture(model: nn.Module, step: StepFn, name: str, *, warmup: int = 2, steps
     modules = [{"module": m.name, "forward_ms": ms(m.forward), "backward_ms": ms(m.backward),
                 "forward_after_ms": ms(m.forward_after),
                 "backward_after_ms": ms(m.backward_after),
+                "forward_host_ms": 1e3 * m.forward_host_s,
                 "calls": len(m.forward), "backward_allocated": m.backward_allocated}
                for m in hooked.marks]
     rows = hooked.rows
@@ -325,10 +348,11 @@ def capture(model: nn.Module, step: StepFn, name: str, *, warmup: int = 2, steps
     return {"name": name,
             "device": torch.cuda.get_device_name() if cuda else "cpu",
             "torch": torch.__version__, "dtype": str(param.dtype).removeprefix("torch."),
-            "plain_forward_ms": forward_ms, "plain_backward_ms": backward_ms,
+            "plain_forward_ms": forward_ms, "plain_backward_ms": plain.backward_ms,
+            "plain_host_forward_ms": plain.host_forward_ms,
             "forward_ms": hooked.forward_ms, "backward_ms": hooked.backward_ms,
             "host_forward_ms": hooked.host_forward_ms, "head_start_ms": head_start,
             "forward_lead_ms": ms(hooked.between[0].lead),
             "backward_lead_ms": ms(hooked.between[1].lead),
-            "allocated_before_step": before, "peak_allocated": peak,
+            "allocated_before_step": plain.before, "peak_allocated": plain.peak,
             "saved": rows, "modules": modules}
