@@ -10,6 +10,15 @@ import torch
 from torch import nn
 
 from cswap_lightning.planning.capture import capture
+from cswap_lightning.planning.replay import (
+    KEEP,
+    BlockDecision,
+    Engine,
+    Link,
+    Mix,
+    checkpoint_all,
+    predict,
+)
 from cswap_lightning.planning.workload import from_profile
 
 
@@ -47,8 +56,14 @@ def test_function_saves_name_the_leaf_they_follow_and_the_gaps_fill_each_pass():
         assert tiled == pytest.approx(profile[f"{way}_ms"], rel=1e-9)
     assert profile["head_start_ms"] == 0.0  # the CPU's clock is the host's
     assert profile["host_forward_ms"] > 0 and profile["plain_host_forward_ms"] > 0
-    # each leaf's host time brackets its marks (the same clock on the CPU)
+    # each leaf's host time brackets its marks (the same clock on the CPU), and the host's
+    # times of the leaves and of the gaps tile the host's forward
     assert all(m["forward_host_ms"] >= m["forward_ms"] > 0 for m in modules)
+    tiled = profile["forward_lead_host_ms"] + sum(m["forward_host_ms"] + m["forward_after_host_ms"]
+                                                  for m in modules)
+    assert tiled == pytest.approx(profile["host_forward_ms"], rel=1e-9)
+    # on the CPU the device's clock is the host's: the replay adds no host clock
+    assert all(op.host_s == 0.0 for op in from_profile(profile).ops)
 
 
 def _row(i: int, module: str, after: str | None = None) -> dict:
@@ -107,3 +122,65 @@ def test_on_cuda_a_leaf_is_timed_by_its_kernels_not_by_a_slower_host():
     assert max(m["forward_ms"] for m in profile["modules"]) < 1.5
     # the plain step waited for the host: the modules' share of it is what was measured
     assert profile["plain_forward_ms"] > 6 * 3.0
+
+
+# -- the host's clock, where a profile timed the host -----------------------------------------
+MiB = 1 << 20
+
+
+def _layers(device_ms: float, host_ms: float | None, layers: int = 3) -> dict:
+    """``layers`` layers of one leaf each, saving 4 MiB, each taking ``device_ms`` on the
+    device and ``host_ms`` on the host to issue (None: a profile that did not time the host);
+    the plain forward as those give it."""
+    modules = [{"module": f"h.{i}.fc", "forward_ms": device_ms, "backward_ms": 2 * device_ms,
+                "calls": 1, "backward_allocated": []} for i in range(layers)]
+    rows = [{"i": i, "module": f"h.{i}.fc", "shape": [MiB], "dtype": "float32",
+             "nbytes": 4 * MiB, "storage_nbytes": 4 * MiB, "parameter": False,
+             "allocated": 4 * MiB * (i + 1), "first_of_storage": True} for i in range(layers)]
+    profile = {"name": "layers-b1", "plain_backward_ms": 2 * device_ms * layers,
+               "allocated_before_step": 0, "peak_allocated": 64 * MiB, "saved": rows,
+               "modules": modules,
+               "plain_forward_ms": layers * max(device_ms, host_ms or 0.0)}
+    if host_ms is not None:
+        for m in modules:
+            m["forward_host_ms"] = host_ms
+        profile["plain_host_forward_ms"] = layers * host_ms
+    return profile
+
+
+@pytest.mark.parametrize(("device_ms", "host_ms"), [(1.0, 3.0), (3.0, 1.0)])
+def test_a_forward_takes_the_longer_of_the_devices_work_and_the_hosts(device_ms, host_ms):
+    w = from_profile(_layers(device_ms, host_ms))
+    assert [round(1e3 * op.host_s, 9) for op in w.ops] == [host_ms] * 3
+    assert [round(1e3 * op.forward_s, 9) for op in w.ops] == [device_ms] * 3  # not scaled up
+    forward = predict(w).forward_s
+    assert 1e3 * forward == pytest.approx(3 * max(device_ms, host_ms))
+
+
+def test_without_the_host_timed_the_device_times_hold_what_it_waited():
+    w = from_profile(_layers(1.0, None))
+    assert all(op.host_s == 0.0 for op in w.ops)
+    assert 1e3 * predict(w).forward_s == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize(("device_ms", "host_ms", "slower_ms"), [(1.0, 3.0, 2 * 0.5),
+                                                                   (3.0, 1.0, 0.0)])
+def test_moving_tensors_costs_their_host_time_where_the_host_sets_the_pace(device_ms, host_ms,
+                                                                          slower_ms):
+    """1 ms of host time per moved tensor (half at the copy out, half at the unpack): in a
+    forward the host sets the pace of, each copy out delays the next layer by 0.5 ms (the
+    last one's comes after forward's last kernel); in one the device sets the pace of, the
+    host has the time."""
+    w = from_profile(_layers(device_ms, host_ms))
+    engine, link = Engine(host_s_per_move=1e-3), Link(1e15, 1e15, 1e15)  # copies take no time
+    swap_all = Mix(KEEP, {b.name: BlockDecision("swap") for b in w.blocks})
+    kept, moved = predict(w, engine=engine, link=link), predict(w, swap_all, link, engine)
+    assert moved.d2h_bytes == 3 * 4 * MiB
+    assert 1e3 * (moved.forward_s - kept.forward_s) == pytest.approx(slower_ms)
+
+
+@pytest.mark.parametrize(("device_ms", "host_ms"), [(1.0, 3.0), (3.0, 1.0), (1.0, None)])
+def test_recomputing_a_block_costs_the_longer_of_its_kernels_and_its_hosts(device_ms, host_ms):
+    w = from_profile(_layers(device_ms, host_ms))
+    recomputed = predict(w, checkpoint_all())
+    assert 1e3 * recomputed.recompute_s == pytest.approx(3 * max(device_ms, host_ms or 0.0))

@@ -42,6 +42,7 @@ from torch import nn
 from ..allocator import allocated_bytes, peak_allocated_bytes
 
 StepFn = Callable[[], torch.Tensor]  # runs forward, returns the loss
+At = tuple[object, float]  # a moment: the clock's mark, and the host's perf_counter then
 
 
 @dataclass
@@ -80,8 +81,8 @@ class _Module:
     forward: list[tuple[object, object]] = field(default_factory=list)
     backward: list[tuple[object, object]] = field(default_factory=list)
     backward_allocated: list[int] = field(default_factory=list)
-    forward_after: list[tuple[object, object]] = field(default_factory=list)
-    backward_after: list[tuple[object, object]] = field(default_factory=list)
+    forward_after: list[tuple[At, At]] = field(default_factory=list)
+    backward_after: list[tuple[At, At]] = field(default_factory=list)
     forward_host_s: float = 0.0  # the host's time inside its forward, hooks included
     _open: list[object] = field(default_factory=list)
     _open_host: list[float] = field(default_factory=list)
@@ -96,26 +97,26 @@ class _Between:
     same functions, run backwards); ``lead`` holds the gaps before every leaf's forward."""
 
     backward: bool
-    lead: list[tuple[object, object]] = field(default_factory=list)
+    lead: list[tuple[At, At]] = field(default_factory=list)
     _depth: int = 0
-    _since: tuple[_Module | None, object] | None = None  # who closed the last run, and when
+    _since: tuple[_Module | None, At] | None = None  # who closed the last run, and when
 
-    def start(self, mark: object) -> None:
-        self._since = (None, mark)
+    def start(self, at: At) -> None:
+        self._since = (None, at)
 
-    def enter(self, leaf: _Module, mark: object) -> None:
+    def enter(self, leaf: _Module, at: At) -> None:
         if self._depth == 0 and self._since is not None:
-            self._credit(leaf if self.backward else self._since[0], self._since[1], mark)
+            self._credit(leaf if self.backward else self._since[0], self._since[1], at)
         self._depth += 1
 
-    def leave(self, leaf: _Module, mark: object) -> None:
+    def leave(self, leaf: _Module, at: At) -> None:
         self._depth = max(self._depth - 1, 0)
         if self._depth == 0:
-            self._since = (leaf, mark)
+            self._since = (leaf, at)
 
-    def end(self, mark: object) -> None:
+    def end(self, at: At) -> None:
         if self._depth == 0 and self._since is not None:
-            self._credit(None if self.backward else self._since[0], self._since[1], mark)
+            self._credit(None if self.backward else self._since[0], self._since[1], at)
         self._since = None
 
     def after(self) -> str | None:
@@ -125,7 +126,7 @@ class _Between:
             return None
         return "" if self._since[0] is None else self._since[0].name
 
-    def _credit(self, leaf: _Module | None, begin: object, end: object) -> None:
+    def _credit(self, leaf: _Module | None, begin: At, end: At) -> None:
         gaps = self.lead if leaf is None else (
             leaf.backward_after if self.backward else leaf.forward_after)
         gaps.append((begin, end))
@@ -206,14 +207,16 @@ def _hooked_step(model: nn.Module, step: StepFn, cuda: bool, backward_hooks: boo
     for (_, module), mark in zip(leaves, marks, strict=True):
         def pre(_m, _args, mark=mark):
             running.append(mark.name)
-            mark._open_host.append(time.perf_counter())
+            now = time.perf_counter()
+            mark._open_host.append(now)
             mark._open.append(clock.mark())
-            forward.enter(mark, mark._open[-1])
+            forward.enter(mark, (mark._open[-1], now))
 
         def post(_m, _args, _out, mark=mark):
             mark.forward.append((mark._open.pop(), clock.mark()))
-            forward.leave(mark, mark.forward[-1][1])
-            mark.forward_host_s += time.perf_counter() - mark._open_host.pop()
+            now = time.perf_counter()
+            forward.leave(mark, (mark.forward[-1][1], now))
+            mark.forward_host_s += now - mark._open_host.pop()
             running.pop()
 
         handles += [module.register_forward_pre_hook(pre),
@@ -222,12 +225,12 @@ def _hooked_step(model: nn.Module, step: StepFn, cuda: bool, backward_hooks: boo
             def back_pre(_m, _grad, mark=mark):
                 mark.backward_allocated.append(_allocated(cuda))
                 mark._open_backward.append(clock.mark())
-                backward.enter(mark, mark._open_backward[-1])
+                backward.enter(mark, (mark._open_backward[-1], time.perf_counter()))
 
             def back_post(_m, _gin, _gout, mark=mark):
                 if mark._open_backward:
                     mark.backward.append((mark._open_backward.pop(), clock.mark()))
-                    backward.leave(mark, mark.backward[-1][1])
+                    backward.leave(mark, (mark.backward[-1][1], time.perf_counter()))
 
             handles += [module.register_full_backward_pre_hook(back_pre),
                         module.register_full_backward_hook(back_post)]
@@ -253,19 +256,20 @@ def _hooked_step(model: nn.Module, step: StepFn, cuda: bool, backward_hooks: boo
             _keep_busy(head_start_ms)
         host = time.perf_counter()
         begin = clock.mark()
-        forward.start(begin)
+        forward.start((begin, host))
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = step()
         middle = clock.mark()
-        host_forward_ms = 1e3 * (time.perf_counter() - host)
-        forward.end(middle)
+        returned = time.perf_counter()
+        host_forward_ms = 1e3 * (returned - host)
+        forward.end((middle, returned))
         if backward_hooks:
-            backward.start(middle)
+            backward.start((middle, returned))
         with warnings.catch_warnings():  # modules whose inputs need no gradient (embeddings)
             warnings.filterwarnings("ignore", "Full backward hook is firing")
             loss.backward()
         end = clock.mark()
-        backward.end(end)
+        backward.end((end, time.perf_counter()))
         del loss
         clock.sync()
     finally:
@@ -333,10 +337,17 @@ def capture(model: nn.Module, step: StepFn, name: str, *, warmup: int = 2, steps
     def ms(pairs: list[tuple[object, object]]) -> float:
         return sum(clock.ms(a, b) for a, b in pairs)
 
+    def gap_ms(gaps: list[tuple[At, At]]) -> float:
+        return ms([(a[0], b[0]) for a, b in gaps])
+
+    def host_ms(gaps: list[tuple[At, At]]) -> float:
+        return sum(1e3 * (b[1] - a[1]) for a, b in gaps)
+
     modules = [{"module": m.name, "forward_ms": ms(m.forward), "backward_ms": ms(m.backward),
-                "forward_after_ms": ms(m.forward_after),
-                "backward_after_ms": ms(m.backward_after),
+                "forward_after_ms": gap_ms(m.forward_after),
+                "backward_after_ms": gap_ms(m.backward_after),
                 "forward_host_ms": 1e3 * m.forward_host_s,
+                "forward_after_host_ms": host_ms(m.forward_after),
                 "calls": len(m.forward), "backward_allocated": m.backward_allocated}
                for m in hooked.marks]
     rows = hooked.rows
@@ -352,7 +363,8 @@ def capture(model: nn.Module, step: StepFn, name: str, *, warmup: int = 2, steps
             "plain_host_forward_ms": plain.host_forward_ms,
             "forward_ms": hooked.forward_ms, "backward_ms": hooked.backward_ms,
             "host_forward_ms": hooked.host_forward_ms, "head_start_ms": head_start,
-            "forward_lead_ms": ms(hooked.between[0].lead),
-            "backward_lead_ms": ms(hooked.between[1].lead),
+            "forward_lead_ms": gap_ms(hooked.between[0].lead),
+            "backward_lead_ms": gap_ms(hooked.between[1].lead),
+            "forward_lead_host_ms": host_ms(hooked.between[0].lead),
             "allocated_before_step": plain.before, "peak_allocated": plain.peak,
             "saved": rows, "modules": modules}

@@ -48,9 +48,15 @@ whose encoding reads a size back to the host (the reference zvc and rle: ``Codec
 holds forward until its encoding is done. What the kernels take from compute's SMs is not
 modelled; until a GPU measurement says which is nearer, ``Engine.codec_kernels`` can put
 them in the copy's lane (as the replay did before) or on the compute stream's clock
-instead. Not modelled either: the host's own time to issue each op's kernels (a profile
-holds device times only), and the allocator's fragmentation. Every figure the replay gives
-is a prediction, not a measurement.
+instead. Where a profile timed the host too (``Op.host_s``: captured profiles that hold
+``forward_host_ms``), the host clock also moves by each op's time to issue its forward: an
+op cannot end before the host has issued it, so a forward the host sets the pace of waits
+for it, and the engine's host time per moved tensor adds to that; recomputing a block costs
+the longer of its kernels and the host's issuing them again. A profile without (the
+evidence committed before, every estimate) leaves the host out of forward, its device times
+scaled to include what the device waited for. Not modelled: the host's time in backward
+but for restores and recomputation, and the allocator's fragmentation. Every figure the
+replay gives is a prediction, not a measurement.
 """
 
 from __future__ import annotations
@@ -405,8 +411,11 @@ class _Replay:
         for k, op in enumerate(self.w.ops):
             decision, inputs = self.decisions[op.block], self.inputs[op.block]
             begin = max(self.compute, self.host)
-            self.stall += begin - self.compute
-            self.compute = begin + op.forward_s
+            self.host += op.host_s  # issuing its kernels: it cannot end before they are issued
+            done = begin + op.forward_s
+            end = max(done, self.host)
+            self.stall += begin - self.compute + (end - done)
+            self.compute = end
             if self.record:
                 self._mark("compute", f"forward {op.module}", begin, self.compute)
             saves = [i for i in op.saves if i not in absent] if absent else op.saves
@@ -532,12 +541,18 @@ class _Replay:
             ready = max(ready, self._unpack(storage))
         begin = max(self.compute, self.host, ready)
         self.wait += begin - max(self.compute, self.host)
+        ops = w.ops[b.ops.start:b.ops.stop]
         seconds = self.engine.recompute_s(b, w.ops)
+        # the host issues the forward again when the device reaches it (backward's own
+        # kernels it issues far ahead): where that takes longer than the kernels, it is the cost
+        issued = sum(op.host_s for op in ops)
+        if issued:
+            seconds = max(seconds, issued)
+            self.host = max(self.host, begin + issued)
         self.compute = begin + self.decoding + seconds
         self.decoding = 0.0
         self.recompute_s += seconds
         self._mark("compute", f"recompute {b.name}", begin, self.compute)
-        ops = w.ops[b.ops.start:b.ops.stop]
         for op in ops:
             for i in op.saves:
                 s = w.saved[i]

@@ -15,6 +15,10 @@ allocator's bytes when a module's backward began, forward and backward without a
   behind, the device waited inside the modules it timed). Time spent outside any leaf module
   (attention's core, the loss) goes to the functions' runs saved there where the profile
   timed it (``capture``'s gaps), and is spread over the modules in proportion where not.
+  Where it timed the host (a CUDA profile with ``forward_host_ms``), each op also has the
+  host's time to issue its forward (``Op.host_s``, scaled to the host's plain forward) and
+  its device time is no longer scaled up to the plain forward: the replay's host clock gives
+  what the device waited for.
   Where the profile has no backward times (its backward hooks did not fire), an op's backward
   takes its forward time times the plain backward/forward ratio.
 - **blocks**: what activation checkpointing recomputes: transformer layers (``...h.3``,
@@ -86,6 +90,9 @@ class Op:
     forward_other: int  # allocator bytes beside the step's start and saved tensors, in forward
     backward_grads: int  # activation gradients while its backward runs
     weight_grads: int  # bytes of the weight gradients its backward makes
+    # the host's seconds issuing its forward, where the profile measured them (0: the device
+    # never waits for the host, and its forward time includes what it waited)
+    host_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -329,7 +336,7 @@ def from_profile(data: dict) -> Workload:
     runs = _runs(saved)
     blocks, block_of_run = _blocks(saved, runs)
     modules = data["modules"]
-    forward_s, backward_s = _times(data, saved, runs)
+    forward_s, backward_s, host_s = _times(data, saved, runs)
     forward_other = _forward_other(data["saved"], saved, runs, start)
     # a frozen weight (LoRA's base) makes no gradient; profiles without the key train all
     trained = [row.get("requires_grad", True) for row in data["saved"]]
@@ -343,7 +350,7 @@ def from_profile(data: dict) -> Workload:
                       default=0)
         output_grad = largest if output_grads[k] is None else output_grads[k]
         ops.append(Op(saved[run[0]].module, block_of_run[k], run, forward_s[k], backward_s[k],
-                      forward_other[k], output_grad + largest, weight_grads[k]))
+                      forward_other[k], output_grad + largest, weight_grads[k], host_s[k]))
     name = data["name"]
     batch = re.search(r"-b(\d+)$", name)
     return Workload(name, int(batch.group(1)) if batch else 1, saved, tuple(ops),
@@ -453,14 +460,17 @@ def _named_span(block: Block, saved: Sequence[Saved], runs: Sequence[range]) -> 
 
 
 def _times(data: dict, saved: Sequence[Saved], runs: Sequence[range]
-           ) -> tuple[list[float], list[float]]:
-    """Each run's forward and backward seconds, scaled to the plain totals (module docstring):
-    a module's time is split evenly over its runs; a module that saved nothing (dropout at
-    rate 0, a pooling that keeps nothing) adds its time to the module registered before it.
-    Where the profile timed the gaps between leaf modules (``capture``: ``forward_after_ms``),
-    a leaf's gaps go to the functions' runs saved in them (attention after its projections,
-    the loss after the head), or to its own runs where those saved nothing; older profiles
-    leave that time to the scaling, spread over every module."""
+           ) -> tuple[list[float], list[float], list[float]]:
+    """Each run's forward and backward seconds, scaled to the plain totals (module docstring),
+    and its host's seconds in forward: a module's time is split evenly over its runs; a
+    module that saved nothing (dropout at rate 0, a pooling that keeps nothing) adds its time
+    to the module registered before it. Where the profile timed the gaps between leaf modules
+    (``capture``: ``forward_after_ms``), a leaf's gaps go to the functions' runs saved in them
+    (attention after its projections, the loss after the head), or to its own runs where
+    those saved nothing; older profiles leave that time to the scaling, spread over every
+    module. Where it timed the host too (``forward_host_ms``), the host's times are scaled to
+    its plain forward, and the forward's device times no more than down to theirs: the
+    replay's host clock then makes what the device waited for the host."""
     modules, rows = data["modules"], data["saved"]
     runs_of: dict[str, list[int]] = {}
     after_of: dict[str, list[int]] = {}  # a leaf -> the functions' runs saved after it
@@ -469,12 +479,13 @@ def _times(data: dict, saved: Sequence[Saved], runs: Sequence[range]
         runs_of.setdefault(module, []).append(k)
         if not module and "after" in rows[run[0]]:
             after_of.setdefault(rows[run[0]]["after"], []).append(k)
-    forward, backward = [0.0] * len(runs), [0.0] * len(runs)
+    forward, backward, host = ([0.0] * len(runs) for _ in range(3))
 
-    def add(targets: list[int], forward_ms: float, backward_ms: float) -> None:
+    def add(targets: list[int], forward_ms: float, backward_ms: float, host_ms: float) -> None:
         for k in targets:
             forward[k] += forward_ms / len(targets)
             backward[k] += backward_ms / len(targets)
+            host[k] += host_ms / len(targets)
 
     owner: str | None = None
     for m in modules:
@@ -482,21 +493,28 @@ def _times(data: dict, saved: Sequence[Saved], runs: Sequence[range]
         if name in runs_of:
             owner = name
         target = runs_of.get(name) or (runs_of[owner][-1:] if owner else [0])
-        add(target, m["forward_ms"], m["backward_ms"])
+        add(target, m["forward_ms"], m["backward_ms"], m.get("forward_host_ms", 0.0))
         add(after_of.get(name) or target, m.get("forward_after_ms", 0.0),
-            m.get("backward_after_ms", 0.0))
+            m.get("backward_after_ms", 0.0), m.get("forward_after_host_ms", 0.0))
     add(after_of.get("") or [0], data.get("forward_lead_ms", 0.0),
-        data.get("backward_lead_ms", 0.0))
+        data.get("backward_lead_ms", 0.0), data.get("forward_lead_host_ms", 0.0))
     plain_forward, plain_backward = data["plain_forward_ms"] / 1e3, data["plain_backward_ms"] / 1e3
-    total_forward, total_backward = sum(forward), sum(backward)
+    total_forward, total_backward, total_host = sum(forward), sum(backward), sum(host)
     if total_forward <= 0:
         raise ValueError("the profile's modules have no forward time")
-    forward = [t / total_forward * plain_forward for t in forward]
+    # on the CPU the device's clock is the host's: nothing for a host clock to add
+    timed_host = (total_host > 0 and "plain_host_forward_ms" in data
+                  and data.get("device") != "cpu")
+    # with the host timed, the rest of the plain forward was the device waiting for it
+    device_forward = min(plain_forward, total_forward / 1e3) if timed_host else plain_forward
+    forward = [t / total_forward * device_forward for t in forward]
     if total_backward > 0:
         backward = [t / total_backward * plain_backward for t in backward]
     else:
-        backward = [t * plain_backward / plain_forward for t in forward]
-    return forward, backward
+        backward = [t * plain_backward / device_forward for t in forward]
+    host = ([t / total_host * data["plain_host_forward_ms"] / 1e3 for t in host] if timed_host
+            else [0.0] * len(runs))
+    return forward, backward, host
 
 
 def _forward_other(rows: Sequence[dict], saved: Sequence[Saved], runs: Sequence[range],
