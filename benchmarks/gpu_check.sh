@@ -149,15 +149,20 @@ step finetune 300 "${ENGINE[@]}" bench finetune llama-3-8b --lora --seq ${FT_SEQ
 step measure 300 "${ENGINE[@]}" bench measure --models ${MODELS:-gpt2-medium resnet50} --rounds 12 \
     --trace --out "$WORK/measure-$TAG"
 [[ -f $WORK/measure-$TAG.md ]] && grep "^|" "$WORK/measure-$TAG.md" >>"$SUMMARY"
+# each profile's capture: its hooked forward against the plain one, the host's and the head start
+[[ -f $WORK/measure.log ]] && grep "^capture " "$WORK/measure.log" >>"$SUMMARY"
 step measure-llama 150 "${ENGINE[@]}" bench measure --models llama3-8b-4l --rounds 10 --trace \
     --out "$WORK/measure-llama-$TAG"
 [[ -f $WORK/measure-llama-$TAG.md ]] && grep "^| Llama" "$WORK/measure-llama-$TAG.md" >>"$SUMMARY"
+[[ -f $WORK/measure-llama.log ]] && grep "^capture " "$WORK/measure-llama.log" >>"$SUMMARY"
 step codec 40 "${ENGINE[@]}" bench codec --sizes 16MiB 64MiB --codecs zvc rle int8 fp8 \
     --sparsities 0 50 90 --no-relu --no-nvcomp --out "$WORK/codec-$TAG"
 step selective 150 python3 benchmarks/selective.py --device cuda --layers 4 --seq 4096 \
     --repeats 5 --profile --out "$WORK/selective-$TAG"
 step overhead 60 "${ENGINE[@]}" bench overhead --device cuda --rounds 5 --steady-steps 3 \
     --out "$WORK/overhead-$TAG"
+[[ -f $WORK/overhead-$TAG.md ]] && grep -E "^\| cswap plan=raw|allocator" "$WORK/overhead-$TAG.md" \
+    >>"$SUMMARY"
 step exit-codes 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_exit.py
 step pytest-gpu 150 python3 -m pytest -v -p no:cacheprovider -m gpu --timeout 60 \
     --ignore tests/test_exit.py --junitxml="$WORK/pytest-gpu.xml"  # the exit-codes step ran it
