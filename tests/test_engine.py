@@ -264,6 +264,33 @@ def test_checkpoint_region_inside_offloaded_forward(reentrant):
     assert off.last_step().offloaded_bytes > 0
 
 
+def test_a_selectively_checkpointed_region_inside_offloaded_forward():
+    """torch's selective checkpointing (matmuls saved by its own dispatch mode, the rest
+    recomputed) under the engine: the same bits, what goes through autograd's hooks moved."""
+    from cswap_lightning.commands.suite_cases import selective_context
+
+    model, x, y = model_and_batch("mlp")
+
+    def forward(m):
+        h = m[0](x).relu()
+        h = checkpoint(lambda t: m[3](m[2](t).relu()), h, use_reentrant=False,
+                       context_fn=selective_context)
+        return F.cross_entropy(m[4](h), y)
+
+    ref_model, off_model = copy.deepcopy(model), copy.deepcopy(model)
+    forward(ref_model).backward()
+    off = Offloader(CSwapConfig(plan="raw", min_bytes=0))
+    for _ in range(2):  # the second step under what the first learned
+        off_model.zero_grad(set_to_none=True)
+        with off:
+            loss = forward(off_model)
+        loss.backward()
+        assert_bitwise_equal([p.grad for p in ref_model.parameters()],
+                             [p.grad for p in off_model.parameters()])
+    assert off.last_step().offloaded_bytes > 0
+    off.close()
+
+
 @pytest.mark.parametrize("plan", ["zvc", "keep"])
 @pytest.mark.parametrize("after_forward", [False, True])
 def test_inplace_modification_after_pack_raises_like_pytorch(plan, after_forward):
