@@ -87,7 +87,6 @@ class Learning:
         # for every tensor runs without hooks, its forward timed (``plain_forward_s``), and
         # the measured times are scaled to it (``_forward_scale``).
         self.plain_forward_s: float | None = None
-        self.plain_host_forward_s = 0.0  # the host's, to scale the host's windows to (CUDA)
         self.plain_peak: int | None = None  # its allocator peak (CUDA)
         self.timing_plain = False  # that step runs, or its figures are owed
         self.measure_device: torch.device | None = None
@@ -130,7 +129,6 @@ class Learning:
             self.timing_plain = False
             if step.epoch == self.epoch:
                 self.plain_forward_s = step.timer.forward_s()
-                self.plain_host_forward_s = step.timer.host_forward_s()
                 self.plain_peak = step.backward_peak
             return
         if step.device is not None:
@@ -185,10 +183,8 @@ class Learning:
         if step.measure:
             timer = step.timer
             windows = timer.windows() if timer else {}
-            host = self._host_scale(step)
             self.profiler.observe(
-                step.stats, {site: (f * scale, b, h * host) for site, (f, b, h) in
-                             windows.items()},
+                step.stats, {site: (f * scale, b) for site, (f, b) in windows.items()},
                 timer.unpack_order() if timer else None)
             self.measured_keeping |= step.keeping
             self.measure_device = step.device
@@ -282,15 +278,6 @@ class Learning:
             return 1.0
         measured = step.timer.forward_s()
         return min(1.0, self.plain_forward_s / measured) if measured > 0 else 1.0
-
-    def _host_scale(self, step: Step) -> float:
-        """What a measured step's host windows are scaled by: the plain step's host forward
-        over its own (the engine's hooks cost the host time), 0 where either is unknown (the
-        CPU, no plain step timed): the replay then leaves the host out of forward."""
-        measured = step.timer.host_forward_s() if step.timer is not None else 0.0
-        if not (self.plain_host_forward_s > 0 and measured > 0):
-            return 0.0
-        return min(1.0, self.plain_host_forward_s / measured)
 
     def near_budget(self) -> bool:
         """On CUDA, whether the allocator's peak since the last step came near the plan's
@@ -530,7 +517,6 @@ class Learning:
         self.measure_left = self.config.profile_steps
         self.measure_keeping = self.measured_keeping = False
         self.plain_forward_s = self.plain_peak = None
-        self.plain_host_forward_s = 0.0
         self.timing_plain = False  # one that failed is owed nothing; a late one is ignored
         self.held_elsewhere = set()
         self.checked = None

@@ -86,7 +86,7 @@ def workload(profiles: Sequence[SiteProfile], calls: Sequence[BlockCall],
                                     parent[start]))
             start = i
     ops = tuple(Op(profiles[k].module, b, range(k, k + 1), profiles[k].forward_s,
-                   profiles[k].backward_s, 0, 0, 0, profiles[k].host_s)
+                   profiles[k].backward_s, 0, 0, 0)
                 for b, block in enumerate(blocks) for k in block.ops)
     # what stays in place is on the device all along: the saved tensors' peak counted it,
     # so what the step holds beside them did not

@@ -118,8 +118,7 @@ def median_seconds(fn: Callable[[], object], device: torch.device, warmup: int,
 
 
 class StepTimer:
-    """Time stamps of one step's packs, end of forward and first unpacks, per site; on CUDA
-    the host's own beside the device's (on the CPU they are one clock)."""
+    """Time stamps of one step's packs, end of forward and first unpacks, per site."""
 
     def __init__(self, device: torch.device) -> None:
         self.clock = Clock(device)
@@ -127,26 +126,15 @@ class StepTimer:
         self.packs: list[tuple[int, object]] = []
         self.unpacks: list[tuple[int, object]] = []
         self.forward_end: object | None = None
-        self.hosts: list[float] = []  # the host's clock at the begin, each pack, forward's end
 
     def begin(self) -> None:
         self.began = self.clock.now()
-        self.hosts.append(time.perf_counter())
 
     def packed(self, site: int) -> None:
         self.packs.append((site, self.clock.now()))
-        self.hosts.append(time.perf_counter())
 
     def forward_done(self) -> None:
         self.forward_end = self.clock.now()
-        self.hosts.append(time.perf_counter())
-
-    def host_forward_s(self) -> float:
-        """The host's seconds from the forward's start (its first pack where not stamped) to
-        its end (0 on the CPU, whose one clock ``forward_s`` reads)."""
-        if not self.clock.cuda or self.forward_end is None or len(self.hosts) < 2:
-            return 0.0
-        return self.hosts[-1] - self.hosts[0]
 
     def unpacked(self, site: int) -> None:
         self.unpacks.append((site, self.clock.now()))
@@ -163,22 +151,19 @@ class StepTimer:
         """The sites in the order backward first needed them, kept ones included."""
         return [site for site, _ in self.unpacks]
 
-    def windows(self) -> dict[int, tuple[float, float, float]]:
-        """site -> (forward window, backward window, the host's forward window) in seconds;
-        the host's is 0 on the CPU (one clock)."""
+    def windows(self) -> dict[int, tuple[float, float]]:
+        """site -> (forward window, backward window) in seconds."""
         if self.forward_end is None or not self.packs:
             return {}
         seconds = self.clock.seconds
         out = {}
         ends = [stamp for _, stamp in self.packs[1:]] + [self.forward_end]
-        hosts = self.hosts[-len(self.packs) - 1:]  # at each pack and forward's end
-        for k, ((site, start), end) in enumerate(zip(self.packs, ends)):
-            host = hosts[k + 1] - hosts[k] if self.clock.cuda else 0.0
-            out[site] = (seconds(start, end), 0.0, host)
+        for (site, start), end in zip(self.packs, ends):
+            out[site] = (seconds(start, end), 0.0)
         # The first site backward needs has nothing to hide behind: its prefetch starts late.
         for (_, before), (site, stamp) in zip(self.unpacks, self.unpacks[1:]):
             if site in out:
-                out[site] = (out[site][0], seconds(before, stamp), out[site][2])
+                out[site] = (out[site][0], seconds(before, stamp))
         return out
 
 
@@ -196,7 +181,6 @@ class SiteProfile:
     sparsity: float = 0.0
     forward_s: float = 0.0  # forward window
     backward_s: float = 0.0  # backward window
-    host_s: float = 0.0  # the host's forward window (CUDA; 0: not timed)
     stored: dict[str, int] = field(default_factory=dict)  # codec -> measured payload bytes
 
 
@@ -210,13 +194,12 @@ class Profiler:
         # windows of steps that moved nothing: no copies in them, preferred where there are
         self._plain: dict[int, list[tuple[float, float]]] = {}
 
-    def observe(self, step: StepStats, windows: dict[int, tuple[float, ...]],
+    def observe(self, step: StepStats, windows: dict[int, tuple[float, float]],
                 order: list[int] | None = None) -> None:
         """Fold one profiled step in (call after the step's statistics are closed), with
         the order backward first needed its sites (``StepTimer.unpack_order``). A site's
-        windows (forward, backward and, where timed, the host's forward) are those of the
-        steps that moved nothing, where there are any: the copies of a step that swapped
-        stretch them.
+        windows are those of the steps that moved nothing, where there are any: the copies of
+        a step that swapped stretch them.
 
         A site keeps the largest size seen of its kind (dtype and dimensions), so that a
         plan made from the profile serves every step no larger (shorter sequences); a site
@@ -255,8 +238,6 @@ class Profiler:
             if measured:
                 self.sites[site].forward_s = statistics.median(w[0] for w in measured)
                 self.sites[site].backward_s = statistics.median(w[1] for w in measured)
-                self.sites[site].host_s = statistics.median(
-                    w[2] if len(w) > 2 else 0.0 for w in measured)
 
     def profile(self) -> list[SiteProfile]:
         return [self.sites[k] for k in sorted(self.sites)]
