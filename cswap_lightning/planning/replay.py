@@ -48,8 +48,8 @@ whose encoding reads a size back to the host (the reference zvc and rle: ``Codec
 holds forward until its encoding is done. What the kernels take from compute's SMs is not
 modelled; until a GPU measurement says which is nearer, ``Engine.codec_kernels`` can put
 them in the copy's lane (as the replay did before) or on the compute stream's clock
-instead. Where a profile timed the host too (``Op.host_s``: captured profiles that hold
-``forward_host_ms``), the host clock also moves by each op's time to issue its forward: an
+instead. Where a profile timed the host too (``Op.host_s``: captured CUDA profiles that
+hold ``forward_host_ms``), the host clock also moves by each op's time to issue its forward: an
 op cannot end before the host has issued it, so a forward the host sets the pace of waits
 for it, and the engine's host time per moved tensor adds to that; recomputing a block costs
 the longer of its kernels and the host's issuing them again. A profile without (the
