@@ -243,14 +243,21 @@ def test_autocast_bfloat16_on_cpu():
     assert any(s.dtype == "bfloat16" and s.decision == "zvc" for s in off.last_step().sites)
 
 
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_checkpoint_region_inside_offloaded_forward(reentrant):
+@pytest.mark.parametrize("way", ["non-reentrant", "reentrant", "selective"])
+def test_checkpoint_region_inside_offloaded_forward(way):
+    """A checkpointed region in the engine's forward, as torch runs each kind: the same bits,
+    what goes through autograd's hooks moved (selective checkpointing's own saves, the
+    matmuls', stay with its dispatch mode)."""
+    from cswap_lightning.commands.suite_cases import selective_context
+
     model, x, y = model_and_batch("mlp")
+    reentrant = way == "reentrant"
     x.requires_grad_(reentrant)  # the reentrant variant needs an input that requires grad
+    context = {"context_fn": selective_context} if way == "selective" else {}
 
     def forward(m):
         h = m[0](x).relu()
-        h = checkpoint(lambda t: m[3](m[2](t).relu()), h, use_reentrant=reentrant)
+        h = checkpoint(lambda t: m[3](m[2](t).relu()), h, use_reentrant=reentrant, **context)
         return F.cross_entropy(m[4](h), y)
 
     ref_model, off_model = copy.deepcopy(model), copy.deepcopy(model)
@@ -262,33 +269,6 @@ def test_checkpoint_region_inside_offloaded_forward(reentrant):
     assert_bitwise_equal([p.grad for p in ref_model.parameters()],
                          [p.grad for p in off_model.parameters()])
     assert off.last_step().offloaded_bytes > 0
-
-
-def test_a_selectively_checkpointed_region_inside_offloaded_forward():
-    """torch's selective checkpointing (matmuls saved by its own dispatch mode, the rest
-    recomputed) under the engine: the same bits, what goes through autograd's hooks moved."""
-    from cswap_lightning.commands.suite_cases import selective_context
-
-    model, x, y = model_and_batch("mlp")
-
-    def forward(m):
-        h = m[0](x).relu()
-        h = checkpoint(lambda t: m[3](m[2](t).relu()), h, use_reentrant=False,
-                       context_fn=selective_context)
-        return F.cross_entropy(m[4](h), y)
-
-    ref_model, off_model = copy.deepcopy(model), copy.deepcopy(model)
-    forward(ref_model).backward()
-    off = Offloader(CSwapConfig(plan="raw", min_bytes=0))
-    for _ in range(2):  # the second step under what the first learned
-        off_model.zero_grad(set_to_none=True)
-        with off:
-            loss = forward(off_model)
-        loss.backward()
-        assert_bitwise_equal([p.grad for p in ref_model.parameters()],
-                             [p.grad for p in off_model.parameters()])
-    assert off.last_step().offloaded_bytes > 0
-    off.close()
 
 
 @pytest.mark.parametrize("plan", ["zvc", "keep"])
