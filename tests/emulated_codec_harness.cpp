@@ -12,8 +12,8 @@
 //   harness decode CODEC TYPE NUMEL GRID BLOCK SHIFT IN OUT
 //   harness lookback NTILES
 //   harness < COMMANDS      (one of the above per line, without the program name)
-// CODEC is the wire id; TYPE is the element size for zvc and rle, the dtype id for the lossy
-// codecs. IN and OUT are raw bytes: elements or payload. The elements start SHIFT elements
+// CODEC is the wire id; TYPE is the element size for zvc, rle and exponent (2), the dtype id
+// for the lossy codecs. IN and OUT are raw bytes: elements or payload. The elements start SHIFT elements
 // past a 16-byte boundary. Buffers are exactly as large as the API needs and start out as
 // garbage, as device memory does. `lookback` checks the tiles' look-back alone (see
 // check_look_back).
@@ -91,7 +91,9 @@ int encode(int codec, int type, uint64_t numel, int grid, int block, int shift,
   const uint64_t capacity = cswap_max_payload_bytes(codec, numel, type);
   const uint64_t ws_bytes = cswap_workspace_bytes(numel, grid);
   Buffer payload(capacity), workspace(ws_bytes), nbytes(8);
-  auto compress = codec == CSWAP_CODEC_ZVC ? cswap_zvc_compress : cswap_rle_compress;
+  auto compress = codec == CSWAP_CODEC_ZVC   ? cswap_zvc_compress
+                  : codec == CSWAP_CODEC_RLE ? cswap_rle_compress
+                                             : cswap_exponent_compress;
   if (check(compress(input, numel, type, payload.p, capacity, reinterpret_cast<int64_t *>(nbytes.p),
                      workspace.p, ws_bytes, grid, block, nullptr)))
     return 1;
@@ -114,7 +116,9 @@ int decode(int codec, int type, uint64_t numel, int grid, int block, int shift,
   } else {
     const uint64_t ws_bytes = cswap_workspace_bytes(numel, grid);
     Buffer workspace(ws_bytes);
-    auto decompress = codec == CSWAP_CODEC_ZVC ? cswap_zvc_decompress : cswap_rle_decompress;
+    auto decompress = codec == CSWAP_CODEC_ZVC   ? cswap_zvc_decompress
+                      : codec == CSWAP_CODEC_RLE ? cswap_rle_decompress
+                                                 : cswap_exponent_decompress;
     if (check(decompress(payload.p, data.size(), output, numel, type, workspace.p, ws_bytes, grid,
                          block, nullptr)))
       return 1;

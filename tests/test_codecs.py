@@ -270,7 +270,7 @@ def test_header_round_trip(codec, dtype):
     [
         (b"NOPE\x01\x00\x00\x00", "bad magic"),
         (b"CSWP\x02\x00\x00\x00", "unknown format version 2"),
-        (b"CSWP\x01\x06\x00\x00", "unknown codec id 6"),  # first reserved id
+        (b"CSWP\x01\x07\x00\x00", "unknown codec id 7"),  # first reserved id
         (b"CSWP\x01\x00\x0c\x00", "unknown dtype id 12"),  # len(DTYPES)
         (b"CSWP\x01", "truncated header"),
         (b"CSWP\x01\x00\x00\x02" + bytes(8), "need 24 for 2 dims"),

@@ -19,6 +19,7 @@ import torch
 from cswap_lightning.codecs import CODEC_IDS, Packed, bit_view, cuda_build, get_codec
 from cswap_lightning.codecs import cuda as cuda_codecs
 from cswap_lightning.codecs.cuda import (
+    CudaExponentCodec,
     CudaFP8Codec,
     CudaInt4Codec,
     CudaInt8Codec,
@@ -423,13 +424,56 @@ def test_emulated_lossy_kernels_match_the_reference(emulated_harness, tmp_path, 
                            torch.empty(0, dtype=want.dtype), want)
 
 
+def exponent_sample(numel: int, seed: int, pattern: str = "normal") -> torch.Tensor:
+    """bfloat16 activations for the exponent codec: "normal" (a transformer's: one scale
+    per 4096 elements), "special" (zeros, signed zeros, infinities, NaNs and subnormals mixed
+    in: groups 8 bits wide) or "flat" (every element the same: groups 0 bits wide)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.rand(numel // 4096 + 1, generator=g).mul(8).exp2().repeat_interleave(4096)
+    x = torch.randn(numel, generator=g) * scale[:numel]
+    if pattern == "special":
+        picks = torch.randint(0, 7, (numel,), generator=g)
+        for code, value in enumerate((0.0, -0.0, math.inf, -math.inf, math.nan, 1e-40)):
+            x[picks == code] = value
+    elif pattern == "flat":
+        x.fill_(-3.5)
+    return x.to(torch.bfloat16)
+
+
+# (numel, pattern, grid, block, shift): empty, one group cut short, several tiles of 256
+# groups walked by few blocks or one, a last tile cut short, elements off 16-byte alignment.
+EXPONENT_CASES = [(0, "normal", 1, 32, 0), (1, "special", 3, 64, 0), (33, "normal", 5, 96, 1),
+                  (8192, "flat", 1, 32, 0), (20_000, "normal", 3, 64, 3),
+                  (9000, "special", 5, 96, 0), (50_001, "normal", 2, 1024, 0)]
+
+
+def test_emulated_exponent_kernels_match_the_reference(emulated_harness, tmp_path):
+    """The exponent kernels give the reference payload byte for byte and decode it bit for
+    bit, over EXPONENT_CASES."""
+    commands, checks = [], []
+    for i, (numel, pattern, grid, block, shift) in enumerate(EXPONENT_CASES):
+        t = exponent_sample(numel, seed=i, pattern=pattern)
+        f = {k: tmp_path / f"{i}-{k}" for k in ("in", "payload", "ref", "out")}
+        f["in"].write_bytes(bit_view(t).numpy().tobytes())
+        f["ref"].write_bytes(get_codec("exponent").encode(t).payload.numpy().tobytes())
+        args = [CODEC_IDS["exponent"], 2, numel, grid, block, shift]
+        commands += [["encode", *args, 0, 0, f["in"], f["payload"]],
+                     ["decode", *args, f["ref"], f["out"]]]
+        checks.append((f, (numel, pattern, grid, block, shift)))
+    run_emulated(emulated_harness, commands)
+    for f, case in checks:
+        assert f["payload"].read_bytes() == f["ref"].read_bytes(), case
+        assert f["out"].read_bytes() == f["in"].read_bytes(), case
+
+
 def test_emulated_decoders_stay_inside_damaged_payloads(emulated_harness, tmp_path):
     """Truncated payloads, absurd counts and random bytes decode to something, never reading
     or writing outside the buffers (the harness is built with the address sanitizer)."""
     g = torch.Generator().manual_seed(0)
     commands = []
-    for name in ("zvc", "rle", "int8", "fp8", "int4"):
-        numel, dtype = 1000, torch.float16
+    for name in ("zvc", "rle", "exponent", "int8", "fp8", "int4"):
+        numel = 1000
+        dtype = torch.bfloat16 if name == "exponent" else torch.float16
         t = lossy_sample(numel, dtype) if name in LOSSY_REFERENCE else sample(numel, dtype, 0.9)
         payload = bytearray(get_codec(name).encode(t).payload.numpy().tobytes())
         counts = bytearray(payload)
@@ -443,6 +487,9 @@ def test_emulated_decoders_stay_inside_damaged_payloads(emulated_harness, tmp_pa
         for i, data in enumerate(damaged):
             if name == "zvc" and len(data) < 16 + 128:
                 continue  # shorter than the mask: refused before any launch
+            planes = len(data) - (16 + 1008 + 2 * 32)  # the exponent payload's planes' bytes
+            if name == "exponent" and (planes < 0 or planes % 4):
+                continue  # not a whole payload of 1000 elements: refused before any launch
             path = tmp_path / f"{name}-{i}"
             path.write_bytes(bytes(data))
             commands.append(["decode", CODEC_IDS[name], type_, numel, 3, 64, 0, path,
@@ -578,6 +625,28 @@ def test_gpu_many_tiles_at_once(cuda_lib, name, dtype):
         first = codec.encode(t).payload
         for _ in range(3):
             assert torch.equal(codec.encode(t).payload, first)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grid,block", LAUNCHES)
+def test_gpu_exponent_matches_reference(cuda_lib, grid, block):
+    """The exponent kernels on the device: the reference's bytes and the tensor back bit for
+    bit, for each pattern, sizes up to thousands of tiles, and views off alignment."""
+    codec = CudaExponentCodec(grid=grid, block=block)
+    for numel in (0, 1, 33, 8192 * 3 + 5, 2**21 + 13):
+        for pattern in ("normal", "special", "flat"):
+            t = exponent_sample(numel, seed=numel, pattern=pattern).cuda()
+            assert_matches_reference("exponent", t, codec)
+    t = exponent_sample(4099, seed=1).cuda()
+    assert_matches_reference("exponent", t[3:], codec)
+    assert_matches_reference("exponent", t[: 64 * 64].view(64, 64).t(), codec)
+
+
+def test_cpu_tensors_use_the_exponent_reference():
+    t = exponent_sample(1000, seed=2)
+    packed = CudaExponentCodec().encode(t)
+    assert torch.equal(packed.payload, get_codec("exponent").encode(t).payload)
+    assert torch.equal(bit_view(CudaExponentCodec().decode(packed)), bit_view(t))
 
 
 @pytest.mark.gpu

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .format import CODEC_IDS, DTYPES, FORMAT_VERSION, Header, Packed, bit_view
 from .lossy import FP8Codec, Int4Codec, Int8Codec, LossyCodec, reconstruction_error
-from .reference import Codec, RawCodec, RLECodec, ZVCCodec, nonzero_count
+from .reference import Codec, ExponentCodec, RawCodec, RLECodec, ZVCCodec, nonzero_count
 
 __all__ = [
     "DTYPES",
@@ -51,5 +51,6 @@ def codec_names() -> tuple[str, ...]:
 
 
 # The lossy codecs are looked up only by name: nothing chooses them unless a plan does.
-for _codec in (RawCodec(), ZVCCodec(), RLECodec(), Int8Codec(), FP8Codec(), Int4Codec()):
+for _codec in (RawCodec(), ZVCCodec(), RLECodec(), ExponentCodec(), Int8Codec(), FP8Codec(),
+               Int4Codec()):
     register(_codec)

@@ -29,9 +29,9 @@ import torch
 from . import cuda_build
 from .format import CODEC_IDS, DTYPES, FORMAT_VERSION
 from .lossy import DEFAULT_BLOCK_SIZE, FP8Codec, Int4Codec, Int8Codec, LossyCodec
-from .reference import RLECodec, ZVCCodec
+from .reference import ExponentCodec, RLECodec, ZVCCodec
 
-ABI_VERSION = 2  # CSWAP_CODEC_ABI_VERSION in cswap_codec.h
+ABI_VERSION = 3  # CSWAP_CODEC_ABI_VERSION in cswap_codec.h
 DEFAULT_BLOCK = 256
 # Default grid: 8 blocks of DEFAULT_BLOCK threads per SM, the 2048 threads an SM holds when a
 # kernel uses at most 32 registers a thread (all zvc and rle kernels but rle's second encode
@@ -55,6 +55,8 @@ _SIGNATURES: dict[str, tuple[type, list]] = {
     "cswap_rle_compress": (_c_int, _COMPRESS_ARGS),
     "cswap_zvc_decompress": (_c_int, _DECOMPRESS_ARGS),
     "cswap_rle_decompress": (_c_int, _DECOMPRESS_ARGS),
+    "cswap_exponent_compress": (_c_int, _COMPRESS_ARGS),
+    "cswap_exponent_decompress": (_c_int, _DECOMPRESS_ARGS),
     "cswap_lossy_payload_bytes": (_c_u64, [_c_int, _c_u64, _c_u32]),
     "cswap_lossy_compress": (_c_int, [_c_int, _c_ptr, _c_u64, _c_int, _c_u32, _c_u32, _c_ptr,
                                       _c_u64, _c_int, _c_int, _c_ptr]),
@@ -232,6 +234,10 @@ class CudaRLECodec(_CudaCodec, RLECodec):
     """rle with CUDA kernels; the reference codec for tensors not on a CUDA device."""
 
 
+class CudaExponentCodec(_CudaCodec, ExponentCodec):
+    """exponent with CUDA kernels; the reference codec for tensors not on a CUDA device."""
+
+
 class _CudaLossyCodec(_Launches):
     """Launches the lossy kernels for CUDA tensors; everything else goes to the reference class.
 
@@ -300,14 +306,15 @@ class CudaInt4Codec(_CudaLossyCodec, Int4Codec):
 
 # The CUDA codec of each reference codec's name.
 CUDA_CODECS: dict[str, type[_Launches]] = {
-    c.name: c for c in (CudaZVCCodec, CudaRLECodec, CudaInt8Codec, CudaFP8Codec, CudaInt4Codec)}
+    c.name: c for c in (CudaZVCCodec, CudaRLECodec, CudaExponentCodec, CudaInt8Codec,
+                        CudaFP8Codec, CudaInt4Codec)}
 
 
 def enable_cuda_codecs(
     tuned: Mapping[str, Mapping[tuple[str, int], tuple[int, int]]] | None = None,
 ) -> bool:
-    """Register the CUDA codecs under the names of the reference ones (zvc, rle, int8, fp8,
-    int4) if the library loads; True if it did.
+    """Register the CUDA codecs under the names of the reference ones (zvc, rle, exponent,
+    int8, fp8, int4) if the library loads; True if it did.
 
     ``tuned`` maps a codec name to its launch parameters (see ``_Launches``)."""
     if load_extension() is None:

@@ -9,7 +9,8 @@ Header (``8 + 8 * ndim`` bytes)::
     offset  size      field
     0       4         magic b"CSWP"
     4       1  u8     format version (1)
-    5       1  u8     codec id: raw=0, zvc=1, rle=2, int8=3, fp8=4, int4=5; 6..255 reserved
+    5       1  u8     codec id: raw=0, zvc=1, rle=2, int8=3, fp8=4, int4=5, exponent=6;
+                      7..255 reserved
     6       1  u8     dtype id: the index of the dtype in ``DTYPES``
     7       1  u8     ndim
     8       8*ndim    dims, int64 each, outermost first
@@ -41,6 +42,23 @@ elements; runs are listed in increasing order::
     [16, 16 + 4 * nruns)       run starts: u32 element index of each run's first element
     [L, L + 4 * nruns)         run lengths: u32, L = 16 + align16(4 * nruns)
     [V, V + nnz * elem_size)   the non-zero elements in order, V = L + align16(4 * nruns)
+
+exponent (lossless, for dense bfloat16 tensors; bfloat16 only; numel < 2**32). A bfloat16's
+sign and mantissa (8 bits) look random, but neighbouring elements' exponents (its other 8
+bits) lie close together: each group of 32 consecutive elements (the last one padded) stores
+its exponents as offsets from the group's least, in as many bits as the largest offset needs.
+For element i, ``e(i)`` is its exponent (bits 7..14) and ``r(i) = bit 15 << 7 | bits 0..6``;
+group k holds elements 32k..32k+31, ``base[k]`` is the least e(i) among them and ``w[k]``
+(0..8) the fewest bits that hold ``max e(i) - base[k]``; ``g = ceil(numel / 32)``::
+
+    [0, 8)          nplanes: u64, the sum of w[k] over the groups
+    [8, 16)         reserved: u64 = 0
+    [16, 16 + numel)           r(i): u8 per element
+    [B, B + g)                 base[k]: u8 per group, B = 16 + align16(numel)
+    [W, W + g)                 w[k]: u8 per group, W = B + align16(g)
+    [P, P + 4 * nplanes)       the bit planes: for each group k in order, w[k] u32 words;
+                               bit i of its word j is bit j of e(32k + i) - base[k]
+                               (0 past numel), P = W + align16(g)
 
 int8, fp8, int4 (lossy; float32, float16 and bfloat16 tensors; numel < 2**32). The elements
 are cut into blocks of B consecutive elements (the last block may be shorter), and each block
@@ -106,8 +124,9 @@ DTYPES: tuple[torch.dtype, ...] = (
     torch.float8_e5m2,
 )
 
-# Wire ids of the codec formats; ids 6..255 are reserved for future codecs.
-CODEC_IDS: dict[str, int] = {"raw": 0, "zvc": 1, "rle": 2, "int8": 3, "fp8": 4, "int4": 5}
+# Wire ids of the codec formats; ids 7..255 are reserved for future codecs.
+CODEC_IDS: dict[str, int] = {"raw": 0, "zvc": 1, "rle": 2, "int8": 3, "fp8": 4, "int4": 5,
+                             "exponent": 6}
 
 _FIXED = struct.Struct("<4sBBBB")
 _BITS_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

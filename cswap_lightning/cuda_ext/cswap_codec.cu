@@ -1,8 +1,10 @@
 // The CUDA codec library: the host side of cswap_codec.h's entry points, which check their
-// arguments and launch the kernels of compaction.cuh (zvc, rle) and lossy.cuh (int8, fp8,
-// int4). One translation unit: the headers are included here, never built on their own.
+// arguments and launch the kernels of compaction.cuh (zvc, rle), exponent.cuh (exponent) and
+// lossy.cuh (int8, fp8, int4). One translation unit: the headers are included here, never
+// built on their own.
 
 #include "compaction.cuh"
+#include "exponent.cuh"
 #include "lossy.cuh"
 
 namespace {
@@ -70,6 +72,26 @@ int check_common(uint64_t numel, int elem_size, int grid, int block, const void 
   launch->grid = static_cast<uint32_t>(ntiles < static_cast<uint64_t>(grid) ? ntiles : grid);
   launch->block = static_cast<uint32_t>(block);
   launch->stage_bytes = uint64_t{launch->block} * kTileBytesPerThread;
+  return CSWAP_OK;
+}
+
+int check_exponent(uint64_t numel, int elem_size, int grid, int block, const void *elems,
+                   const void *payload, const void *workspace, uint64_t workspace_bytes) {
+  if (elem_size != 2)
+    return fail(CSWAP_ERR_INVALID_ARGUMENT, "the exponent codec packs bfloat16 (elem_size 2), "
+                "got elem_size %d", elem_size);
+  int status = check_numel_and_launch(numel, grid, block);
+  if (status != CSWAP_OK) return status;
+  if (!payload || (numel && !elems) || !workspace)
+    return fail(CSWAP_ERR_INVALID_ARGUMENT, "null device pointer");
+  if (!aligned(elems, 2) || !aligned(payload, 16) || !aligned(workspace, 16))
+    return fail(CSWAP_ERR_INVALID_ARGUMENT,
+                "misaligned pointer: elements need 2-byte, payload and workspace 16-byte "
+                "alignment");
+  if (workspace_bytes < exp_workspace_bytes(numel))
+    return fail(CSWAP_ERR_INVALID_ARGUMENT, "workspace has %llu bytes, needs %llu",
+                static_cast<unsigned long long>(workspace_bytes),
+                static_cast<unsigned long long>(exp_workspace_bytes(numel)));
   return CSWAP_OK;
 }
 
@@ -298,6 +320,10 @@ uint64_t cswap_max_payload_bytes(int codec, uint64_t numel, int elem_size) {
   if (codec == CSWAP_CODEC_ZVC) return align16(16 + 4 * cdiv(numel, 32)) + numel * elem_size;
   // At most ceil(numel / 2) runs; the values never exceed numel elements.
   if (codec == CSWAP_CODEC_RLE) return 16 + 2 * align16(4 * cdiv(numel, 2)) + numel * elem_size;
+  if (codec == CSWAP_CODEC_EXPONENT && elem_size == 2) {
+    const ExpLayout l = exp_layout(numel);
+    return l.planes_at + 4 * 8 * l.groups;
+  }
   return 0;
 }
 
@@ -385,6 +411,57 @@ int cswap_rle_decompress(const void *payload, uint64_t payload_nbytes, void *out
                          int grid, int block, cudaStream_t stream) {
   return decompress_any(CSWAP_CODEC_RLE, payload, payload_nbytes, output, numel, elem_size,
                         workspace, workspace_bytes, grid, block, stream);
+}
+
+int cswap_exponent_compress(const void *input, uint64_t numel, int elem_size, void *payload,
+                            uint64_t payload_capacity, int64_t *payload_nbytes, void *workspace,
+                            uint64_t workspace_bytes, int grid, int block, cudaStream_t stream) {
+  int status = check_exponent(numel, elem_size, grid, block, input, payload, workspace,
+                              workspace_bytes);
+  if (status != CSWAP_OK) return status;
+  const uint64_t need = cswap_max_payload_bytes(CSWAP_CODEC_EXPONENT, numel, elem_size);
+  if (payload_capacity < need)
+    return fail(CSWAP_ERR_INVALID_ARGUMENT, "payload buffer has %llu bytes, needs %llu",
+                static_cast<unsigned long long>(payload_capacity),
+                static_cast<unsigned long long>(need));
+  cudaGetLastError();  // report only errors of this call's launches
+  const ExpLayout l = exp_layout(numel);
+  auto *out = static_cast<uint8_t *>(payload);
+  auto *tiles = static_cast<uint32_t *>(workspace);
+  const auto *in = static_cast<const uint16_t *>(input);
+  const unsigned blocks = static_cast<unsigned>(l.ntiles < uint64_t(grid) ? l.ntiles : grid);
+  // the padding after the elements' bytes, and the base and width sections, start out zero
+  if (cudaMemsetAsync(out + 16 + numel, 0, l.planes_at - 16 - numel, stream) != cudaSuccess)
+    return check_launches("exponent compress");
+  exp_encode_groups<<<blocks, block, 0, stream>>>(in, out, l);
+  exp_tile_planes<<<blocks, block, 0, stream>>>(out, tiles, l);
+  exp_scan_tiles<<<1, 32, 0, stream>>>(tiles, l.ntiles, out, payload_nbytes, l.planes_at);
+  exp_encode_planes<<<blocks, block, 0, stream>>>(in, out, tiles, l);
+  return check_launches("exponent compress");
+}
+
+int cswap_exponent_decompress(const void *payload, uint64_t payload_nbytes, void *output,
+                              uint64_t numel, int elem_size, void *workspace,
+                              uint64_t workspace_bytes, int grid, int block, cudaStream_t stream) {
+  int status = check_exponent(numel, elem_size, grid, block, output, payload, workspace,
+                              workspace_bytes);
+  if (status != CSWAP_OK) return status;
+  const ExpLayout l = exp_layout(numel);
+  if (payload_nbytes < l.planes_at || (payload_nbytes - l.planes_at) % 4 != 0)
+    return fail(CSWAP_ERR_INVALID_ARGUMENT,
+                "an exponent payload of %llu elements has %llu + 4 * (its planes) bytes, got %llu",
+                static_cast<unsigned long long>(numel),
+                static_cast<unsigned long long>(l.planes_at),
+                static_cast<unsigned long long>(payload_nbytes));
+  cudaGetLastError();
+  const auto *in = static_cast<const uint8_t *>(payload);
+  auto *tiles = static_cast<uint32_t *>(workspace);
+  const unsigned blocks = static_cast<unsigned>(l.ntiles < uint64_t(grid) ? l.ntiles : grid);
+  exp_tile_planes<<<blocks, block, 0, stream>>>(in, tiles, l);
+  exp_scan_tiles<<<1, 32, 0, stream>>>(tiles, l.ntiles, nullptr, nullptr, 0);
+  exp_decode<<<blocks, block, 0, stream>>>(in, (payload_nbytes - l.planes_at) / 4, tiles,
+                                           static_cast<uint16_t *>(output), l);
+  return check_launches("exponent decompress");
 }
 
 }  // extern "C"

@@ -1,5 +1,5 @@
 /* cswap_codec: CUDA kernels for the payloads of cswap_lightning's packed format: the lossless
- * zvc and rle codecs, and the lossy int8, fp8 and int4 codecs.
+ * zvc, rle and exponent codecs, and the lossy int8, fp8 and int4 codecs.
  *
  * The payload bytes are exactly those of the pure-torch reference codecs; the format is
  * specified in cswap_lightning/codecs/format.py. zvc and rle handle elements as bit patterns
@@ -26,7 +26,7 @@
 extern "C" {
 #endif
 
-#define CSWAP_CODEC_ABI_VERSION 2 /* bumped on any change to these declarations */
+#define CSWAP_CODEC_ABI_VERSION 3 /* bumped on any change to these declarations */
 #define CSWAP_FORMAT_VERSION 1    /* the packed-format version the kernels produce */
 
 enum {
@@ -42,6 +42,7 @@ enum {
   CSWAP_CODEC_INT8 = 3,
   CSWAP_CODEC_FP8 = 4,
   CSWAP_CODEC_INT4 = 5,
+  CSWAP_CODEC_EXPONENT = 6,
 };
 
 /* Element types of the lossy codecs, as in the format's dtype ids. */
@@ -82,6 +83,15 @@ int cswap_zvc_decompress(const void *payload, uint64_t payload_nbytes, void *out
 int cswap_rle_decompress(const void *payload, uint64_t payload_nbytes, void *output,
                          uint64_t numel, int elem_size, void *workspace, uint64_t workspace_bytes,
                          int grid, int block, cudaStream_t stream);
+
+/* The exponent codec (CSWAP_CODEC_EXPONENT): lossless, bfloat16 only (elem_size 2), with the
+ * signatures, payload length and workspace (cswap_workspace_bytes) of zvc's. */
+int cswap_exponent_compress(const void *input, uint64_t numel, int elem_size, void *payload,
+                            uint64_t payload_capacity, int64_t *payload_nbytes, void *workspace,
+                            uint64_t workspace_bytes, int grid, int block, cudaStream_t stream);
+int cswap_exponent_decompress(const void *payload, uint64_t payload_nbytes, void *output,
+                              uint64_t numel, int elem_size, void *workspace,
+                              uint64_t workspace_bytes, int grid, int block, cudaStream_t stream);
 
 /* Lossy codecs (CSWAP_CODEC_INT8, _FP8, _INT4) on float32, float16 or bfloat16 elements.
  * Their payload size is a function of the codec, numel and the block size alone, so the host
