@@ -144,7 +144,7 @@ if [[ -n ${TESTS// /} ]]; then
     step tests 90 python3 -m pytest -q -p no:cacheprovider $TESTS
 fi
 step finetune 300 "${ENGINE[@]}" bench finetune llama-3-8b --lora --seq ${FT_SEQ:-8192} \
-    --steps 5 --lossy int8 --peers --out "$WORK/finetune-$TAG"
+    --steps 5 --lossy int8 --dense --peers --out "$WORK/finetune-$TAG"
 [[ -f $WORK/finetune-$TAG.md ]] && grep "^|" "$WORK/finetune-$TAG.md" >>"$SUMMARY"
 step measure 300 "${ENGINE[@]}" bench measure --models ${MODELS:-gpt2-medium resnet50} --rounds 12 \
     --trace --out "$WORK/measure-$TAG"
@@ -155,7 +155,7 @@ step measure-llama 150 "${ENGINE[@]}" bench measure --models llama3-8b-4l --roun
     --out "$WORK/measure-llama-$TAG"
 [[ -f $WORK/measure-llama-$TAG.md ]] && grep "^| Llama" "$WORK/measure-llama-$TAG.md" >>"$SUMMARY"
 [[ -f $WORK/measure-llama.log ]] && grep "^capture " "$WORK/measure-llama.log" >>"$SUMMARY"
-step codec 40 "${ENGINE[@]}" bench codec --sizes 16MiB 64MiB --codecs zvc rle int8 fp8 \
+step codec 40 "${ENGINE[@]}" bench codec --sizes 16MiB 64MiB --codecs zvc rle exponent int8 fp8 \
     --sparsities 0 50 90 --no-relu --no-nvcomp --out "$WORK/codec-$TAG"
 step selective 150 python3 benchmarks/selective.py --device cuda --layers 4 --seq 4096 \
     --repeats 5 --profile --out "$WORK/selective-$TAG"

@@ -66,15 +66,17 @@ def layer_figures(est: Estimate) -> dict:
 
 def within(est: Estimate, keep: sizing.Way, saved: int, steps: int, replays: mix.Replays,
            known: tuple[float, str | None] = (0.0, None),
-           engine: Engine | None = None) -> tuple[float, str | None]:
+           engine: Engine | None = None, dense: bool = False) -> tuple[float, str | None]:
     """The largest fraction of the saved activations the planner's lossless mix frees within
     ``SLOWER`` of keeping everything, and that mix: bisection over ``steps`` from ``known``,
-    a fraction (and its mix) a planned row already frees within ``SLOWER``, to all of them."""
+    a fraction (and its mix) a planned row already frees within ``SLOWER``, to all of them
+    (``dense``: the lossless exponent codec weighed too)."""
     (best, how), low, high = known, known[0], 1.0
     for _ in range(steps):
         middle = (low + high) / 2
         budget = keep.prediction.peak_bytes - int(middle * saved)
-        (way,) = sizing.mixes(est, [("", budget)], clip=False, replays=replays, engine=engine)
+        (way,) = sizing.mixes(est, [("", budget)], clip=False, replays=replays, engine=engine,
+                              dense=dense)
         if way.prediction.peak_bytes <= budget and way.step_s <= SLOWER * keep.step_s:
             low = middle
             freed = (keep.prediction.peak_bytes - way.prediction.peak_bytes) / saved
@@ -87,7 +89,7 @@ def within(est: Estimate, keep: sizing.Way, saved: int, steps: int, replays: mix
 
 def predict(case: str, setup: Setup, codecs: tuple[str | None, ...], lower_goal: bool,
             steps: int, engine: Engine | None = None, log=print,
-            on: str = "h100-pcie") -> dict:
+            on: str = "h100-pcie", dense: bool = False) -> dict:
     est, engine = estimate(setup, device(on)), engine or Engine()
     keep, checkpointing = sizing.baselines(est, engine)
     saved = est.saved_bytes
@@ -101,7 +103,8 @@ def predict(case: str, setup: Setup, codecs: tuple[str | None, ...], lower_goal:
     for codec in codecs:
         started = time.monotonic()
         for (label, _), way in zip(budgets, sizing.mixes(est, budgets, lossy=codec, clip=False,
-                                                         replays=replays, engine=engine),
+                                                         replays=replays, engine=engine,
+                                                         dense=dense),
                                    strict=True):
             rows.append(Row.of(case, label, codec, way, keep, checkpointing, saved))
         log(f"{case} {codec or 'lossless'}: {time.monotonic() - started:.0f} s")
@@ -110,7 +113,7 @@ def predict(case: str, setup: Setup, codecs: tuple[str | None, ...], lower_goal:
                                    "lora": setup.lora is not None, "layers": setup.layers},
            "device": est.device.name, "device_key": on, "saved_activations_gib": saved / GiB,
            "codec_kernels": engine.codec_kernels, "recompute_scale": engine.recompute_scale,
-           "below_scale": engine.below_scale,
+           "below_scale": engine.below_scale, "dense": dense,
            "checkpointing_peak_gib": checkpointing.prediction.peak_bytes / GiB,
            "optimizer_peak_gib": est.optimizer_peak / GiB,
            "fits_the_device": est.optimizer_peak <= sizing.usable(est.device),
@@ -118,7 +121,7 @@ def predict(case: str, setup: Setup, codecs: tuple[str | None, ...], lower_goal:
     if lower_goal:
         met = max(((r.saved_lower, r.how) for r in rows
                    if r.codec == "lossless" and r.vs_keep <= SLOWER), default=(0.0, None))
-        fraction, how = within(est, keep, saved, steps, replays, met, engine)
+        fraction, how = within(est, keep, saved, steps, replays, met, engine, dense)
         out["lower_within_3_percent"] = {"fraction": fraction, "how": how}
     return out
 
@@ -208,6 +211,12 @@ def markdown(cases: dict[str, dict], check: dict | None = None) -> str:
         note += (f" Recomputing a whole layer is charged {scale:g}x its profiled forward (a "
                  "bracket: what the models' checkpointing measured against the replay's charge "
                  "on an H200); below the layer, as estimated.")
+    if first.get("dense"):
+        note += (" Every mix may also send bfloat16 activations through the lossless exponent "
+                 f"codec, at {sizing.DENSE_RATIO:.0%} of their bytes (measured on the CPU on "
+                 "Llama-3-8B-shaped layers' saved tensors, random weights) and at speeds not "
+                 "measured yet: int8's measured kernels' scaled by the bytes each moves "
+                 "(`sizing.dense_codec`); the rows marked lossless stay lossless.")
     if below != 1.0:
         note += (f" Recomputing below the layer is charged {below:g}x its estimate (a bracket: "
                  "what every layer so recomputed measured against the estimate on an H200, "
@@ -290,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
                    "(replay.Engine.below_scale; a bracket, not a calibration)")
     p.add_argument("--device", choices=tuple(DEVICES), default="h100-pcie",
                    help="the device estimated (the goals were set for an H100 PCIe)")
+    p.add_argument("--dense", action="store_true",
+                   help="let every mix send bfloat16 activations through the lossless "
+                   "exponent codec (CSwapConfig.dense_compressor; its speeds estimated)")
     p.add_argument("--quick", action="store_true",
                    help="2 layers of each at a short sequence: to see it run, not the goals")
     args = p.parse_args(argv)
@@ -305,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             ("GPT-2 medium", Setup("gpt2-medium", 1024, 8, layers=layers), (None, "int8"),
              False)):
         cases[case] = predict(case, setup, codecs, lower, 1 if args.quick else args.steps,
-                              engine, on=args.device)
+                              engine, on=args.device, dense=args.dense)
     meta = result_meta(torch.device("cpu"), command=" ".join(
         ["python", *sys.argv] if argv is None else ["python", __file__, *argv]),
         kind="prediction (meta-device trace, roofline calibrated on the H100 and H200 "

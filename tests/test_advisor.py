@@ -443,3 +443,67 @@ def test_a_saved_plan_with_a_missing_unknown_or_repeated_key_is_refused():
         Plan.from_dict(data)
     with pytest.raises(ValueError, match=r"^Plan.from_dict: plan is \[\]; expected a dict"):
         Plan.from_dict([])
+
+
+def bf16_site(sparsity, nbytes=16 * MiB, **kw):
+    return SiteProfile(0, (nbytes // 2,), "bfloat16", nbytes, True, sparsity=sparsity, **kw)
+
+
+def test_the_dense_codec_is_weighed_for_dense_bfloat16_sites_where_it_pays():
+    link = Link(d2h=1 * GB, h2d=1 * GB, device=1000 * GB)  # a slow link: shrinking pays
+    runs = linear_runs("zvc", 1e-5, 1e-5, 1e-5) + linear_runs("exponent", 1e-5, 1e-5, 0.0)
+    m = CodecTimeModel().fit(runs)
+    dense = Advisor("zvc", link, m, dense="exponent")
+    d = dense.decide(bf16_site(0.0))
+    assert d.decision == "exponent"
+    assert d.stored_bytes == predicted_stored_bytes("exponent", bf16_site(0.0)) == 12 * MiB
+    # measured once, the site's own payload size counts instead of the estimate
+    measured = bf16_site(0.0, stored={"exponent": 15 * MiB})
+    assert dense.decide(measured).stored_bytes == 15 * MiB
+    assert dense.decide(bf16_site(0.6)).decision == "zvc"  # zeros: the zero codec's
+    assert dense.decide(site(0.0)).decision != "exponent"  # float32: not its dtype
+    assert Advisor("zvc", link, m).decide(bf16_site(0.0)).decision != "exponent"  # off
+    slow = CodecTimeModel().fit(linear_runs("zvc", 1e-5, 1e-5, 1e-5)
+                                + linear_runs("exponent", 1.0, 1.0, 1.0))
+    assert Advisor("zvc", link, slow, dense="exponent").decide(
+        bf16_site(0.0)).decision != "exponent"
+
+
+def test_dense_bfloat16_activations_swap_through_the_exponent_codec_bit_for_bit():
+    """``dense_compressor="exponent"`` on a bfloat16 MLP whose GELU outputs are dense, with a
+    slow link and fast codec times given: the advisor sends them through the exponent codec
+    (the reference, on the CPU), the gradients are those of plain training, bit for bit, and
+    the payloads measured replace the estimate; ``plan="exponent"`` sends the bfloat16 sites
+    through it and the others raw."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 10)).to(torch.bfloat16)
+    x, y = torch.randn(512, 64, dtype=torch.bfloat16), torch.randint(0, 10, (512,))
+
+    def step_grads(off=None):
+        net.zero_grad(set_to_none=True)
+        if off is None:
+            loss = F.cross_entropy(net(x).float(), y)
+        else:
+            with off:
+                loss = F.cross_entropy(net(x).float(), y)
+        loss.backward()
+        return [p.grad.clone() for p in net.parameters()]
+
+    ref = step_grads()
+    runs = linear_runs("zvc", 1e-6, 1e-6, 1e-6) + linear_runs("exponent", 1e-6, 1e-6, 0.0)
+    config = CSwapConfig(min_bytes=64 * 1024, profile_steps=1, budget=None,
+                         dense_compressor="exponent")
+    off = Offloader(config, link=Link(1e6, 1e6, 1e9), time_model=CodecTimeModel().fit(runs))
+    for _ in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(ref, step_grads(off), strict=True))
+    moved = [s for s in off.last_step().sites if s.decision == "exponent"]
+    assert moved and all(s.dtype == "bfloat16" for s in moved)
+    assert all(s.stored_bytes < 0.8 * s.nbytes for s in moved)
+    assert off.learning.profiler.sites[moved[0].site].stored["exponent"] == moved[0].stored_bytes
+    off.close()
+    fixed = Offloader(CSwapConfig(plan="exponent", min_bytes=0, budget=None))
+    assert all(torch.equal(a, b) for a, b in zip(ref, step_grads(fixed), strict=True))
+    decisions = {(s.dtype, s.decision) for s in fixed.last_step().sites if not s.reason}
+    assert ("bfloat16", "exponent") in decisions and ("float32", "raw") in decisions
+    assert {d for t, d in decisions if t == "bfloat16"} == {"exponent"}
+    fixed.close()

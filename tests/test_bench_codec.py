@@ -21,19 +21,32 @@ KIB = 1024
 
 @pytest.fixture(scope="module")
 def tiny_run() -> dict:
-    return run_codec_bench("cpu", sizes=[64 * KIB], sparsities=[0, 90], quick=True, relu=False)
+    return run_codec_bench("cpu", sizes=[64 * KIB], sparsities=[0, 90], quick=True, relu=False,
+                           dense=False)
 
 
 def test_every_codec_and_dtype_is_measured_and_round_trips(tiny_run):
     rows = tiny_run["rows"]
     cases = {(r["codec"], r["dtype"], r["target_sparsity"]) for r in rows}
     assert cases == {(c, d, s) for c in ("zvc", "rle", "int8")
-                     for d in ("float32", "float16", "bfloat16") for s in (0, 90)}
+                     for d in ("float32", "float16", "bfloat16") for s in (0, 90)} | {
+        ("exponent", "bfloat16", s) for s in (0, 90)}  # bfloat16 only
     for r in rows:
         assert r["impl"] == "reference (pure torch)"
         assert r["compress_gbps"] > 0 and r["decompress_gbps"] > 0 and r["copy_gbps"] > 0
         assert r["bytes"] == 64 * KIB
         assert abs(r["sparsity"] - r["target_sparsity"] / 100) < 0.03  # uniform random zeros
+
+
+def test_a_transformers_dense_activations_are_measured_in_bfloat16():
+    doc = run_codec_bench("cpu", sizes=[64 * KIB], dtypes=["bfloat16"], codecs=["zvc",
+                          "exponent"], sparsities=[0], quick=True, relu=False)
+    dense = {(r["source"], r["codec"]): r["ratio"] for r in doc["rows"]
+             if r["target_sparsity"] is None}
+    assert set(dense) == {(s, c) for s in ("bert gelu", "llama silu * up")
+                          for c in ("zvc", "exponent")}
+    for source in ("bert gelu", "llama silu * up"):  # no zeros, close exponents
+        assert dense[source, "zvc"] < 1 and dense[source, "exponent"] > 1.2
 
 
 def test_ratio_is_the_exact_packed_size_and_follows_sparsity(tiny_run):

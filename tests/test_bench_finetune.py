@@ -25,10 +25,12 @@ def _rows(out) -> dict[str, dict]:
 def test_the_dry_run_measures_every_method_on_one_model(tmp_path):
     out = tmp_path / "ft"
     assert main(["bench", "finetune", "llama-3-8b", "--lora", "--small", "--device", "cpu",
-                 "--seq", "32", "--steps", "2", "--out", str(out)]) == 0
+                 "--seq", "32", "--steps", "2", "--dense", "--out", str(out)]) == 0
     rows = _rows(out)
+    dense = "cswap exponent, budget 75% lower saved activations"
     assert list(rows) == [bench_finetune.NO_OFFLOAD, bench_finetune.CHECKPOINTING, *ENGINES,
-                          bench_finetune.NO_OFFLOAD_AGAIN]
+                          dense, bench_finetune.NO_OFFLOAD_AGAIN]
+    assert rows[dense]["budget_bytes"] == rows[bench_finetune.AT_LOWER]["budget_bytes"]
     for row in rows.values():
         assert "failed" not in row, row
         assert row["timed_steps"] == 2 and row["step_s"] > 0

@@ -9,7 +9,7 @@ from cswap_lightning.config import MAX_BYTES
     [
         ({"min_bytes": -1}, ValueError, r"min_bytes must be >= 0 bytes, got -1"),
         ({"prefetch_bytes": -5}, ValueError, r"prefetch_bytes must be >= 0"),
-        ({"plan": "zcv"}, ValueError, r"plan must be one of 'auto', 'keep', 'raw', 'zvc', 'rle', 'int8', 'fp8', 'int4'; got 'zcv'"),
+        ({"plan": "zcv"}, ValueError, r"plan must be one of 'auto', 'keep', 'raw', 'zvc', 'rle', 'exponent', 'int8', 'fp8', 'int4'; got 'zcv'"),
         ({"compressor": "raw"}, ValueError, r"compressor must be one of 'zvc', 'rle'; got 'raw'"),
         ({"budget": 1.5}, ValueError, r"budget must be None .* in \(0, 1\] .*; got 1.5"),
         ({"budget": "half"}, ValueError, r"budget must be None .*; got 'half'"),

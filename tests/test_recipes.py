@@ -183,7 +183,7 @@ def test_cswap_options_have_a_short_alias(capsys):
     ("        budjet: null", f"{CSWAP_CONFIG}: Option 'budjet' is not accepted",
      "  did you mean 'budget'?"),
     ("        plan: zcv", (f"{CSWAP_CONFIG}.plan: Expected a typing.Literal['auto', 'keep', "
-                          "'raw', 'zvc', 'rle', 'int8', 'fp8', 'int4']. Got value: zcv"),
+                          "'raw', 'zvc', 'rle', 'exponent', 'int8', 'fp8', 'int4']. Got value: zcv"),
      "jsonargparse's full report:"),
 ])
 def test_a_refused_yaml_value_is_said_first(yaml_line, first_line, hint, tmp_path, capsys):

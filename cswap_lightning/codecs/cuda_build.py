@@ -23,7 +23,7 @@ from pathlib import Path
 LIBRARY_NAME = "libcswap_codec.so"
 # The one file nvcc compiles, then what it includes (all of them hashed into the build key).
 SOURCE_NAMES = ("cswap_codec.cu", "cswap_codec.h", "codec_common.cuh", "compaction.cuh",
-                "lossy.cuh")
+                "exponent.cuh", "lossy.cuh")
 # SASS for Ampere (sm_80, also runs on sm_86/sm_89) and Hopper, plus PTX that newer GPUs JIT.
 ARCH_FLAGS = (
     "-gencode=arch=compute_80,code=sm_80",

@@ -32,6 +32,13 @@ class Codec(abc.ABC):
     # encoding, untrimmed as the engine calls it, waits for the device: the host reads a size
     # its compaction needs (data-dependent indexing)
     encode_waits: bool = False
+    dtypes: tuple[torch.dtype, ...] | None = None  # the dtypes it packs (None: any)
+
+    def packs(self, dtype: torch.dtype | str) -> bool:
+        """Whether it packs tensors of ``dtype`` (a torch dtype or its name)."""
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        return self.dtypes is None or dtype in self.dtypes
 
     def encode(self, t: torch.Tensor, trim: bool = True) -> Packed:
         """Pack ``t`` (any shape and strides) in logical row-major order; payload on ``t.device``.
@@ -200,6 +207,7 @@ class ExponentCodec(Codec):
     exact_size = False
     encode_waits = True
     max_numel = _U32_LIMIT - 1
+    dtypes = (torch.bfloat16,)
 
     def payload_nbytes(self, numel: int, nnz: int, elem_size: int, nruns: int = 0,
                        nplanes: int | None = None) -> int:
@@ -215,7 +223,7 @@ class ExponentCodec(Codec):
         return self.payload_nbytes(numel, numel, elem_size, nplanes=nplanes), None
 
     def encode(self, t: torch.Tensor, trim: bool = True) -> Packed:
-        if t.dtype != torch.bfloat16:
+        if not self.packs(t.dtype):
             raise ValueError(f"codec 'exponent' packs bfloat16 tensors, got {t.dtype}; "
                              "send other dtypes raw (or through zvc where they are sparse)")
         return super().encode(t, trim)

@@ -28,7 +28,7 @@ from torch.nn import functional as F
 
 from ..codecs import bit_view
 from ..codecs.lossy import FP8Codec, Int4Codec, Int8Codec, relative_error
-from ..codecs.reference import Codec, RLECodec, ZVCCodec
+from ..codecs.reference import Codec, ExponentCodec, RLECodec, ZVCCodec
 from ..planning.profiler import median_seconds
 from ..records import fmt_bytes
 from .bench_step import result_meta, write_results
@@ -39,9 +39,9 @@ CPU_SIZES = (256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB)
 SPARSITIES = (0, 25, 50, 75, 90, 95)  # percent
 QUICK_SPARSITIES = (0, 50, 90)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-CODECS = {"zvc": ZVCCodec, "rle": RLECodec, "int8": Int8Codec, "fp8": FP8Codec,
-          "int4": Int4Codec}
-DEFAULT_CODECS = ("zvc", "rle", "int8")
+CODECS = {"zvc": ZVCCodec, "rle": RLECodec, "exponent": ExponentCodec, "int8": Int8Codec,
+          "fp8": FP8Codec, "int4": Int4Codec}
+DEFAULT_CODECS = ("zvc", "rle", "exponent", "int8")
 # A lossy round trip whose relative L2 error passes this is a codec bug, not a speed to report
 # (measured on activations: int8 0.01-0.03, int4 0.2-0.5).
 LOSSY_CEILING = {"int8": 0.05, "fp8": 0.1, "int4": 0.6}
@@ -74,6 +74,7 @@ class Contender:
     encode: Callable[[torch.Tensor], Any]
     decode: Callable[[Any, torch.Tensor], torch.Tensor]  # (packed, original) -> decoded
     nbytes: Callable[[Any], int]
+    dtypes: tuple[torch.dtype, ...] | None = None  # the dtypes it packs (None: any)
 
 
 def our_contenders(dev: torch.device, names: list[str]) -> tuple[list[Contender], list[str]]:
@@ -88,8 +89,8 @@ def our_contenders(dev: torch.device, names: list[str]) -> tuple[list[Contender]
                          "measured on the GPU instead (see the warning above)")
         else:
             codecs, impl = [CUDA_CODECS[n]() for n in names], "CUDA kernels"
-    return [Contender(c.name, impl, c.encode, lambda p, t, c=c: c.decode(p), _packed_nbytes)
-            for c in codecs], notes
+    return [Contender(c.name, impl, c.encode, lambda p, t, c=c: c.decode(p), _packed_nbytes,
+                      c.dtypes) for c in codecs], notes
 
 
 def _packed_nbytes(packed) -> int:
@@ -187,6 +188,20 @@ def relu_activations(dev: torch.device, batch: int, width: int,
     return captured
 
 
+def dense_activations(dev: torch.device, tokens: int, hidden: int) -> dict[str, torch.Tensor]:
+    """bfloat16 outputs of a transformer's MLP, random weights at their usual scale (what
+    the exponent codec is for): BERT's GELU and Llama's SiLU-gated product."""
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def project(x: torch.Tensor, width: int) -> torch.Tensor:
+        w = torch.randn(x.shape[1], width, device=dev, generator=gen) / x.shape[1] ** 0.5
+        return (x @ w).to(torch.bfloat16)
+
+    x = torch.randn(tokens, hidden, device=dev, generator=gen)
+    return {"bert gelu": F.gelu(project(x, 4 * hidden)),
+            "llama silu * up": F.silu(project(x, 4 * hidden)) * project(x, 4 * hidden)}
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Byte-for-byte equality (so NaN payloads and -0.0 count), whatever the dtypes."""
     return a.numel() * a.element_size() == b.numel() * b.element_size() and torch.equal(
@@ -223,11 +238,12 @@ def run_codec_bench(device: str = "auto", sizes: list[int] | None = None,
                     dtypes: list[str] | None = None, codecs: list[str] | None = None,
                     sparsities: list[int] | None = None, quick: bool = False,
                     warmup: int | None = None, repeats: int | None = None, relu: bool = True,
-                    nvcomp: bool = True, out: str | None = None) -> dict:
+                    dense: bool = True, nvcomp: bool = True, out: str | None = None) -> dict:
     """Measure every case, print a line per case and a summary; optionally save md and JSON.
 
     ``quick`` trims the defaults (three sparsities, fewer repeats, a smaller CNN); explicit
-    arguments win. Returns the JSON document (meta, limits, rows, summary)."""
+    arguments win. ``relu``: the demo CNN's ReLU outputs too; ``dense``: a transformer's MLP
+    outputs (``dense_activations``), bfloat16, where bfloat16 is measured. Returns the JSON document (meta, limits, rows, summary)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
@@ -266,6 +282,10 @@ def run_codec_bench(device: str = "auto", sizes: list[int] | None = None,
             for name, act in activations.items():
                 cases.append((name, DTYPES[dtype_name], None,
                               lambda a=act, d=dtype_name: a.to(DTYPES[d])))
+    if dense and "bfloat16" in dtypes:
+        tokens, hidden = (512, 256) if quick else (4096, 1024) if gpu else (1024, 512)
+        for name, act in dense_activations(dev, tokens, hidden).items():
+            cases.append((name, torch.bfloat16, None, lambda a=act: a))
 
     print(f"cswap bench codec: device {dev}, {len(cases)} tensors x "
           f"{', '.join(c.name for c in contenders)}; {warmup} warm-up + {repeats} timed runs "
@@ -285,6 +305,8 @@ def run_codec_bench(device: str = "auto", sizes: list[int] | None = None,
                 "copy_gbps": limits[nbytes]["copy_gbps"]}
         results = []
         for contender in contenders:
+            if contender.dtypes is not None and t.dtype not in contender.dtypes:
+                continue
             row = {**case, **measure(contender, t, dev, warmup, repeats)}
             row["compress_vs_copy"] = row["compress_gbps"] / row["copy_gbps"]
             row["decompress_vs_copy"] = row["decompress_gbps"] / row["copy_gbps"]

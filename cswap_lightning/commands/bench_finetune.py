@@ -18,7 +18,7 @@ another on it, each warmed up, then timed:
   nothing), with the allocator's budget at checkpointing's measured peak, and at no offload's
   peak less 75% of the saved activations (counted in a step of its own: each storage autograd
   saved, the parameters apart); with ``--lossy``, at checkpointing's peak through that codec
-  too.
+  too; with ``--dense``, at the 75% budget with the lossless exponent codec weighed too.
 
 Each timed step is forward and backward (no optimizer), device time between events, the
 allocator's peak above the step's start plus what the model and batch held then. A method that
@@ -85,6 +85,9 @@ def add_parser(bench_kinds) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=whole(1), default=5, help="timed steps per method")
     p.add_argument("--lossy", choices=LOSSY_CODECS, default=None,
                    help="also cswap at checkpointing's peak through this lossy codec")
+    p.add_argument("--dense", action="store_true",
+                   help="also cswap at 75%% fewer saved activations with the lossless exponent "
+                   "codec weighed for bfloat16 tensors (CSwapConfig.dense_compressor)")
     p.add_argument("--peers", action="store_true",
                    help="also transformers' built-in offload (checkpointing, inputs on the "
                    "host) and torch's selective checkpointing (matmuls and attention saved)")
@@ -184,15 +187,18 @@ def run_finetune(args: argparse.Namespace, log: Callable[[str], None] = print) -
         at_checkpointing, lower = saved // 10, int((1 - LOWER) * saved)
     else:
         at_checkpointing = lower = None
-    budgets = [(DEFAULT, "auto", None), (AT_CHECKPOINTING, at_checkpointing, None),
-               (AT_LOWER, lower, None)]
+    budgets = [(DEFAULT, "auto", {}), (AT_CHECKPOINTING, at_checkpointing, {}),
+               (AT_LOWER, lower, {})]
     if args.lossy:
         budgets.append((f"cswap {args.lossy}, budget checkpointing's peak", at_checkpointing,
-                        args.lossy))
-    for name, budget, lossy in budgets:
+                        {"lossy": args.lossy}))
+    if args.dense:
+        budgets.append((f"cswap exponent, {AT_LOWER.removeprefix('cswap, ')}", lower,
+                        {"dense_compressor": "exponent"}))
+    for name, budget, settings in budgets:
         if budget is None:  # what it is set by did not run
             continue
-        config = CSwapConfig(budget=budget, **({"lossy": lossy} if lossy else {}),
+        config = CSwapConfig(budget=budget, **settings,
                              **({"min_bytes": 0} if args.small else {}))  # tiny tensors too
         offloader = Offloader(config).watch(model)
         method = Method(name, model, lambda off=offloader: off, offloader,

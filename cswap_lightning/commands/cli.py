@@ -94,8 +94,9 @@ def main(argv: list[str] | None = None) -> int:
                        "GPU, 256KiB..16MiB on the CPU)")
     codec.add_argument("--dtypes", nargs="+", choices=("float32", "float16", "bfloat16"),
                        default=None)
-    codec.add_argument("--codecs", nargs="+", choices=("zvc", "rle", "int8", "fp8", "int4"),
-                       default=None, help="default: zvc rle int8")
+    codec.add_argument("--codecs", nargs="+",
+                       choices=("zvc", "rle", "exponent", "int8", "fp8", "int4"), default=None,
+                       help="default: zvc rle exponent int8 (exponent: bfloat16 only)")
     codec.add_argument("--sparsities", nargs="+", type=_whole(0, 100), default=None,
                        metavar="PCT",
                        help="percentages of zeros (default: 0 25 50 75 90 95)")
@@ -106,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="timed runs per operation")
     codec.add_argument("--relu", action=argparse.BooleanOptionalAction, default=True,
                        help="also measure real ReLU activations of the demo CNN")
+    codec.add_argument("--dense", action=argparse.BooleanOptionalAction, default=True,
+                       help="also measure a transformer's bfloat16 MLP outputs (random weights)")
     codec.add_argument("--nvcomp", action=argparse.BooleanOptionalAction, default=True,
                        help="also run nvCOMP where nvidia.nvcomp imports (CUDA only)")
     codec.add_argument("--out", default=None, help="write markdown and JSON results here (stem)")
@@ -231,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         from .bench_codec import run_codec_bench
 
         run_codec_bench(args.device, args.sizes, args.dtypes, args.codecs, args.sparsities,
-                        args.quick, args.warmup, args.repeats, args.relu, args.nvcomp, args.out)
+                        args.quick, args.warmup, args.repeats, args.relu, args.dense, args.nvcomp,
+                        args.out)
         return 0
     if args.bench == "overhead":
         from .bench_overhead import run_overhead_bench

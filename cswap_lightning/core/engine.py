@@ -18,8 +18,9 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from typing_extensions import Self
 
+from ..codecs import get_codec
 from ..codecs.cuda import enable_cuda_codecs_if_requested
-from ..config import LOSSY_CODECS, CSwapConfig, as_config
+from ..config import DENSE_CODECS, LOSSY_CODECS, CSwapConfig, as_config
 from ..planning import live
 from ..planning.plan import FixedPlan, Plan
 from ..planning.predictor import CodecTimeModel
@@ -258,6 +259,8 @@ class Offloader:
             codec = plan.codec(site, stats.shape, stats.dtype)
         if codec in LOSSY_CODECS and not self.lossy.ok(codec, site, stats, self._step.probe):
             return "raw"
+        if codec in DENSE_CODECS and not get_codec(codec).packs(stats.dtype):
+            return "raw"  # plan="exponent": bfloat16 sites only
         return codec
 
     def prefetch_window(self) -> int | None:

@@ -358,12 +358,14 @@ class Learning:
 
 
     def check(self, plan: Plan, stats: StepStats) -> None:
-        """Measure the plan on the first step that ran it: the prediction, checked. Where the
+        """Measure the plan on the first step that ran it: the prediction, checked (and its
+        payloads' sizes kept for the next plan, ``Profiler.payloads``). Where the
         plan was predicted to fit and the step's peak (on CUDA the allocator's, on the CPU the
         ledger's with what the plan counts beside it) passed the budget, the next plan is made
         for a budget that much tighter (three times at most)."""
         plan.measured_peak = stats.peak_resident_bytes
         plan.measured_allocated = stats.peak_allocated_bytes
+        self.profiler.payloads(stats)
         _log.info("cswap: step %d ran the plan: saved tensors on the device at once: measured "
                   "%s, predicted %s%s", stats.step, fmt_bytes(plan.measured_peak),
                   fmt_bytes(plan.predicted_peak), "" if stats.peak_allocated_bytes is None

@@ -75,6 +75,13 @@ int check_common(uint64_t numel, int elem_size, int grid, int block, const void 
   return CSWAP_OK;
 }
 
+int check_capacity(uint64_t capacity, uint64_t need) {
+  if (capacity < need)
+    return fail(CSWAP_ERR_INVALID_ARGUMENT, "payload buffer has %llu bytes, needs %llu",
+                static_cast<unsigned long long>(capacity), static_cast<unsigned long long>(need));
+  return CSWAP_OK;
+}
+
 int check_exponent(uint64_t numel, int elem_size, int grid, int block, const void *elems,
                    const void *payload, const void *workspace, uint64_t workspace_bytes) {
   if (elem_size != 2)
@@ -171,11 +178,8 @@ int compress(int codec, const void *input, uint64_t numel, int elem_size, void *
   int status = check_common(numel, elem_size, grid, block, input, payload, workspace,
                             workspace_bytes, &launch);
   if (status != CSWAP_OK) return status;
-  uint64_t need = cswap_max_payload_bytes(codec, numel, elem_size);
-  if (payload_capacity < need)
-    return fail(CSWAP_ERR_INVALID_ARGUMENT, "payload buffer has %llu bytes, needs %llu",
-                static_cast<unsigned long long>(payload_capacity),
-                static_cast<unsigned long long>(need));
+  status = check_capacity(payload_capacity, cswap_max_payload_bytes(codec, numel, elem_size));
+  if (status != CSWAP_OK) return status;
   cudaGetLastError();  // report only errors of this call's launches
   const bool zvc = codec == CSWAP_CODEC_ZVC;
   uint64_t zeroed;
@@ -348,11 +352,8 @@ int cswap_lossy_compress(int codec, const void *input, uint64_t numel, int dtype
   if (block_size < 2 || block_size % 2 != 0)
     return fail(CSWAP_ERR_INVALID_ARGUMENT, "block_size must be even and at least 2, got %u",
                 block_size);
-  const uint64_t need = lossy_payload_bytes(codec, numel, block_size);
-  if (payload_capacity < need)
-    return fail(CSWAP_ERR_INVALID_ARGUMENT, "payload buffer has %llu bytes, needs %llu",
-                static_cast<unsigned long long>(payload_capacity),
-                static_cast<unsigned long long>(need));
+  status = check_capacity(payload_capacity, lossy_payload_bytes(codec, numel, block_size));
+  if (status != CSWAP_OK) return status;
   cudaGetLastError();  // report only errors of this call's launches
   const uint32_t blocks = clamp_grid(cdiv(cdiv(numel, block_size), block / 32), grid);
   auto *bytes = static_cast<uint8_t *>(payload);
@@ -419,11 +420,9 @@ int cswap_exponent_compress(const void *input, uint64_t numel, int elem_size, vo
   int status = check_exponent(numel, elem_size, grid, block, input, payload, workspace,
                               workspace_bytes);
   if (status != CSWAP_OK) return status;
-  const uint64_t need = cswap_max_payload_bytes(CSWAP_CODEC_EXPONENT, numel, elem_size);
-  if (payload_capacity < need)
-    return fail(CSWAP_ERR_INVALID_ARGUMENT, "payload buffer has %llu bytes, needs %llu",
-                static_cast<unsigned long long>(payload_capacity),
-                static_cast<unsigned long long>(need));
+  status = check_capacity(payload_capacity,
+                          cswap_max_payload_bytes(CSWAP_CODEC_EXPONENT, numel, elem_size));
+  if (status != CSWAP_OK) return status;
   cudaGetLastError();  // report only errors of this call's launches
   const ExpLayout l = exp_layout(numel);
   auto *out = static_cast<uint8_t *>(payload);

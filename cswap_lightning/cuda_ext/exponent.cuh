@@ -131,57 +131,58 @@ __device__ inline void exp_tile_offsets(const uint8_t *payload, const uint32_t *
   }
 }
 
-// Each group's bit planes, a block per tile.
-__global__ void exp_encode_planes(const uint16_t *in, uint8_t *payload, const uint32_t *tiles,
-                                  ExpLayout l) {
+// Calls f(g, first) in a warp for each group g, `first` the planes before it: a block per tile.
+template <typename F>
+__device__ inline void exp_each_group(const uint8_t *payload, const uint32_t *tiles,
+                                      const ExpLayout &l, F &&f) {
   __shared__ uint32_t first[kExpTileGroups];
-  const uint32_t lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  auto *planes = reinterpret_cast<uint32_t *>(payload + l.planes_at);
+  const uint32_t warps = blockDim.x / 32;
   for (uint64_t t = blockIdx.x; t < l.ntiles; t += gridDim.x) {
     exp_tile_offsets(payload, tiles, l, t, first);
     __syncthreads();
     for (uint32_t k = threadIdx.x / 32; k < kExpTileGroups; k += warps) {
       const uint64_t g = t * kExpTileGroups + k;
       if (g >= l.groups) break;
-      const uint64_t i = g * kExpGroup + lane;
-      const uint32_t e = i < l.numel ? (in[i] >> 7) & 0xFF : payload[l.base_at + g];
-      const uint32_t offset = e - payload[l.base_at + g], width = exp_width(payload, l, g);
-      for (uint32_t j = 0; j < width; ++j) {
-        const uint32_t word = __ballot_sync(kFull, (offset >> j) & 1);
-        if (lane == j) planes[first[k] + j] = word;
-      }
+      f(g, first[k]);
     }
     __syncthreads();  // `first` is the next tile's
   }
 }
 
-// The elements back, a block per tile; planes past the payload's `nplanes` read as zero.
+// Each group's bit planes.
+__global__ void exp_encode_planes(const uint16_t *in, uint8_t *payload, const uint32_t *tiles,
+                                  ExpLayout l) {
+  const uint32_t lane = threadIdx.x % 32;
+  auto *planes = reinterpret_cast<uint32_t *>(payload + l.planes_at);
+  exp_each_group(payload, tiles, l, [&](uint64_t g, uint32_t first) {
+    const uint64_t i = g * kExpGroup + lane;
+    const uint32_t base = payload[l.base_at + g], width = exp_width(payload, l, g);
+    const uint32_t offset = (i < l.numel ? (in[i] >> 7) & 0xFF : base) - base;
+    for (uint32_t j = 0; j < width; ++j) {
+      const uint32_t word = __ballot_sync(kFull, (offset >> j) & 1);
+      if (lane == j) planes[first + j] = word;
+    }
+  });
+}
+
+// The elements back; planes past the payload's `nplanes` read as zero.
 __global__ void exp_decode(const uint8_t *payload, uint64_t nplanes, const uint32_t *tiles,
                            uint16_t *out, ExpLayout l) {
-  __shared__ uint32_t first[kExpTileGroups];
-  const uint32_t lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  const uint32_t lane = threadIdx.x % 32;
   const auto *planes = reinterpret_cast<const uint32_t *>(payload + l.planes_at);
-  for (uint64_t t = blockIdx.x; t < l.ntiles; t += gridDim.x) {
-    exp_tile_offsets(payload, tiles, l, t, first);
-    __syncthreads();
-    for (uint32_t k = threadIdx.x / 32; k < kExpTileGroups; k += warps) {
-      const uint64_t g = t * kExpTileGroups + k;
-      if (g >= l.groups) break;
-      const uint32_t width = exp_width(payload, l, g);
-      uint32_t offset = 0;
-      for (uint32_t j = 0; j < width; ++j) {
-        const uint64_t at = uint64_t{first[k]} + j;
-        const uint32_t word = at < nplanes ? planes[at] : 0;
-        offset |= ((word >> lane) & 1) << j;
-      }
-      const uint64_t i = g * kExpGroup + lane;
-      if (i < l.numel) {
-        const uint32_t r = payload[16 + i], e = (payload[l.base_at + g] + offset) & 0xFF;
-        out[i] = static_cast<uint16_t>(((r & 0x80) << 8) | (e << 7) | (r & 0x7F));
-      }
+  exp_each_group(payload, tiles, l, [&](uint64_t g, uint32_t first) {
+    const uint32_t width = exp_width(payload, l, g);
+    uint32_t offset = 0;
+    for (uint32_t j = 0; j < width; ++j) {
+      const uint64_t at = uint64_t{first} + j;
+      offset |= (((at < nplanes ? planes[at] : 0) >> lane) & 1) << j;
     }
-    __syncthreads();
-  }
+    const uint64_t i = g * kExpGroup + lane;
+    if (i < l.numel) {
+      const uint32_t r = payload[16 + i], e = (payload[l.base_at + g] + offset) & 0xFF;
+      out[i] = static_cast<uint16_t>(((r & 0x80) << 8) | (e << 7) | (r & 0x7F));
+    }
+  });
 }
 
 }  // namespace

@@ -29,7 +29,7 @@ from ..config import AUTO_INFLIGHT_BYTES, INFLIGHT_CHOICES, CSwapConfig
 from ..records import StepStats
 from . import live, mix
 from . import replay as replayed
-from .advisor import LOSSY_MAX_SPARSITY, Advisor, resolve_budget
+from .advisor import LOSSY_MAX_SPARSITY, Advisor, dense_ok, resolve_budget
 from .plan import Decision, Plan
 from .predictor import CodecTimeModel, calibrate
 from .prefetch import lookahead_bytes
@@ -108,14 +108,23 @@ class Planner:
 
     def _block_codecs(self, m: Measured, model: CodecTimeModel) -> list[mix.CodecOf]:
         """How blocks may travel compressed, for the mix to weigh: each movable site through
-        the compressor; and where ``lossy`` allows, through the lossy codec where the site
+        the compressor (a dense bfloat16 one through ``dense_compressor``, where on); and
+        where ``lossy`` allows, through the lossy codec where the site
         may be lossy (``lossy_ok``, and dense: ``LOSSY_MAX_SPARSITY``), else the compressor."""
-        compressor, lossy = self.config.compressor, self._lossy()
-        codecs = [live.block_codec(m.profiles, lambda p: compressor, model)]
+        compressor, lossy, dense = self.config.compressor, self._lossy(), self._dense()
+
+        def lossless(p: SiteProfile) -> str:
+            return dense if dense is not None and dense_ok(p) else compressor
+
+        codecs = [live.block_codec(m.profiles, lossless, model)]
         if lossy is not None:
             codecs.append(live.block_codec(m.profiles, lambda p: lossy if (
-                p.sparsity < LOSSY_MAX_SPARSITY and self.lossy_ok(p)) else compressor, model))
+                p.sparsity < LOSSY_MAX_SPARSITY and self.lossy_ok(p)) else lossless(p), model))
         return codecs
+
+    def _dense(self) -> str | None:
+        """The dense lossless codec the config allows, or None."""
+        return None if self.config.dense_compressor == "off" else self.config.dense_compressor
 
     def _lossy(self) -> str | None:
         """The lossy codec the config allows (``"auto"``: int8), or None."""
@@ -127,7 +136,8 @@ class Planner:
         and codec times measured now, else those of the latest plan)."""
         cfg = self.config
         link, model = self.measure(m.device, fresh)
-        advisor = Advisor(cfg.compressor, link, model, self._lossy(), self.lossy_ok)
+        advisor = Advisor(cfg.compressor, link, model, self._lossy(), self.lossy_ok,
+                          dense=self._dense())
         decisions = {p.site: advisor.decide(p) if p.offloadable else Decision(
             p.site, p.shape, p.dtype, p.nbytes, p.sparsity, "keep",
             p.reason or "not offloadable", 0, 0.0, 0.0) for p in m.profiles}
@@ -231,8 +241,8 @@ class Planner:
         of the latest plan, where there is one)."""
         if fresh or self._measured is None:
             cfg = self.config
-            lossy = self._lossy()
-            codecs = (cfg.compressor,) if lossy is None else (cfg.compressor, lossy)
+            codecs = tuple(c for c in (cfg.compressor, self._dense(), self._lossy())
+                           if c is not None)
             self._measured = (self.link or measure_link(device),
                               self.time_model or calibrate(device, codecs).model)
         return self._measured

@@ -91,13 +91,14 @@ class CodecTimeModel:
         return float(np.mean(errors)) if errors else float("nan")
 
 
-def sparse_tensor(nbytes: int, sparsity: float, device: torch.device, seed: int = 0) -> torch.Tensor:
-    """float32 values with a given fraction of zeros, placed at random."""
+def sparse_tensor(nbytes: int, sparsity: float, device: torch.device, seed: int = 0,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Values of ``dtype`` with a given fraction of zeros, placed at random."""
     gen = torch.Generator().manual_seed(seed)
-    n = max(nbytes // 4, 1)
+    n = max(nbytes // dtype.itemsize, 1)
     values = torch.rand(n, generator=gen) + 0.5
     values[torch.rand(n, generator=gen) < sparsity] = 0.0
-    return values.to(device)
+    return values.to(device, dtype)
 
 
 def measure_runs(
@@ -107,11 +108,13 @@ def measure_runs(
     sparsities: Sequence[float],
     repeats: int = 3,
 ) -> list[KernelRun]:
-    """Time ``codec`` encoding and decoding each size x sparsity (best of ``repeats``)."""
+    """Time ``codec`` encoding and decoding each size x sparsity (best of ``repeats``), on
+    float32 tensors or the first dtype a codec of some dtypes only packs."""
     impl, clock, runs = get_codec(codec), Clock(torch.device(device)), []
+    dtype = impl.dtypes[0] if impl.dtypes else torch.float32
     for nbytes in sizes:
         for sparsity in sparsities:
-            t = sparse_tensor(nbytes, sparsity, device)
+            t = sparse_tensor(nbytes, sparsity, device, dtype=dtype)
             packed = impl.encode(t)
             packed = Packed(packed.header, packed.payload.clone())
             for direction, call, arg in (("encode", impl.encode, t), ("decode", impl.decode, packed)):
@@ -120,7 +123,8 @@ def measure_runs(
                     start = clock.now()
                     call(arg)
                     best = min(best, clock.seconds(start, clock.now()))
-                runs.append(KernelRun(codec, direction, t.numel() * 4, sparsity, best))
+                runs.append(KernelRun(codec, direction, t.numel() * t.element_size(), sparsity,
+                                      best))
     return runs
 
 

@@ -239,6 +239,14 @@ class Profiler:
                 self.sites[site].forward_s = statistics.median(w[0] for w in measured)
                 self.sites[site].backward_s = statistics.median(w[1] for w in measured)
 
+    def payloads(self, step: StepStats) -> None:
+        """Keep what the compressed payloads of a step that ran a plan measured, for the
+        next plan: the sizes of rle's and exponent's are no function of a site's sparsity."""
+        for s in step.sites:
+            if s.stored_bytes and s.decision not in ("raw", "keep", "dedup") and (
+                    profile := self.sites.get(s.site)) is not None and profile.dtype == s.dtype:
+                profile.stored[s.decision] = s.stored_bytes
+
     def profile(self) -> list[SiteProfile]:
         return [self.sites[k] for k in sorted(self.sites)]
 

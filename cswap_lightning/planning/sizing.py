@@ -18,6 +18,7 @@ import torch
 from ..codecs import get_codec
 from ..config import INFLIGHT_CHOICES
 from . import mix, models, profiled
+from .advisor import DENSE_RATIO
 from .devices import DEVICES, Device
 from .estimate import Estimate, cached
 from .replay import (
@@ -31,7 +32,7 @@ from .replay import (
     checkpoint_all,
     predict,
 )
-from .workload import Block, Workload
+from .workload import Block, Saved, Workload
 
 CONTEXT_BYTES = 1 << 30
 GRANULE = 256  # sequence lengths searched in steps of this many tokens
@@ -79,17 +80,20 @@ def baselines(est: Estimate, engine: Engine | None = None) -> list[Way]:
 def mixes(est: Estimate, budgets: Sequence[tuple[str, int]], finer: bool = False,
           lossy: str | None = None, clip: bool = True,
           progress: Callable[[str], None] | None = None,
-          replays: mix.Replays | None = None, engine: Engine | None = None) -> list[Way]:
+          replays: mix.Replays | None = None, engine: Engine | None = None,
+          dense: bool = False) -> list[Way]:
     """The planner's mix at each budget (a label and the allocator's bytes it may use; with
     ``clip``, at most the device's), over layers recomputed whole or below the layer as
     units of recomputation, ``finer``: and over their activation modules too (slower to
     plan); ``lossy``: blocks may also travel through that lossy codec (``lossy_codec``);
+    ``dense``: and through the lossless exponent codec (``dense_codec``);
     ``progress`` is told each budget's mix as it is chosen; ``replays``: the replay's
     predictions made before for the same estimate (kept across calls); ``engine``: the
     engine's settings the replay follows (its defaults if None)."""
     w, link, limit = est.workload(), est.device.link, usable(est.device)
     units = profiled.unit_candidates(w, activations=finer)
-    codecs = (None,) if lossy is None else (None, lossy_codec(lossy, est.device))
+    codecs = (None, *([dense_codec(est.device)] if dense else []),
+              *([lossy_codec(lossy, est.device)] if lossy is not None else []))
     out, replays = [], replays or mix.Replays()
     for label, budget in budgets:
         _, chosen = mix.choose_among(units, min(budget, limit) if clip else budget, link,
@@ -126,20 +130,42 @@ def lossy_codec(name: str, device: Device) -> mix.CodecOf:
     """How a block of an estimated step travels through a lossy codec on ``device``: its
     floating activations at the codec's exact size (dense: an estimate knows no sparsity),
     the others raw, at ``lossy_speeds``."""
-    encode, decode = lossy_speeds(name, device)
     codec = get_codec(name)
+    return _through(name, _FLOATING, lambda s: codec.payload_nbytes(
+        s.storage_nbytes // getattr(torch, s.dtype).itemsize), *lossy_speeds(name, device))
+
+
+# The exponent codec's bytes moved per byte of its tensor (it reads the tensor twice to
+# encode), against int8's 1.5 each way: its speeds, not measured yet, are int8's measured
+# ones scaled by these.
+DENSE_TRAFFIC = {"encode": 2.75, "decode": 1.75}
+
+
+def dense_codec(device: Device) -> mix.CodecOf:
+    """How a block of an estimated step travels through the lossless exponent codec on
+    ``device``: its bfloat16 activations at ``advisor.DENSE_RATIO`` of their bytes (an
+    estimate knows no sparsity), the others raw, at int8's speeds scaled by the bytes each
+    moves (``DENSE_TRAFFIC``): an estimate of an estimate until the kernels are measured."""
+    encode, decode = lossy_speeds("int8", device)
+    return _through("exponent", ("bfloat16",), lambda s: DENSE_RATIO * s.storage_nbytes,
+                    encode * 1.5 / DENSE_TRAFFIC["encode"], decode * 1.5 / DENSE_TRAFFIC["decode"])
+
+
+def _through(name: str, dtypes: tuple[str, ...], stored: Callable[[Saved], float],
+             encode: float, decode: float) -> mix.CodecOf:
+    """A block's activations of ``dtypes`` through codec ``name`` (each at ``stored`` of its
+    storage's bytes, at these speeds in bytes of them a second), the others raw."""
 
     def codec_of(w: Workload, block: Block) -> Codec:
         saves = [w.saved[i] for op in w.ops[block.ops.start:block.ops.stop] for i in op.saves
                  if w.saved[i].activation and w.saved[i].storage == i]
         raw = sum(s.storage_nbytes for s in saves)
-        lossy = [s for s in saves if s.dtype in _FLOATING]
-        if not raw or not lossy:
+        packed = [s for s in saves if s.dtype in dtypes]
+        if not raw or not packed:
             return RAW
-        stored = raw - sum(s.storage_nbytes - codec.payload_nbytes(
-            s.storage_nbytes // getattr(torch, s.dtype).itemsize) for s in lossy)
-        moved = sum(s.storage_nbytes for s in lossy)
-        return Codec(name, stored / raw, raw * encode / moved, raw * decode / moved)
+        kept = raw - sum(s.storage_nbytes - stored(s) for s in packed)
+        moved = sum(s.storage_nbytes for s in packed)
+        return Codec(name, kept / raw, raw * encode / moved, raw * decode / moved)
 
     return codec_of
 
