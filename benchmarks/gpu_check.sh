@@ -14,14 +14,15 @@
 #      for);
 #   1b. finetune: `cswap bench finetune llama-3-8b --lora --seq 8192` (issue 29's setup, all 32
 #      layers, peft's LoRA, one copy of the model): no offload, checkpointing, cswap at
-#      checkpointing's peak and at 75% fewer saved activations, lossless and through int8
-#      (the goals `predictions-issue29-*` predicted for an H100 PCIe; `cswap plan ... --device
+#      checkpointing's peak and at 75% fewer saved activations, lossless, with the exponent
+#      codec weighed (`--dense`) and through int8 (the goals `predictions-issue29-*` predicted for an H100 PCIe; `cswap plan ... --device
 #      h200` estimates this device), then the peers: transformers' offload and torch's
 #      selective checkpointing (matmuls and attention saved);
 #   2. measure-llama: the same for Llama-3-8B's layer shapes (4 layers, s4096 b1: LLM
 #      fine-tuning, the planner's mixes and int8 against checkpointing; its profile too);
-#   3. codec: zvc, rle, int8 and fp8 at 16 and 64 MiB against a device-to-device copy (the
-#      lossy codecs' speeds are what the planner weighs int8 and fp8 on the link by);
+#   3. codec: zvc, rle, exponent (bfloat16, and a transformer's MLP outputs), int8 and fp8 at
+#      16 and 64 MiB against a device-to-device copy (the lossy codecs' and the exponent
+#      codec's speeds are what the planner weighs them on the link by);
 #   4. selective: Llama-3-8B's layer shapes (4 layers, s4096 b1) recomputed below the layer
 #      and whole, with and without first runs without autograd, against plain training: step
 #      time (forward's host and end, backward), the allocator's peak, gradients bitwise
@@ -128,7 +129,7 @@ step build-ext 60 "${CSWAP[@]}" build-ext
 # step's process (every model in it) down with it, so without a pass the engine's steps run
 # on the reference codecs (the codec step still measures the kernels, in a process of its own).
 step kernels 60 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/test_cuda_ext.py \
-    -k "gpu_matches_reference or gpu_lossy_matches_reference or misaligned or views_and_special"
+    -k "gpu_matches_reference or gpu_lossy_matches_reference or misaligned or views_and_special or gpu_exponent"
 if [[ -z ${DRY:-} ]] && selected kernels && ! grep -q "^kernels: ok" "$SUMMARY"; then
     ENGINE=("${CSWAP[@]}")
     echo "kernels did not pass: the engine's steps run on the reference codecs" | tee -a "$SUMMARY"
@@ -139,7 +140,7 @@ fi
 # without autograd on CUDA only when asked; the allocator's peaks with layers recomputed,
 # after the reference-cycle fix);
 # TESTS='tests/test_x.py::test_y ...' names others, TESTS=' ' none.
-TESTS=${TESTS-tests/test_transfer.py::test_the_current_stream_is_torchs_own_found_again tests/test_capture.py::test_on_cuda_a_leaf_is_timed_by_its_kernels_not_by_a_slower_host tests/test_allocator.py::test_on_cuda_the_counters_are_torchs tests/test_transfer.py::test_a_compressed_swap_holds_at_most_two_payload_buffers_more_than_a_raw_one tests/test_recipes.py::test_recipe_on_gpu_moves_activations_off_the_device tests/test_recompute.py::test_on_cuda_training_with_recomputed_blocks_is_bitwise_plain_training tests/test_recompute.py::test_on_cuda_the_allocators_peak_drops_with_recomputed_layers tests/test_selective.py::test_on_cuda_the_allocators_peak_drops_by_what_the_layers_no_longer_keep tests/test_selective.py::test_on_cuda_layers_below_the_layer_are_bitwise_plain_training}
+TESTS=${TESTS-tests/test_transfer.py::test_on_cuda_dense_bfloat16_activations_swap_through_the_exponent_kernels_bitwise tests/test_transfer.py::test_the_current_stream_is_torchs_own_found_again tests/test_capture.py::test_on_cuda_a_leaf_is_timed_by_its_kernels_not_by_a_slower_host tests/test_allocator.py::test_on_cuda_the_counters_are_torchs tests/test_transfer.py::test_a_compressed_swap_holds_at_most_two_payload_buffers_more_than_a_raw_one tests/test_recipes.py::test_recipe_on_gpu_moves_activations_off_the_device tests/test_recompute.py::test_on_cuda_training_with_recomputed_blocks_is_bitwise_plain_training tests/test_recompute.py::test_on_cuda_the_allocators_peak_drops_with_recomputed_layers tests/test_selective.py::test_on_cuda_the_allocators_peak_drops_by_what_the_layers_no_longer_keep tests/test_selective.py::test_on_cuda_layers_below_the_layer_are_bitwise_plain_training}
 if [[ -n ${TESTS// /} ]]; then
     step tests 90 python3 -m pytest -q -p no:cacheprovider $TESTS
 fi

@@ -168,6 +168,49 @@ def test_forward_never_reads_a_compressed_length_back():
 
 
 @pytest.mark.gpu
+def test_on_cuda_dense_bfloat16_activations_swap_through_the_exponent_kernels_bitwise():
+    """A bfloat16 GELU MLP with every site through the exponent codec's kernels: forward
+    never waits for a compressed length, the payloads are smaller than the tensors, and the
+    gradients are plain training's bit for bit (deterministic kernels, plain checked against
+    plain first)."""
+    from cswap_lightning.codecs.cuda import enable_cuda_codecs
+
+    assert enable_cuda_codecs()
+    torch.use_deterministic_algorithms(True)
+    try:
+        torch.manual_seed(0)
+        layers = [m for _ in range(4) for m in (torch.nn.Linear(2048, 2048), torch.nn.GELU())]
+        model = torch.nn.Sequential(*layers).to("cuda", torch.bfloat16)
+        x = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
+
+        def grads(off=None):
+            model.zero_grad(set_to_none=True)
+            if off is None:
+                loss = model(x).float().square().mean()
+            else:
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    with off:
+                        loss = model(x).float().square().mean()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            loss.backward()
+            return [p.grad.clone() for p in model.parameters()]
+
+        plain = grads()
+        assert all(torch.equal(a, b) for a, b in zip(plain, grads(), strict=True))
+        off = Offloader(CSwapConfig(plan="exponent", min_bytes=0, budget=None))
+        for _ in range(3):
+            assert all(torch.equal(a, b) for a, b in zip(plain, grads(off), strict=True))
+        stats = off.tracked_step()
+        moved = [s for s in stats.sites if s.decision == "exponent"]
+        assert moved and all(s.stored_bytes < 0.85 * s.nbytes for s in moved)
+        off.close()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.gpu
 def test_the_current_stream_is_torchs_own_found_again():
     from cswap_lightning.core.transfer import current_stream
 
