@@ -148,3 +148,25 @@ def test_the_readme_example_is_what_the_command_prints(capsys):
     out = capsys.readouterr().out
     for line in printed.strip().splitlines():
         assert line in out, line
+
+
+def test_plan_weighs_the_exponent_codec_and_says_its_speeds_are_estimates(config, capsys):
+    """``--dense``: the header gives the exponent codec's ratio and estimated speeds; at
+    checkpointing's peak the lossless mix through it is no slower than without."""
+    args = ["plan", config, "--seq", "512", "--device", "h100-pcie", "--no-search"]
+    assert cli.main(args) == 0
+    plain = capsys.readouterr().out
+    assert cli.main([*args, "--dense"]) == 0
+    out = capsys.readouterr().out
+    encode, decode = (f"{s / 1e9:.0f} GB/s" for s in sizing.dense_speeds(DEVICES["h100-pcie"]))
+    flat = " ".join(out.split())
+    assert (f"exponent (lossless): bfloat16 activations at 75% of their bytes (measured on "
+            f"random weights), encoding at {encode} and decoding at {decode}: not measured "
+            "yet") in flat
+
+    def at_checkpointing(text: str) -> float:
+        (row,) = [line for line in text.splitlines() if line.strip().startswith(
+            "checkpointing's peak")]
+        return float(re.findall(r"\d+\.\d+", row)[-2])  # peak, step ms, ratio: its step
+
+    assert at_checkpointing(out) <= at_checkpointing(plain)

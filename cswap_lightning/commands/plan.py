@@ -67,6 +67,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--lossy", choices=tuple(sizing.LOSSY_SPEEDS), default=None,
                    help="let the planner's mix send blocks through this lossy codec too "
                    "(CSwapConfig.lossy; the accuracy guard checks it in training)")
+    p.add_argument("--dense", action="store_true",
+                   help="let the planner's mix send bfloat16 activations through the lossless "
+                   "exponent codec too (CSwapConfig.dense_compressor; its speeds estimated)")
     p.add_argument("--no-search", dest="search", action="store_false",
                    help="skip the search for the longest sequence that fits")
 
@@ -97,13 +100,13 @@ def _run(args: argparse.Namespace) -> int:
     budgets += [("half the peak without help", base[0].prediction.peak_bytes // 2),
                 ("checkpointing's peak", base[1].prediction.peak_bytes)]
     budgets = [(label if b <= limit else f"{label} {OVER_DEVICE}", b) for label, b in budgets]
-    print(header(est, spec, args.lossy))
+    print(header(est, spec, args.lossy, args.dense))
     print(memory(est, base[0]))
     print(below_the_layer(est), flush=True)
     progress = Progress("cswap plan")
     progress(f"planning at {len(budgets)} budgets (a minute for a 32-layer model)")
     ways = base + sizing.mixes(est, budgets, finer=args.finer, lossy=args.lossy,
-                               progress=progress)
+                               progress=progress, dense=args.dense)
     print(plans(ways), flush=True)
     if args.search:
         ceiling = min(spec.max_sequence or CEILING, CEILING) if spec.sequence else 4096
@@ -112,7 +115,8 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def header(est: Estimate, spec: models.Model, lossy: str | None = None) -> str:
+def header(est: Estimate, spec: models.Model, lossy: str | None = None,
+           dense: bool = False) -> str:
     s, dev = est.setup, est.device
     tuning = (f"LoRA rank {s.lora.rank} (dropout {s.lora.dropout:g}) on every linear layer "
               "but the head" if s.lora else "full fine-tuning")
@@ -142,6 +146,12 @@ def header(est: Estimate, spec: models.Model, lossy: str | None = None) -> str:
                      f"{decode / 1e9:.0f} GB/s (the H200's measured {lossy} kernels, scaled to "
                      "this device's memory rate), encoding on a stream of its own as the "
                      "engine does; what its kernels take from compute is not modelled.")
+    if dense:
+        encode, decode = sizing.dense_speeds(dev)
+        lines.append(f"exponent (lossless): bfloat16 activations at {sizing.DENSE_RATIO:.0%} of "
+                     f"their bytes (measured on random weights), encoding at {encode / 1e9:.0f} "
+                     f"GB/s and decoding at {decode / 1e9:.0f} GB/s: not measured yet, int8's "
+                     "measured kernels scaled by the bytes each moves.")
     return "\n".join(textwrap.fill(line, WIDTH) for line in lines) + "\n"
 
 

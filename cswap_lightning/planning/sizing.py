@@ -141,14 +141,20 @@ def lossy_codec(name: str, device: Device) -> mix.CodecOf:
 DENSE_TRAFFIC = {"encode": 2.75, "decode": 1.75}
 
 
+def dense_speeds(device: Device) -> tuple[float, float]:
+    """The exponent codec's encode and decode speeds on ``device`` (bytes of bfloat16 tensors
+    per second): int8's (``lossy_speeds``) scaled by the bytes each moves
+    (``DENSE_TRAFFIC``): an estimate of an estimate until its kernels are measured."""
+    encode, decode = lossy_speeds("int8", device)
+    return encode * 1.5 / DENSE_TRAFFIC["encode"], decode * 1.5 / DENSE_TRAFFIC["decode"]
+
+
 def dense_codec(device: Device) -> mix.CodecOf:
     """How a block of an estimated step travels through the lossless exponent codec on
     ``device``: its bfloat16 activations at ``advisor.DENSE_RATIO`` of their bytes (an
-    estimate knows no sparsity), the others raw, at int8's speeds scaled by the bytes each
-    moves (``DENSE_TRAFFIC``): an estimate of an estimate until the kernels are measured."""
-    encode, decode = lossy_speeds("int8", device)
+    estimate knows no sparsity), the others raw, at ``dense_speeds``."""
     return _through("exponent", ("bfloat16",), lambda s: DENSE_RATIO * s.storage_nbytes,
-                    encode * 1.5 / DENSE_TRAFFIC["encode"], decode * 1.5 / DENSE_TRAFFIC["decode"])
+                    *dense_speeds(device))
 
 
 def _through(name: str, dtypes: tuple[str, ...], stored: Callable[[Saved], float],
