@@ -241,11 +241,10 @@ class ExponentCodec(Codec):
         base = padded.amin(1)
         offset = padded - base[:, None]
         width = _bit_width(offset.amax(1))
-        lanes = torch.arange(GROUP, dtype=torch.int64, device=bits.device)
-        planes = torch.stack([((offset >> j) & 1).to(torch.int64).mul(1 << lanes).sum(1)
-                              for j in range(8)], 1)  # (groups, 8) u32 words as int64
+        planes = torch.stack([_pack_bits(((offset >> j) & 1).to(torch.uint8).view(-1)).view(
+            groups, 4) for j in range(8)], 1)  # (groups, 8, 4): the u32 words' bytes
         used = torch.arange(8, device=bits.device)[None, :] < width[:, None]
-        kept = _low_u32(planes[used].contiguous())
+        kept = planes[used].view(torch.int32).view(-1)
         preamble = torch.tensor([kept.numel(), 0], dtype=torch.int64, device=bits.device)
         return _assemble([preamble, rest.to(torch.uint8), base.to(torch.uint8),
                           width.to(torch.uint8), kept], bits.device)
@@ -256,13 +255,13 @@ class ExponentCodec(Codec):
         at = 16 + _align16(numel)
         base = payload[at:at + groups].to(torch.int32)
         width = payload[at + _align16(groups):at + _align16(groups) + groups].to(torch.int64)
-        words = _from_u32(_section(payload, _exponent_planes_offset(numel), payload.numel(),
-                                   torch.int32))
-        planes = torch.zeros(groups, 8, dtype=torch.int64, device=payload.device)
+        words = payload[_exponent_planes_offset(numel):].view(-1, 4)
+        planes = torch.zeros(groups, 8, 4, dtype=torch.uint8, device=payload.device)
         planes[torch.arange(8, device=payload.device)[None, :] < width[:, None]] = words
-        lanes = torch.arange(GROUP, dtype=torch.int64, device=payload.device)
-        offset = sum(((planes[:, j, None] >> lanes) & 1) << j for j in range(8))
-        exponent = (base[:, None] + offset.to(torch.int32)).view(-1)[:numel]
+        offset = torch.zeros(groups * GROUP, dtype=torch.int32, device=payload.device)
+        for j in range(8):
+            offset |= _unpack_bits(planes[:, j].reshape(-1), groups * GROUP).to(torch.int32) << j
+        exponent = (base.repeat_interleave(GROUP) + offset)[:numel]
         u = ((rest & 0x80) << 8) | (exponent << 7) | (rest & 0x7F)
         return u.to(dtype)
 
