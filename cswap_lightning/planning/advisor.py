@@ -10,9 +10,9 @@ Compressing it first to C bytes costs the codec's time and exposes less transfer
 
 A site is compressed iff ``T_c < T_raw``. ``C`` is the codec's exact payload size for the
 measured sparsity (format.py), or for the dense codec (exponent) what the site's payload
-measured, ``DENSE_RATIO`` of its bytes until one did. Which sites swap at all is the planner's choice
-(``planner.py``: the replayed peak against the budget); ``plan.py``'s :class:`Plan` holds
-the decisions.
+measured, ``DENSE_RATIO`` of its bytes until one did. Which sites swap at all is the
+planner's choice (``planner.py``: the replayed peak against the budget); ``plan.py``'s
+:class:`Plan` holds the decisions.
 """
 
 from __future__ import annotations
