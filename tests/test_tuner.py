@@ -62,8 +62,8 @@ class CountingObjectives:
         self.calls = 0
 
     def __call__(self, kernel: Kernel) -> tuner.Objective:
-        best_grid = {"zvc": 528, "rle": 96}[kernel.codec] * (2 if kernel.direction == "decode"
-                                                             else 1)
+        best_grid = {"zvc": 528, "rle": 96, "exponent": 264}[kernel.codec] * (
+            2 if kernel.direction == "decode" else 1)
         objective = synthetic(best_grid, 64 if kernel.elem_size == 2 else 128)
 
         def counted(grid: int, block: int) -> float:
@@ -146,7 +146,12 @@ def test_settings_and_kernels_are_validated():
         Kernel("zvc", "encode", "int7")
     with pytest.raises(ValueError, match="float16 and bfloat16 run the same kernels"):
         tuner.all_kernels(["float16", "bfloat16"])
-    assert len(tuner.all_kernels(["float32", "bfloat16", "bool"])) == 12
+    with pytest.raises(ValueError, match="codec 'exponent' packs torch.bfloat16 only, not float16"):
+        Kernel("exponent", "encode", "float16")
+    kernels = tuner.all_kernels(["float32", "bfloat16", "bool"])
+    assert len(kernels) == 14  # zvc and rle each way on each; exponent each way on bfloat16
+    assert {k for k in kernels if k.codec == "exponent"} == {
+        Kernel("exponent", d, "bfloat16") for d in ("encode", "decode")}
 
 
 # --- a whole tuning and how it is applied ---------------------------------------------------
@@ -174,7 +179,9 @@ def test_tune_results_feed_the_codecs_and_the_predictor():
 
     runs = result.runs()
     assert len(runs) == objectives.calls
-    assert {(r.nbytes, r.sparsity) for r in runs} == {(SMALL.nbytes, SMALL.sparsity)}
+    assert {(r.codec, r.nbytes, r.sparsity) for r in runs} == {
+        ("zvc", SMALL.nbytes, SMALL.sparsity), ("rle", SMALL.nbytes, SMALL.sparsity),
+        ("exponent", SMALL.nbytes, 0.0)}  # the dense codec timed on tensors without zeros
     fastest = min((r for r in runs if r.codec == "zvc" and r.direction == "decode"
                    and r.dtype == "float32"), key=lambda r: r.seconds)
     assert result.launch("zvc", "decode", "float32") == (fastest.grid, fastest.block)

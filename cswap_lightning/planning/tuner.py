@@ -1,7 +1,7 @@
 """Launch parameters (grid, block) of the CUDA codec kernels, tuned by hyperopt's TPE.
 
-Each kernel, a codec (zvc, rle) x direction (encode, decode) x element type, runs fastest
-at a grid and block size that depend on the GPU. As in CSwap, TPE finds a near-best pair in
+Each kernel, a codec (zvc, rle; exponent, bfloat16 only) x direction (encode, decode) x
+element type, runs fastest at a grid and block size that depend on the GPU. As in CSwap, TPE finds a near-best pair in
 a few dozen timed runs; an exhaustive search of a reduced space (powers-of-two grids) is
 kept to compare against. A search only sees an objective ``(grid, block) -> seconds``: on a
 GPU, CUDA events timing the real codec (``cuda_objective``); in tests, any function.
@@ -33,11 +33,18 @@ import torch
 from hyperopt import fmin, hp, tpe
 
 from ..codecs import cuda_build
-from ..codecs.cuda import CudaRLECodec, CudaZVCCodec, enable_cuda_codecs, load_extension
+from ..codecs.cuda import (
+    CudaExponentCodec,
+    CudaRLECodec,
+    CudaZVCCodec,
+    enable_cuda_codecs,
+    load_extension,
+)
 from .predictor import KernelRun, record_runs
 from .profiler import median_seconds
 
-CODECS = {"zvc": CudaZVCCodec, "rle": CudaRLECodec}
+CODECS = {"zvc": CudaZVCCodec, "rle": CudaRLECodec, "exponent": CudaExponentCodec}
+ZERO_CODECS = ("zvc", "rle")  # tuned for each dtype asked; exponent on bfloat16, no zeros
 DIRECTIONS = ("encode", "decode")
 DTYPES = ("float32", "float16", "bfloat16", "float64", "bool")
 BLOCKS = (64, 128, 256)
@@ -73,6 +80,10 @@ class Kernel:
                                     ("dtype", self.dtype, DTYPES)):
             if value not in known:
                 raise ValueError(f"unknown kernel {field} {value!r}; choose from {known}")
+        packs = CODECS[self.codec].dtypes
+        if packs is not None and getattr(torch, self.dtype) not in packs:
+            raise ValueError(f"codec {self.codec!r} packs {', '.join(map(str, packs))} only, "
+                             f"not {self.dtype}")
 
     @property
     def name(self) -> str:
@@ -82,9 +93,14 @@ class Kernel:
     def elem_size(self) -> int:
         return getattr(torch, self.dtype).itemsize
 
+    def sparsity(self, settings: Settings) -> float:
+        """The zeros it is timed on: the settings' (a dense codec's: none)."""
+        return 0.0 if self.codec not in ZERO_CODECS else settings.sparsity
+
 
 def all_kernels(dtypes: Sequence[str] = ("float32", "float16")) -> tuple[Kernel, ...]:
-    """Every codec x direction for ``dtypes``, which must differ in element size."""
+    """Every zero codec x direction for ``dtypes``, which must differ in element size, and
+    the exponent codec's on bfloat16."""
     sizes: dict[int, str] = {}
     for dtype in dtypes:
         other = sizes.setdefault(Kernel("zvc", "encode", dtype).elem_size, dtype)
@@ -93,7 +109,8 @@ def all_kernels(dtypes: Sequence[str] = ("float32", "float16")) -> tuple[Kernel,
                 f"{other} and {dtype} run the same kernels ({getattr(torch, dtype).itemsize}-byte "
                 "elements): tune only one of them"
             )
-    return tuple(Kernel(c, d, t) for t in dtypes for c in CODECS for d in DIRECTIONS)
+    return (tuple(Kernel(c, d, t) for t in dtypes for c in ZERO_CODECS for d in DIRECTIONS)
+            + tuple(Kernel("exponent", d, "bfloat16") for d in DIRECTIONS))
 
 
 @dataclass(frozen=True)
@@ -220,14 +237,15 @@ class TuningResult:
         """Every timed kernel run of every search."""
         s = self.settings
         return [TimedLaunch(t.kernel.codec, t.kernel.direction, t.kernel.dtype, s.nbytes,
-                            s.sparsity, grid, block, seconds)
+                            t.kernel.sparsity(s), grid, block, seconds)
                 for t in self.kernels for search in (t.tpe, t.grid) if search is not None
                 for grid, block, seconds in search.trials]
 
     def best_runs(self) -> list[KernelRun]:
         """Each kernel's run at its chosen launch, for the codec time predictor."""
         s = self.settings
-        return [KernelRun(t.kernel.codec, t.kernel.direction, s.nbytes, s.sparsity, t.best[2])
+        return [KernelRun(t.kernel.codec, t.kernel.direction, s.nbytes, t.kernel.sparsity(s),
+                          t.best[2])
                 for t in self.kernels]
 
     def to_json(self) -> dict:
@@ -411,9 +429,11 @@ def cuda_objective(kernel: Kernel, nbytes: int = 64 << 20, sparsity: float = 0.5
 def tune_cuda(settings: Settings = Settings(), dtypes: Sequence[str] = ("float32", "float16"),
               force: bool = False, log: Callable[[str], None] | None = None) -> TuningResult:
     """Tune this GPU's kernels, or read them from its cache."""
-    kernels = all_kernels(dtypes)
-    objective_for = functools.partial(cuda_objective, nbytes=settings.nbytes,
-                                      sparsity=settings.sparsity)
+    kernels = all_kernels(dtypes)  # a bad list is said before anything needs a GPU
+
+    def objective_for(kernel: Kernel) -> Objective:
+        return cuda_objective(kernel, settings.nbytes, kernel.sparsity(settings))
+
     return load_or_tune(cuda_key(), objective_for, kernels, settings, force=force, log=log)
 
 
