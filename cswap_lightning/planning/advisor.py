@@ -37,8 +37,9 @@ def exposed_s(nbytes: int, link: Link, forward_s: float, backward_s: float) -> f
     return max(nbytes / link.d2h - forward_s, 0.0) + max(nbytes / link.h2d - backward_s, 0.0)
 
 
-# The dense codec's payload against its tensor, until a site's was measured: 1.33-1.44x on
-# the saved tensors of Llama-3-8B-shaped layers and BERT's GELU (random weights, bfloat16).
+# The dense codec's payload against its tensor, until a site's was measured: 1.29-1.44x on
+# the saved tensors of Llama-3-8B-shaped layers, BERT's GELU and Llama's SiLU-gated product
+# (random weights, bfloat16; `cswap bench codec`'s dense sources).
 DENSE_RATIO = 0.75
 # A site this sparse, or sparser, is the zero codecs' (a zero's exponent widens its group).
 DENSE_MAX_SPARSITY = 0.01
