@@ -15,9 +15,10 @@
 #   1b. finetune: `cswap bench finetune llama-3-8b --lora --seq 8192` (issue 29's setup, all 32
 #      layers, peft's LoRA, one copy of the model): no offload, checkpointing, cswap at
 #      checkpointing's peak and at 75% fewer saved activations, lossless, with the exponent
-#      codec weighed (`--dense`) and through int8 (the goals `predictions-issue29-*` predicted for an H100 PCIe; `cswap plan ... --device
-#      h200` estimates this device), then the peers: transformers' offload and torch's
-#      selective checkpointing (matmuls and attention saved);
+#      codec weighed (`--dense`) and through int8 (the goals `predictions-issue29-*`
+#      predicted for an H100 PCIe; `cswap plan ... --device h200` estimates this device),
+#      then the peers: transformers' offload and torch's selective checkpointing (matmuls
+#      and attention saved);
 #   2. measure-llama: the same for Llama-3-8B's layer shapes (4 layers, s4096 b1: LLM
 #      fine-tuning, the planner's mixes and int8 against checkpointing; its profile too);
 #   3. codec: zvc, rle, exponent (bfloat16, and a transformer's MLP outputs), int8 and fp8 at

@@ -243,7 +243,8 @@ def run_codec_bench(device: str = "auto", sizes: list[int] | None = None,
 
     ``quick`` trims the defaults (three sparsities, fewer repeats, a smaller CNN); explicit
     arguments win. ``relu``: the demo CNN's ReLU outputs too; ``dense``: a transformer's MLP
-    outputs (``dense_activations``), bfloat16, where bfloat16 is measured. Returns the JSON document (meta, limits, rows, summary)."""
+    outputs (``dense_activations``), bfloat16, where bfloat16 is measured. Returns the JSON
+    document (meta, limits, rows, summary)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)

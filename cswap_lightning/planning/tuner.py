@@ -1,9 +1,9 @@
 """Launch parameters (grid, block) of the CUDA codec kernels, tuned by hyperopt's TPE.
 
 Each kernel, a codec (zvc, rle; exponent, bfloat16 only) x direction (encode, decode) x
-element type, runs fastest at a grid and block size that depend on the GPU. As in CSwap, TPE finds a near-best pair in
-a few dozen timed runs; an exhaustive search of a reduced space (powers-of-two grids) is
-kept to compare against. A search only sees an objective ``(grid, block) -> seconds``: on a
+element type, runs fastest at a grid and block size that depend on the GPU. As in CSwap,
+TPE finds a near-best pair in a few dozen timed runs; an exhaustive search of a reduced
+space (powers-of-two grids) is kept to compare against. A search only sees an objective ``(grid, block) -> seconds``: on a
 GPU, CUDA events timing the real codec (``cuda_objective``); in tests, any function.
 
 Results are cached as JSON per GPU model and extension build. A cache file that does not
