@@ -47,6 +47,10 @@ class Codec(abc.ABC):
         ``trim=False`` an implementation may return its whole output buffer, of
         :meth:`capacity` bytes, instead of reading the payload's length back from the device:
         the length is then in the payload's first 16 bytes (:meth:`payload_length`)."""
+        if not self.packs(t.dtype):
+            names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
+            raise ValueError(f"codec {self.name!r} packs {names} tensors, got {t.dtype}; send "
+                             "other dtypes raw (or through zvc where they are sparse)")
         header = format_header(self.name, t.dtype, tuple(t.shape))
         if t.numel() > self.max_numel:
             raise ValueError(
@@ -221,12 +225,6 @@ class ExponentCodec(Codec):
                        ) -> tuple[int, int | None]:
         nplanes = int(preamble[:8].view(torch.int64))
         return self.payload_nbytes(numel, numel, elem_size, nplanes=nplanes), None
-
-    def encode(self, t: torch.Tensor, trim: bool = True) -> Packed:
-        if not self.packs(t.dtype):
-            raise ValueError(f"codec 'exponent' packs bfloat16 tensors, got {t.dtype}; "
-                             "send other dtypes raw (or through zvc where they are sparse)")
-        return super().encode(t, trim)
 
     def _encode_bits(self, bits: torch.Tensor, trim: bool = True) -> torch.Tensor:
         numel = bits.numel()

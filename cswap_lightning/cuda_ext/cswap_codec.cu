@@ -87,19 +87,9 @@ int check_exponent(uint64_t numel, int elem_size, int grid, int block, const voi
   if (elem_size != 2)
     return fail(CSWAP_ERR_INVALID_ARGUMENT, "the exponent codec packs bfloat16 (elem_size 2), "
                 "got elem_size %d", elem_size);
-  int status = check_numel_and_launch(numel, grid, block);
-  if (status != CSWAP_OK) return status;
-  if (!payload || (numel && !elems) || !workspace)
-    return fail(CSWAP_ERR_INVALID_ARGUMENT, "null device pointer");
-  if (!aligned(elems, 2) || !aligned(payload, 16) || !aligned(workspace, 16))
-    return fail(CSWAP_ERR_INVALID_ARGUMENT,
-                "misaligned pointer: elements need 2-byte, payload and workspace 16-byte "
-                "alignment");
-  if (workspace_bytes < exp_workspace_bytes(numel))
-    return fail(CSWAP_ERR_INVALID_ARGUMENT, "workspace has %llu bytes, needs %llu",
-                static_cast<unsigned long long>(workspace_bytes),
-                static_cast<unsigned long long>(exp_workspace_bytes(numel)));
-  return CSWAP_OK;
+  Launch unused;  // its launches are sized by its own tiles; the workspace is zvc's
+  return check_common(numel, elem_size, grid, block, elems, payload, workspace, workspace_bytes,
+                      &unused);
 }
 
 int check_launches(const char *what) {

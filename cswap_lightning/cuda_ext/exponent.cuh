@@ -29,8 +29,8 @@ __host__ __device__ inline ExpLayout exp_layout(uint64_t numel) {
   return l;
 }
 
-// Workspace: one u32 per tile, its planes (then, scanned, the planes before it).
-inline uint64_t exp_workspace_bytes(uint64_t numel) { return align16(4 * exp_layout(numel).ntiles); }
+// The workspace (zvc's, cswap_workspace_bytes: 4 bytes per group, more than enough) holds one
+// u32 per tile: its planes, then, scanned, the planes before it.
 
 __device__ inline uint32_t exp_bit_width(uint32_t x) { return x ? 32 - __clz(x) : 0; }
 

@@ -229,10 +229,9 @@ class Profiler:
             profile.module = s.module
             if s.sparsity is not None:
                 profile.sparsity = s.sparsity
-            if s.stored_bytes:
-                profile.stored[s.decision] = s.stored_bytes
             if s.site in windows:
                 (self._plain if plain else self._windows)[s.site].append(windows[s.site])
+        self.payloads(step)
         for site, swapping in self._windows.items():
             measured = self._plain[site] or swapping
             if measured:
@@ -240,8 +239,9 @@ class Profiler:
                 self.sites[site].backward_s = statistics.median(w[1] for w in measured)
 
     def payloads(self, step: StepStats) -> None:
-        """Keep what the compressed payloads of a step that ran a plan measured, for the
-        next plan: the sizes of rle's and exponent's are no function of a site's sparsity."""
+        """Keep what a step's compressed payloads measured (a profiled step's, or one that
+        ran a plan), for the next plan: rle's and exponent's sizes are no function of a
+        site's sparsity."""
         for s in step.sites:
             if s.stored_bytes and s.decision not in ("raw", "keep", "dedup") and (
                     profile := self.sites.get(s.site)) is not None and profile.dtype == s.dtype:
