@@ -799,28 +799,29 @@ def test_the_planner_recomputes_a_layer_below_where_that_frees_enough_for_less()
     assert set(whole.names) == {"h.0", "h.1"}, whole.mix.how
 
 
-def two_layers_two_ways() -> Workload:
-    """Two layers saving 2 MB (input), 10 and 10 MB each, 20 ms of forward; below the layer
-    each keeps 4 MB for 4 ms, or (weight 0.2) 8 MB for 1 ms; a head saving 20 MB."""
+def layers_and_head(layers: int = 2, ways: tuple[Below, ...] = (
+        Below((2 * MB, 2 * MB), 0.004), Below((2 * MB, 6 * MB), 0.001, weight=0.2))
+        ) -> Workload:
+    """Layers saving 2 MB (input), 10 and 10 MB each, 20 ms of forward; below the layer each
+    keeps 4 MB for 4 ms, or (weight 0.2) 8 MB for 1 ms (``ways``); a head saving 20 MB."""
     saved, ops_, blocks = [], [], []
-    for layer in range(2):
+    for layer in range(layers):
         first = len(saved)
         for name, n in (("in", 2), ("act", 10), ("mul", 10)):
             saved.append(Saved(f"l{layer}.{name}", "bfloat16", n * MB, n * MB, len(saved),
                                False, False))
         ops_.append(Op(f"l{layer}", layer, range(first, len(saved)), 0.020, 0.040, 0, 0, 0))
-        ways = (Below((2 * MB, 2 * MB), 0.004), Below((2 * MB, 6 * MB), 0.001, weight=0.2))
         blocks.append(Block(f"l{layer}", range(layer, layer + 1), True, below=ways))
     saved.append(Saved("head", "bfloat16", 20 * MB, 20 * MB, len(saved), False, False))
-    ops_.append(Op("head", 2, range(6, 7), 0.001, 0.001, 0, 0, 0))
-    blocks.append(Block("head", range(2, 3), False))
+    ops_.append(Op("head", layers, range(len(saved) - 1, len(saved)), 0.001, 0.001, 0, 0, 0))
+    blocks.append(Block("head", range(layers, layers + 1), False))
     return Workload("test", 1, tuple(saved), tuple(ops_), tuple(blocks), 0, 0, 0)
 
 
 def test_the_mix_takes_a_way_below_the_layer_per_layer():
     """With room for one layer's heavier way beside the other's lighter one (32 MB), but not
     for both heavier: one layer each way beats either way for both, within the budget."""
-    w, engine = two_layers_two_ways(), replay.Engine(min_bytes=1 << 40)  # nothing swapped
+    w, engine = layers_and_head(), replay.Engine(min_bytes=1 << 40)  # nothing swapped
     ways = w.ways_below()
     assert len(ways) == 2
     alike = [mix.choose(way, 32 * MB, LINK, engine) for way in ways]
@@ -830,6 +831,25 @@ def test_the_mix_takes_a_way_below_the_layer_per_layer():
     fastest_alike = min(c.prediction.step_s for c in alike if c.fits)
     assert choice.prediction.step_s < fastest_alike
     assert "weight 0 (1 blocks), 0.2 (1 blocks)" in choice.how
+
+
+def test_the_mix_swaps_its_first_layers_whole_and_the_next_below_the_layer():
+    """Four layers, a link of 0.5 MB per ms, a budget of the head's 20 MB and 6 more: the
+    link carries the first two layers whole inside forward, the third's 4 MB kept below the
+    layer, and the fourth is recomputed below the layer: 8 ms of recomputation, where
+    swapping every layer one way (whole, or below the layer) needs more."""
+    w = layers_and_head(4, ways=(Below((2 * MB, 2 * MB), 0.004),)).with_below()
+    link, engine = replay.Link(d2h=500 * MB, h2d=500 * MB), replace(ENGINE, prefetch_bytes=4 * MB)
+    keep = replay.predict(w, link=link, engine=engine)
+    chosen = mix.choose(w, keep.peak_bytes - 82 * MB, link, engine)
+    assert chosen.fits, chosen.how
+    assert [(d.action, d.swap_input) for d in chosen.decisions()] == [
+        ("swap", False), ("swap", False), ("recompute", True), ("recompute", False),
+        ("keep", False)]
+    assert chosen.how.startswith("swap the earliest 3 blocks (the first 2 whole, the rest below")
+    assert chosen.prediction.recompute_s == pytest.approx(0.008)
+    alike = [p.step_s for how, p in chosen.candidates.items() if "whole, the rest" not in how]
+    assert chosen.prediction.step_s < min(alike)
 
 
 @pytest.mark.parametrize("heavier_s, weight", [(0.0002, 0.2), (0.002, 0.0)])

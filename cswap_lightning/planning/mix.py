@@ -9,7 +9,9 @@ So the planner, replaying the step (``replay.py``) for each candidate:
 2. otherwise, for each count of blocks swapped (the earliest: backward needs them last;
    compressed where a block's codec says so, which widens the link's window; where a layer
    can be recomputed below the layer, also so with what that keeps swapped, which halves
-   what the link carries for its elementwise work again), recomputes the fewest other
+   what the link carries for its elementwise work again, and then with the first of those
+   swapped whole while that is faster: the link has the longest to carry the earliest
+   blocks' bytes, and a block swapped whole runs nothing again), recomputes the fewest other
    blocks that make the peak fit, those that free the most bytes per second of
    recomputation first (a layer below the layer, ``Workload.with_below``, or whole), and
    takes the mix the replay predicts fastest: swaps inside the link's window cost nothing,
@@ -266,26 +268,27 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
         return BlockDecision("swap", codec_of(workload, block))
 
     def mixed(ranked: list[_Unit], swapped: int, recomputed: int,
-              below: bool = False) -> tuple[Workload, Mix]:
-        """The earliest ``swapped`` blocks swapped (``below``: as ``swap`` says), the
-        ``recomputed`` best units of the others recomputed (a piece of a parent recomputed
-        whole goes with it)."""
+              below: bool = False, whole_first: int = 0) -> tuple[Workload, Mix]:
+        """The earliest ``swapped`` blocks swapped (``below``: as ``swap`` says, but the
+        first ``whole_first`` of them), the ``recomputed`` best units of the others
+        recomputed (a piece of a parent recomputed whole goes with it)."""
         chosen = eligible(ranked, swapped)[:recomputed]
         whole = frozenset(u.name for u in chosen if u.whole)
-        decisions = {names[b]: swap(b, below) for b in range(swapped)}
+        decisions = {names[b]: swap(b, below and b >= whole_first) for b in range(swapped)}
         decisions |= {u.name: BlockDecision("recompute") for u in chosen
                       if u.whole or workload.blocks[u.blocks[0]].parent not in whole}
         return merged(whole), Mix(KEEP, decisions)
 
     fastest, skipped = faster_than, False
 
-    def least(ranked: list[_Unit], swapped: int, below: bool) -> int | None:
+    def least(ranked: list[_Unit], swapped: int, below: bool,
+              whole_first: int = 0) -> int | None:
         """The fewest recomputations that fit with ``swapped`` blocks swapped (None: none),
         by bisection. Recomputing more only adds work, so once a count that does not fit
         is no faster than the fastest plan so far, neither is the least that fits: with
         ``prune``, the search stops there (``_Beaten``)."""
         def ok(k: int) -> bool:
-            chosen = mixed(ranked, swapped, k, below)
+            chosen = mixed(ranked, swapped, k, below, whole_first)
             if fits(chosen):
                 return True
             if prune and run(chosen).step_s >= fastest:
@@ -301,6 +304,24 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
     # recomputations that fit.
     ways = (False, True) if any(b.selective for b in workload.blocks) else (False,)
     candidates: dict[str, tuple[tuple[Workload, Mix], Prediction]] = {}
+    below_best: tuple[float, int, int] | None = None  # the fastest swapping below the layer
+
+    def add(n: int, ranked: list[_Unit], swapped: int, k: int, below: bool,
+            whole_first: int = 0) -> Prediction:
+        nonlocal fastest
+        chosen = mixed(ranked, swapped, k, below, whole_first)
+        recomputed = sum(d.action == "recompute" and not d.swap_input
+                         for d in chosen[1].blocks.values())
+        where = ""
+        if below:
+            where = (f" (the first {whole_first} whole, the rest below the layer)"
+                     if whole_first else " (below the layer)")
+        how = (f"swap the earliest {swapped} blocks{where}, recompute {recomputed}"
+               + (" of the finest units" if n else "") + _weighed(*chosen) + _through(chosen[1]))
+        candidates[how] = (chosen, run(chosen))
+        fastest = min(fastest, candidates[how][1].step_s)
+        return candidates[how][1]
+
     for (n, ranked), below in product(enumerate(rankings), ways):
         for swapped in range(len(names) + 1):
             try:
@@ -310,16 +331,28 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
                 continue
             if k is None:
                 continue
-            chosen = mixed(ranked, swapped, k, below)
-            recomputed = sum(d.action == "recompute" and not d.swap_input
-                             for d in chosen[1].blocks.values())
-            how = (f"swap the earliest {swapped} blocks" + (" (below the layer)" if below else "")
-                   + f", recompute {recomputed}" + (" of the finest units" if n else "")
-                   + _weighed(*chosen) + _through(chosen[1]))
-            candidates[how] = (chosen, run(chosen))
-            fastest = min(fastest, candidates[how][1].step_s)
+            step_s = add(n, ranked, swapped, k, below).step_s
+            if below and swapped and (below_best is None or step_s < below_best[0]):
+                below_best = (step_s, n, swapped)
             if k == 0:  # swapping more would only add link time
                 break
+    # The fastest mix swapping below the layer, its earliest blocks swapped whole instead,
+    # the first one, two, ... while that gets faster: they put more on the link, which has
+    # the longest of forward to carry the earliest blocks' bytes, and run nothing again.
+    if below_best is not None:
+        step_s, n, swapped = below_best
+        for whole_first in (b + 1 for b in range(swapped) if workload.blocks[b].selective):
+            try:
+                k = least(rankings[n], swapped, True, whole_first)
+            except _Beaten:
+                skipped = True
+                break
+            if k is None:
+                break
+            faster = add(n, rankings[n], swapped, k, True, whole_first).step_s
+            if faster >= step_s:
+                break
+            step_s = faster
     # every unit recomputed is not enough, or nothing is: move inputs too, on the workload
     # whose parents are whole (the most a recomputation frees)
     whole = merged(frozenset(u.name for u in units if u.whole))
