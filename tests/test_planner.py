@@ -345,10 +345,10 @@ def test_lossy_allowed_is_weighed_per_block_and_the_guard_checks_the_sites_chose
     lossless.close()
 
 
-def llama() -> tuple[torch.nn.Module, torch.Tensor]:
+def llama(layers: int = 4) -> tuple[torch.nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(hidden_size=128, intermediate_size=448,
-                                      num_hidden_layers=4, num_attention_heads=4,
+                                      num_hidden_layers=layers, num_attention_heads=4,
                                       num_key_value_heads=2, vocab_size=500,
                                       max_position_embeddings=256, attention_dropout=0.1,
                                       bos_token_id=1, eos_token_id=2)
@@ -374,5 +374,27 @@ def test_a_llama_weighs_its_layers_below_the_layer_and_meets_the_budget_bitwise(
                for w in below for b in w.blocks if b.selective)
     assert off.recomputer.weights == {n.removesuffix(BELOW): w for n, w
                                       in off.recomputation.weights.items()}
+    assert stats[-1].peak_resident_bytes <= 1.05 * budget, off.plan.table()
+    off.close()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ticking_clock")
+def test_a_llama_swaps_its_first_layers_whole_and_the_next_below_the_layer_bitwise():
+    """Six layers at half their peak, on a link that carries the first layers whole inside
+    forward: the planner swaps those whole and the next ones below the layer (what they keep
+    swapped), the engine carries it out within the budget by the ledger, bitwise."""
+    model, ids = llama(layers=6)
+    budget = int(0.5 * keep_peak(model, ids))
+    off = Offloader(CSwapConfig(budget=budget, profile_steps=1), link=Link(5e7, 5e7, 1e10))
+    stats = train(off, model, ids, steps=4)
+    how = off.recomputation.mix.how
+    assert "whole, the rest below the layer" in how, how
+    recomputed = set(off.recomputation.names)
+    decisions = off.recomputation.mix.decisions()
+    blocks = off.recomputation.workload.blocks
+    whole = [b.name for b, d in zip(blocks, decisions, strict=True)
+             if b.selective and d.action == "swap"]
+    assert whole and not recomputed & set(whole)
     assert stats[-1].peak_resident_bytes <= 1.05 * budget, off.plan.table()
     off.close()
