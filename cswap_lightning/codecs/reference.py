@@ -34,11 +34,12 @@ class Codec(abc.ABC):
     encode_waits: bool = False
     dtypes: tuple[torch.dtype, ...] | None = None  # the dtypes it packs (None: any)
 
-    def packs(self, dtype: torch.dtype | str) -> bool:
+    @classmethod
+    def packs(cls, dtype: torch.dtype | str) -> bool:
         """Whether it packs tensors of ``dtype`` (a torch dtype or its name)."""
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
-        return self.dtypes is None or dtype in self.dtypes
+        return cls.dtypes is None or dtype in cls.dtypes
 
     def encode(self, t: torch.Tensor, trim: bool = True) -> Packed:
         """Pack ``t`` (any shape and strides) in logical row-major order; payload on ``t.device``.

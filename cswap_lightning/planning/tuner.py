@@ -3,8 +3,9 @@
 Each kernel, a codec (zvc, rle; exponent, bfloat16 only) x direction (encode, decode) x
 element type, runs fastest at a grid and block size that depend on the GPU. As in CSwap,
 TPE finds a near-best pair in a few dozen timed runs; an exhaustive search of a reduced
-space (powers-of-two grids) is kept to compare against. A search only sees an objective ``(grid, block) -> seconds``: on a
-GPU, CUDA events timing the real codec (``cuda_objective``); in tests, any function.
+space (powers-of-two grids) is kept to compare against. A search only sees an objective
+``(grid, block) -> seconds``: on a GPU, CUDA events timing the real codec
+(``cuda_objective``); in tests, any function.
 
 Results are cached as JSON per GPU model and extension build. A cache file that does not
 parse, has another schema version, or was written for another GPU or build is ignored with a
@@ -80,10 +81,10 @@ class Kernel:
                                     ("dtype", self.dtype, DTYPES)):
             if value not in known:
                 raise ValueError(f"unknown kernel {field} {value!r}; choose from {known}")
-        packs = CODECS[self.codec].dtypes
-        if packs is not None and getattr(torch, self.dtype) not in packs:
-            raise ValueError(f"codec {self.codec!r} packs {', '.join(map(str, packs))} only, "
-                             f"not {self.dtype}")
+        codec = CODECS[self.codec]
+        if not codec.packs(self.dtype):
+            raise ValueError(f"codec {self.codec!r} packs {', '.join(map(str, codec.dtypes))} "
+                             f"only, not {self.dtype}")
 
     @property
     def name(self) -> str:
