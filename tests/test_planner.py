@@ -380,6 +380,23 @@ def test_a_llama_weighs_its_layers_below_the_layer_and_meets_the_budget_bitwise(
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("ticking_clock")
+def test_a_llama_recomputed_below_the_layer_beside_a_wide_prefetch_window_meets_its_budget():
+    """Six layers at 40% of their peak on a slow link, the prefetch window as wide as hides
+    it (``"auto"``): every step that runs the plan stays within the budget by the ledger,
+    none makes the planner tighten it (the kept outputs of layers recomputed below the layer
+    were once held until the step's graph went, beside the next layers' restores)."""
+    model, ids = llama(layers=6)
+    budget = int(0.4 * keep_peak(model, ids))
+    off = Offloader(CSwapConfig(budget=budget, profile_steps=1), link=Link(5e7, 5e7, 1e10))
+    stats = train(off, model, ids, steps=4)
+    assert off.recomputation.names and off.learning.planner.tightenings == 0
+    assert all(s.peak_resident_bytes <= 1.03 * budget for s in stats[2:]), [
+        s.peak_resident_bytes for s in stats]
+    off.close()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ticking_clock")
 def test_a_llama_swaps_its_first_layers_whole_and_the_next_below_the_layer_bitwise():
     """Six layers at half their peak, on a link that carries the first layers whole inside
     forward: the planner swaps those whole and the next ones below the layer (what they keep

@@ -198,6 +198,28 @@ def test_a_second_backward_recomputes_again_from_the_same_kept_outputs():
         assert all(torch.equal(a, b) for a, b in zip(grads[0], grads_of_step, strict=True))
 
 
+def test_a_block_run_first_without_autograd_lets_go_of_what_it_kept_as_its_backward_ends():
+    """Its kept outputs' handles (their payloads in host memory: on the CPU, the restored
+    copies the ledger counts) go once its recomputation is done, not with the step's graph,
+    which holds the block's region until the loss goes (so a plan's checked steps measured
+    them beside the next layers' restores); kept where the graph is kept for another
+    backward."""
+    built, _ = case("llama")
+    model = built.model
+    offloader = cswap.Offloader(cswap.CSwapConfig(plan="raw", min_bytes=0, profile_steps=1,
+                                                  budget=None)).watch(model)
+    offloader.recompute(every_layer_below(model))
+    settled = []
+    for retain in (False, False, False, True):  # the third is the first without autograd
+        with offloader:
+            loss = built.loss(model, built.inputs)
+        loss.backward(retain_graph=retain)
+        settled.append(len(offloader._step.live_entries()))
+        del loss
+    offloader.close()
+    assert settled[:3] == [0, 0, 0] and settled[3] > 0, settled
+
+
 # the first run without autograd (lean.py) -----------------------------------------------------
 def leaning(monkeypatch) -> list[bool]:
     """Whether each first run without autograd below the layer was settled (its kept outputs

@@ -356,6 +356,16 @@ class Region:
                 k.values = [v if version is None else pack(v)
                             for v, version in zip(k.values, k.versions, strict=True)]
 
+    def recomputed(self) -> None:
+        """After a recomputation, unless backward keeps the graph for another: let go of the
+        kept outputs' handles, so that what they hold (their payloads in host memory) goes
+        as the block's backward ends. A block run first without autograd is held by the
+        step's graph until that goes, and its region with it."""
+        if not torch._C._autograd._get_current_graph_task_keep_graph():
+            for k in self.made:
+                k.values = [v if version is None else None
+                            for v, version in zip(k.values, k.versions, strict=True)]
+
     def given_back(self, k: _Kept) -> Any:
         """A kept call's outputs for its recomputation: unpacked, each a new alias."""
         values = k.values
@@ -616,6 +626,11 @@ class Recomputing(_Eager, _SeeingSaves):
     def saw(self, t: torch.Tensor) -> None:
         if self.tainted.among((t,)):
             raise RuntimeError(_DIFFERENT)
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        self.region.recomputed()
+        return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
