@@ -122,14 +122,29 @@ def test_lossy_is_weighed_only_for_dense_allowed_sites_and_only_where_it_pays():
     assert Advisor("zvc", link, slow, lossy="int8").decide(dense).decision != "int8"
 
 
-def planned(profiles, budget, beside=0, prefetch_bytes=0, order=None, link=None):
+def planned(profiles, budget, beside=0, prefetch_bytes=0, order=None, link=None,
+            together=()):
     """The planner's plan for these measured sites (no clock: link and codec times given),
-    ``beside`` bytes held beside them at the step's peak."""
+    ``beside`` bytes held beside them at the step's peak, ``together`` the sites backward
+    first asked for at once."""
     stats = StepStats(0)
     stats.peak_resident_bytes, stats.peak_allocated_bytes = MiB, MiB + beside
     config = CSwapConfig(budget=budget, prefetch_bytes=prefetch_bytes, min_bytes=1)
     planner = Planner(config, link or Link(10 * GB, 10 * GB, 1000 * GB), model())
-    return planner.plan(Measured(profiles, [], order, stats, torch.device("cpu")))
+    return planner.plan(Measured(profiles, [], order, stats, torch.device("cpu"),
+                                 together=together))
+
+
+def test_what_one_node_asks_for_at_once_is_planned_as_back_at_once():
+    """Four 4 MiB sites, a budget of 10: moving the earliest two fits forward, and backward
+    too where each comes back when its op needs it. Where one node asked for all four at once
+    (a block's recomputation), they are all back together: no choice fits, and the plan says
+    so, with the peak it predicts."""
+    profiles = [site(0.0, 4 * MiB, index=i) for i in range(4)]
+    alone = planned(profiles, 10 * MiB)
+    assert alone.fits and sum(d.decision != "keep" for d in alone.decisions.values()) == 2
+    together = planned(profiles, 10 * MiB, together=[(0, 1, 2, 3)])
+    assert not together.fits and together.predicted_peak == 16 * MiB
 
 
 def test_budget_offloads_the_fewest_earliest_sites_that_make_the_peak_fit():

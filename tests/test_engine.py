@@ -723,6 +723,26 @@ def test_the_profiler_times_sites_from_the_steps_that_moved_nothing():
     assert (site.forward_s, site.backward_s) == (0.1, 0.3)
 
 
+def test_the_timer_groups_the_first_unpacks_one_autograd_node_asked_for():
+    """``x.sin() * x.cos()``: the product's node asks for both its saved tensors at once (a
+    group), each function's node for its own input (alone, so no group)."""
+    from cswap_lightning.planning.profiler import StepTimer
+
+    timer = StepTimer(torch.device("cpu"))
+    sites = iter(range(10))
+    x = torch.randn(8, requires_grad=True)
+
+    def unpack(saved: tuple[int, torch.Tensor]) -> torch.Tensor:
+        timer.unpacked(saved[0])
+        return saved[1]
+
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (next(sites), t), unpack):
+        y = (x.sin() * x.cos()).sum()
+    y.backward()
+    assert sorted(timer.unpack_order()) == [0, 1, 2, 3]
+    assert [sorted(group) for group in timer.together()] == [[2, 3]]
+
+
 @pytest.mark.gpu
 def test_the_step_peak_is_the_allocators_when_backward_ends():
     """A trainer that resets the allocator's peak between steps (as the benchmarks do) left

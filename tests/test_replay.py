@@ -161,6 +161,23 @@ def test_the_prefetch_window_bounds_the_copies_back_on_the_device():
     assert peak(0) == 10 * MB  # none ahead: each restored when its op needs it
 
 
+def test_what_one_node_asks_for_at_once_comes_back_together():
+    """Three 10 MB swaps one autograd node asked for at once (a block's recomputation asking
+    for all it kept): they come back when backward reaches the latest of them, before its
+    op runs, not one at a time; each goes when its own op is done."""
+    w = step([(0.001, 0.001, [10 * MB]) for _ in range(3)] + [(0.001, 0.001, [])])
+    engine = Engine(min_bytes=1, prefetch_bytes=0, inflight_bytes=10**12)
+    alone = predict(w, swap_all(), LINK, engine)
+    together = predict(replace(w, together=((0, 1, 2),)), swap_all(), LINK, engine,
+                       timeline=True)
+    assert alone.peak_bytes == 10 * MB and together.peak_bytes == 30 * MB
+    assert together.h2d_bytes == alone.h2d_bytes == 30 * MB
+    # the three restores queue at once, and the first op in backward waits for all of them
+    backs = [i.end for i in together.timeline if i.lane == "h2d"]
+    first = next(i for i in together.timeline if i.label == "backward m2")
+    assert len(backs) == 3 and first.start == pytest.approx(max(backs))
+
+
 def test_a_storage_two_ops_saved_goes_out_once_and_comes_back_for_each():
     saved = (Saved("a", "bfloat16", 10 * MB, 10 * MB, 0, False, False),
              Saved("b", "bfloat16", 10 * MB, 10 * MB, 0, False, False))

@@ -185,7 +185,7 @@ class Learning:
             windows = timer.windows() if timer else {}
             self.profiler.observe(
                 step.stats, {site: (f * scale, b) for site, (f, b) in windows.items()},
-                timer.unpack_order() if timer else None)
+                timer.unpack_order() if timer else None, timer.together() if timer else None)
             self.measured_keeping |= step.keeping
             self.measure_device = step.device
             if not self.measure_keeping:
@@ -508,7 +508,8 @@ class Learning:
         profiles = [replace(p, offloadable=False, reason=HELD_ELSEWHERE)
                     if p.site in self.held_elsewhere else p for p in self.profiler.profile()]
         return Measured(profiles, list(calls), self.profiler.order or None, step.stats,
-                        step.device, self.plain_peak if step.keeping else None)
+                        step.device, self.plain_peak if step.keeping else None,
+                        self.profiler.together)
 
 
 

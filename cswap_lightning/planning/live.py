@@ -43,12 +43,13 @@ class BlockCall(Protocol):
 
 def workload(profiles: Sequence[SiteProfile], calls: Sequence[BlockCall],
              beside_bytes: int = 0, name: str = "measured step",
-             innermost: bool = False) -> Workload:
+             innermost: bool = False, together: Sequence[Sequence[int]] = ()) -> Workload:
     """The replay's workload of a measured step: ``profiles`` in site order (the profiler's),
     ``calls`` the blocks that can be recomputed, ``beside_bytes`` what the step holds beside
-    its saved tensors. Where calls nest (an activation module inside a layer), the outer
-    ones are the units, or with ``innermost`` the inner ones (the rest of the outer one then
-    cannot be recomputed)."""
+    its saved tensors, ``together`` the sites backward first asked for at once (by site).
+    Where calls nest (an activation module inside a layer), the outer ones are the units, or
+    with ``innermost`` the inner ones (the rest of the outer one then cannot be
+    recomputed)."""
     index = {p.site: i for i, p in enumerate(profiles)}
     saved: list[Saved] = []
     for i, p in enumerate(profiles):
@@ -91,7 +92,10 @@ def workload(profiles: Sequence[SiteProfile], calls: Sequence[BlockCall],
     # what stays in place is on the device all along: the saved tensors' peak counted it,
     # so what the step holds beside them did not
     held = sum(s.storage_nbytes for i, s in enumerate(saved) if s.held and s.storage == i)
-    return Workload(name, 1, tuple(saved), ops, tuple(blocks), beside_bytes + held, 0, 0)
+    asked = tuple(group for group in (tuple(index[s] for s in sites if s in index)
+                                      for sites in together) if len(group) > 1)
+    return Workload(name, 1, tuple(saved), ops, tuple(blocks), beside_bytes + held, 0, 0,
+                    asked)
 
 
 def by_site(w: Workload) -> Workload:

@@ -61,6 +61,8 @@ class Measured:
     # the allocator's peak of a step without the engine's hooks that kept what ``stats``'s
     # step kept (all): the measured steps' own peak is not a plain step's
     plain_peak: int | None = None
+    # the sites backward first asked for at once (``StepTimer.together``)
+    together: Sequence[tuple[int, ...]] = ()
 
     @property
     def beside_bytes(self) -> int:
@@ -143,7 +145,7 @@ class Planner:
             p.reason or "not offloadable", 0, 0.0, 0.0) for p in m.profiles}
         budget, beside = self.budget(m.device), m.beside_bytes
         window = self._window(m, link)
-        workload = live.by_site(live.workload(m.profiles, (), beside))
+        workload = live.by_site(live.workload(m.profiles, (), beside, together=m.together))
         movable = [k for k, p in enumerate(m.profiles) if decisions[p.site].decision != "keep"]
         codecs = {k: _codec(decisions[m.profiles[k].site], model, m.profiles[k])
                   for k in movable}

@@ -118,7 +118,8 @@ def median_seconds(fn: Callable[[], object], device: torch.device, warmup: int,
 
 
 class StepTimer:
-    """Time stamps of one step's packs, end of forward and first unpacks, per site."""
+    """Time stamps of one step's packs, end of forward and first unpacks, per site; and which
+    first unpacks one autograd node asked for (``together``)."""
 
     def __init__(self, device: torch.device) -> None:
         self.clock = Clock(device)
@@ -126,6 +127,8 @@ class StepTimer:
         self.packs: list[tuple[int, object]] = []
         self.unpacks: list[tuple[int, object]] = []
         self.forward_end: object | None = None
+        self.groups: list[list[int]] = []  # first unpacks, by the node that asked for them
+        self._node: tuple | None = None  # the node that asked last: its type and number
 
     def begin(self) -> None:
         self.began = self.clock.now()
@@ -138,6 +141,13 @@ class StepTimer:
 
     def unpacked(self, site: int) -> None:
         self.unpacks.append((site, self.clock.now()))
+        node = torch._C._current_autograd_node()
+        # by kind and number, not held: a recomputation's node holds what it runs from
+        key = None if node is None else (type(node), node._sequence_nr())
+        if key is None or key != self._node:
+            self.groups.append([])
+        self._node = key
+        self.groups[-1].append(site)
 
     def forward_s(self) -> float:
         """Seconds from the forward's start (its first pack where not stamped) to its end."""
@@ -150,6 +160,12 @@ class StepTimer:
     def unpack_order(self) -> list[int]:
         """The sites in the order backward first needed them, kept ones included."""
         return [site for site, _ in self.unpacks]
+
+    def together(self) -> list[tuple[int, ...]]:
+        """The sites first unpacked together, by one autograd node as its backward began (an
+        op that saved several, a block's recomputation asking for all it kept), where more
+        than one: they are all held from then until the node is done."""
+        return [tuple(group) for group in self.groups if len(group) > 1]
 
     def windows(self) -> dict[int, tuple[float, float]]:
         """site -> (forward window, backward window) in seconds."""
@@ -190,14 +206,17 @@ class Profiler:
     def __init__(self) -> None:
         self.sites: dict[int, SiteProfile] = {}
         self.order: list[int] = []  # backward's order of first unpacks, last profiled step
+        self.together: list[tuple[int, ...]] = []  # and those one node asked for at once
         self._windows: dict[int, list[tuple[float, float]]] = {}
         # windows of steps that moved nothing: no copies in them, preferred where there are
         self._plain: dict[int, list[tuple[float, float]]] = {}
 
     def observe(self, step: StepStats, windows: dict[int, tuple[float, float]],
-                order: list[int] | None = None) -> None:
+                order: list[int] | None = None,
+                together: list[tuple[int, ...]] | None = None) -> None:
         """Fold one profiled step in (call after the step's statistics are closed), with
-        the order backward first needed its sites (``StepTimer.unpack_order``). A site's
+        the order backward first needed its sites (``StepTimer.unpack_order``) and those
+        first needed together (``StepTimer.together``). A site's
         windows are those of the steps that moved nothing, where there are any: the copies of
         a step that swapped stretch them.
 
@@ -206,6 +225,7 @@ class Profiler:
         of another kind starts afresh."""
         if order:
             self.order = order
+            self.together = together or []
         plain = all(s.decision in ("keep", "dedup") for s in step.sites)
         for s in step.sites:
             offloadable = not s.reason or s.reason == "plan"

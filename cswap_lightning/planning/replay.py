@@ -16,8 +16,11 @@ engine (``core/step.py``, ``core/transfer.py``) and PyTorch run it:
 - backward runs the ops in reverse order, each after the saved tensors it needs are back: a
   swapped storage is restored on the host-to-device stream when an op needs it, unless it was
   prefetched; a storage's first use prefetches the next ones in backward's order while the
-  prefetched bytes not yet used stay within ``prefetch_bytes`` (one always goes). A restored
-  copy lives until its op is done: a storage two ops saved comes back twice, as on the H100
+  prefetched bytes not yet used stay within ``prefetch_bytes`` (one always goes). Storages
+  one autograd node asked for at once on the measured step (``Workload.together``: a block's
+  recomputation asking for all it kept) all come back when backward reaches the latest of
+  them, and its op waits for every one. A restored copy lives until its op is done: a
+  storage two ops saved comes back twice, as on the H100
   (``evidence/h100-2026-11-24/trace-raw-all.summary.json``: GPT-2's 13.8 GB out and 15.8 GB
   back, which the replay gives to the byte). A recomputed block runs its forward again before
   its first op in backward (after its input is back, if swapped); its saved tensors then live
@@ -307,6 +310,14 @@ class _Replay:
         self.recomputes_at = {k for k, op in enumerate(workload.ops)
                               if self.inputs[op.block] is not None
                               and workload.blocks[op.block].ops.stop - 1 == k}
+        # saves one autograd node asks for at once (``Workload.together``): all at the op of
+        # the latest of them (each held until its own op is done)
+        op_of = {i: k for k, op in enumerate(workload.ops) for i in op.saves}
+        self.asked_at: dict[int, list[int]] = {}  # op -> the saves asked for there, early
+        for group in workload.together:
+            first = max(op_of[i] for i in group)
+            self.asked_at.setdefault(first, []).extend(i for i in group if op_of[i] != first)
+        self.asked = {i for saves in self.asked_at.values() for i in saves}
         self.record = timeline
         self.timeline: list[Interval] = []
         # clocks (seconds) and what they add up
@@ -399,6 +410,12 @@ class _Replay:
                 del self.holders[storage]
                 self._free(storage)
 
+    def _moved(self, i: int) -> bool:
+        """Whether save ``i`` is of a storage moved off the device that backward asks for
+        (what a recomputation below the layer kept it is done with)."""
+        return (self.activation[i] and not self.kept_below[i]
+                and self.storage_of[i] in self.entries)
+
     def _movable(self, i: int) -> bool:
         """Whether the engine moves saved tensor ``i`` (``core/tensors.py``'s skip_reason)."""
         s = self.w.saved[i]
@@ -487,6 +504,9 @@ class _Replay:
             if k in self.recomputes_at:
                 self._recompute(op.block, input_copy)
             ready = self.host
+            for i in self.asked_at.get(k, ()) if self.entries else ():
+                if self._moved(i):
+                    ready = max(ready, self._unpack(storage_of[i]))
             used: set[int] = set()
             for i in op.saves if self.entries else ():
                 storage = storage_of[i]
@@ -494,6 +514,9 @@ class _Replay:
                     continue  # (what a recomputation below the layer kept is done with)
                 if storage in input_copy.get(op.block, ()):  # back for the recompute
                     ready = max(ready, self.entries[storage].back_end)
+                elif i in self.asked:  # back since its node asked for it
+                    ready = max(ready, self.entries[storage].back_end)
+                    used.add(storage)
                 elif storage not in used:
                     ready = max(ready, self._unpack(storage))
                     used.add(storage)
@@ -524,7 +547,7 @@ class _Replay:
                 for storage in self.inputs[op.block]:
                     if storage in self.entries:
                         order.setdefault(storage)
-            for i in op.saves:
+            for i in (*self.asked_at.get(k, ()), *op.saves):
                 if storage_of[i] in self.entries:
                     order.setdefault(storage_of[i])
         return list(order)

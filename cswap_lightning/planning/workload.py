@@ -150,6 +150,9 @@ class Workload:
     start_bytes: int  # allocated before the step: weights, the batch
     peak_bytes: int  # the profile's measured peak
     weight_bytes: int  # the weights autograd saved (each storage once)
+    # saves backward asks for at once (one autograd node's, measured: ``StepTimer.together``),
+    # all at the op of the latest of them: a recomputation asking for all its block kept
+    together: tuple[tuple[int, ...], ...] = ()
 
     @cached_property
     def save_facts(self) -> tuple[list[int], list[bool], list[bool]]:
