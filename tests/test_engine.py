@@ -723,6 +723,25 @@ def test_the_profiler_times_sites_from_the_steps_that_moved_nothing():
     assert (site.forward_s, site.backward_s) == (0.1, 0.3)
 
 
+def test_the_ledger_counts_a_restored_copy_while_an_alias_of_it_lives():
+    """A recomputation below the layer gives a kept output back detached (an alias, not a
+    view): the copy's own tensor may go while the alias holds its memory in the recomputed
+    graph, and the ledger counts it until that memory goes."""
+    from cswap_lightning.core.residency import Residency
+    from cswap_lightning.records import StepStats
+
+    residency = Residency(StepStats(0))
+    copy = torch.zeros(1024)
+    ref = residency.restored(copy, copy.nbytes)
+    alias = copy.detach()
+    del copy
+    residency.fold()
+    assert ref() is None and residency.now == 4096
+    del alias
+    residency.fold()
+    assert residency.now == 0
+
+
 def test_the_timer_groups_the_first_unpacks_one_autograd_node_asked_for():
     """``x.sin() * x.cos()``: the product's node asks for both its saved tensors at once (a
     group), each function's node for its own input (alone, so no group)."""

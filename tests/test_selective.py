@@ -174,12 +174,18 @@ def test_lossy_on_layers_below_the_layer_is_checked_by_the_guard_and_held_within
     assert len(report.reverted) < len(report.site_errors)
 
 
-def test_a_second_backward_recomputes_again_from_the_same_kept_outputs():
+def llama_below_the_layer() -> tuple[Built, cswap.Offloader]:
+    """A Llama with every layer recomputed below the layer, every tensor swapped."""
     built, _ = case("llama")
-    model = built.model
     offloader = cswap.Offloader(cswap.CSwapConfig(plan="raw", min_bytes=0, profile_steps=1,
-                                                  budget=None)).watch(model)
-    offloader.recompute(every_layer_below(model))
+                                                  budget=None)).watch(built.model)
+    offloader.recompute(every_layer_below(built.model))
+    return built, offloader
+
+
+def test_a_second_backward_recomputes_again_from_the_same_kept_outputs():
+    built, offloader = llama_below_the_layer()
+    model = built.model
     grads = []
     # the second is the first recomputed, the third the first without autograd
     for engine in (None, offloader, offloader, offloader):
@@ -204,11 +210,8 @@ def test_a_block_run_first_without_autograd_lets_go_of_what_it_kept_as_its_backw
     which holds the block's region until the loss goes (so a plan's checked steps measured
     them beside the next layers' restores); kept where the graph is kept for another
     backward."""
-    built, _ = case("llama")
+    built, offloader = llama_below_the_layer()
     model = built.model
-    offloader = cswap.Offloader(cswap.CSwapConfig(plan="raw", min_bytes=0, profile_steps=1,
-                                                  budget=None)).watch(model)
-    offloader.recompute(every_layer_below(model))
     settled = []
     for retain in (False, False, False, True):  # the third is the first without autograd
         with offloader:

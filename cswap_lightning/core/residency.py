@@ -3,7 +3,7 @@
 A storage counts from the moment autograd saves a tensor of it until it is freed, which a
 weak reference to the storage tells: PyTorch keeps one Python object per storage, and drops
 it when the storage goes. A restored copy, fresh memory of its own, counts from its restore
-until the tensor holding it goes (views of it hold it too). So kept tensors, originals not
+until its storage goes (views and aliases of it hold it too). So kept tensors, originals not
 yet copied out (or still held by the user's code), restored tensors autograd still holds and
 prefetched ones are all counted, each storage once, whatever the device. The storages counted,
 summed (``StepStats.keep_all_bytes``), are what keeping every saved tensor holds at the end of
@@ -82,14 +82,15 @@ class Residency:
                 self.stats.keep_all_bytes += nbytes
         return ref
 
-    def restored(self, copy: torch.Tensor, nbytes: int) -> Held:
-        """Count a restored copy of ``nbytes`` until it is freed; the weak reference to it,
-        which gives it back while it lives."""
-        ref = Held(copy, self._freed_callback)
+    def restored(self, copy: torch.Tensor, nbytes: int) -> weakref.ref:
+        """Count a restored copy of ``nbytes`` until its memory is freed (what aliases it
+        holds it too: an output a recomputation gave back, detached); a weak reference to the
+        copy, which gives it back while it lives."""
+        ref = Held(copy.untyped_storage(), self._freed_callback)
         ref.key, ref.nbytes = None, nbytes
         self._copies.add(ref)
         self._append((time.perf_counter(), nbytes))
-        return ref
+        return weakref.ref(copy)
 
     def recomputing(self) -> None:
         """A recomputed block is run again by backward (``StepStats.recomputations``)."""
