@@ -223,6 +223,25 @@ def test_a_block_run_first_without_autograd_lets_go_of_what_it_kept_as_its_backw
     assert settled[:3] == [0, 0, 0] and settled[3] > 0, settled
 
 
+def test_the_host_arena_serves_the_next_step_while_the_last_ones_loss_lives():
+    """A usual loop keeps the loss (and so its graph) until the next forward has made a new
+    one: the kept outputs' payloads of the layers run first without autograd are given back
+    as each layer's backward ends, so the next step's payloads find their arena regions free
+    (they were busy, and went to memory of their own: on CUDA, pinned anew)."""
+    built, offloader = llama_below_the_layer()
+    offloader.transfer.arena_everywhere = True  # the CPU's payloads too
+    model, reports = built.model, []
+    for _ in range(6):
+        with offloader:
+            loss = built.loss(model, built.inputs)  # the last step's loss lives until here
+        loss.backward()
+        offloader.transfer.drain()
+        reports.append(offloader.transfer.host_memory.report())
+    offloader.close()
+    settled = reports[3:]  # planned, and run first without autograd
+    assert all(r.hits and not r.fallbacks for r in settled), [str(r) for r in settled]
+
+
 # the first run without autograd (lean.py) -----------------------------------------------------
 def leaning(monkeypatch) -> list[bool]:
     """Whether each first run without autograd below the layer was settled (its kept outputs
