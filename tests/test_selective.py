@@ -228,6 +228,8 @@ def test_the_host_arena_serves_the_next_step_while_the_last_ones_loss_lives():
     one: the kept outputs' payloads of the layers run first without autograd are given back
     as each layer's backward ends, so the next step's payloads find their arena regions free
     (they were busy, and went to memory of their own: on CUDA, pinned anew)."""
+    from cswap_lightning.commands.bench_measure import Method, _engine_summary
+
     built, offloader = llama_below_the_layer()
     offloader.transfer.arena_everywhere = True  # the CPU's payloads too
     model, reports = built.model, []
@@ -237,9 +239,13 @@ def test_the_host_arena_serves_the_next_step_while_the_last_ones_loss_lives():
         loss.backward()
         offloader.transfer.drain()
         reports.append(offloader.transfer.host_memory.report())
+    # what the benchmarks' rows say of it (on CUDA, each payload on its own is pinned anew)
+    arena = _engine_summary(Method("cswap", model, offloader=offloader))["host_arena"]
     offloader.close()
     settled = reports[3:]  # planned, and run first without autograd
     assert all(r.hits and not r.fallbacks for r in settled), [str(r) for r in settled]
+    assert arena == {"hits": reports[-1].hits, "own_memory": 0, "why": {},
+                     "bytes": reports[-1].arena_bytes}
 
 
 # the first run without autograd (lean.py) -----------------------------------------------------

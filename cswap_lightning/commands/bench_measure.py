@@ -247,6 +247,11 @@ def _engine_summary(m: Method) -> dict:
             "recomputed_blocks": len(off.recomputed),
             "first_runs_without_autograd": sum(
                 why == "" for why in off.recomputer.verdicts.why.values())}
+    memory = off.transfer.host_memory
+    arena = memory.report() if memory is not None else None  # None: no arena planned
+    out["host_arena"] = None if arena is None else {
+        "hits": arena.hits, "own_memory": sum(arena.fallbacks.values()),
+        "why": dict(arena.fallbacks), "bytes": arena.arena_bytes}
     plan = off.plan
     if plan is not None and hasattr(plan, "table"):
         out["plan_table"] = plan.table()
