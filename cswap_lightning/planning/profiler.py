@@ -216,9 +216,9 @@ class Profiler:
                 together: list[tuple[int, ...]] | None = None) -> None:
         """Fold one profiled step in (call after the step's statistics are closed), with
         the order backward first needed its sites (``StepTimer.unpack_order``) and those
-        first needed together (``StepTimer.together``). A site's
-        windows are those of the steps that moved nothing, where there are any: the copies of
-        a step that swapped stretch them.
+        first needed together (``StepTimer.together``). A site's windows are those of the
+        steps that moved nothing, where there are any: the copies of a step that swapped
+        stretch them.
 
         A site keeps the largest size seen of its kind (dtype and dimensions), so that a
         plan made from the profile serves every step no larger (shorter sequences); a site

@@ -411,8 +411,8 @@ class _Replay:
                 self._free(storage)
 
     def _moved(self, i: int) -> bool:
-        """Whether save ``i`` is of a storage moved off the device that backward asks for
-        (what a recomputation below the layer kept it is done with)."""
+        """Whether save ``i``'s storage was moved off the device and backward asks for it
+        (not for what a recomputation below the layer kept: that one is done with)."""
         return (self.activation[i] and not self.kept_below[i]
                 and self.storage_of[i] in self.entries)
 
