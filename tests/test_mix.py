@@ -173,6 +173,9 @@ def test_the_live_step_offers_nested_units_as_a_second_candidate():
     assert [b.parent for b in inner.blocks] == ["h.0", "h.0", "h.0", ""]
     assert inner.merged({"h.0"}).blocks == outer.blocks  # the layer whole again
     assert len(live.candidates(profiles, [calls[0], calls[2]])) == 1  # nothing nests
+    # what one node asked for at once, by site (site 9 was not measured): every candidate's
+    grouped = live.candidates(profiles, calls, together=[(4, 5, 9), (2,)])
+    assert all(w.together == ((4, 5),) for w in grouped)
 
 
 def test_gpt2_recomputes_activation_modules_and_layers_where_that_is_faster():

@@ -140,14 +140,15 @@ class Recomputation:
 
 
 def candidates(profiles: Sequence[SiteProfile], calls: Sequence[BlockCall],
-               beside_bytes: int = 0) -> tuple[Workload, ...]:
+               beside_bytes: int = 0, together: Sequence[Sequence[int]] = ()
+               ) -> tuple[Workload, ...]:
     """The measured step with the outermost units of recomputation; where units nest, with
     the innermost (GPT-2's ``gelu_new`` saves four tensors for a fifth of its layer's
     forward time: recomputing it alone frees more bytes per second than the layer); and
     where the blocks were measured for it, with each block recomputed below the layer (each
-    way: ``Workload.ways_below``) or whole."""
-    outer = workload(profiles, calls, beside_bytes)
-    inner = workload(profiles, calls, beside_bytes, innermost=True)
+    way: ``Workload.ways_below``) or whole. ``together``: as ``workload``'s."""
+    outer = workload(profiles, calls, beside_bytes, together=together)
+    inner = workload(profiles, calls, beside_bytes, innermost=True, together=together)
     return (outer, *([inner] if inner.blocks != outer.blocks else []), *outer.ways_below())
 
 

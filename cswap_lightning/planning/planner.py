@@ -100,7 +100,7 @@ class Planner:
         if budget is None or not m.calls:
             return None
         link, model = self.measure(m.device)
-        measured = live.candidates(m.profiles, m.calls, m.beside_bytes)
+        measured = live.candidates(m.profiles, m.calls, m.beside_bytes, m.together)
         self.recomputation = live.choose_recompute(
             measured, budget, link, self._engine(m, link),
             INFLIGHT_CHOICES if self.config.inflight_bytes == "auto" else (),
