@@ -174,9 +174,12 @@ def test_lossy_on_layers_below_the_layer_is_checked_by_the_guard_and_held_within
     assert len(report.reverted) < len(report.site_errors)
 
 
-def llama_below_the_layer() -> tuple[Built, cswap.Offloader]:
-    """A Llama with every layer recomputed below the layer, every tensor swapped."""
+def llama_below_the_layer(device: str = "cpu") -> tuple[Built, cswap.Offloader]:
+    """A Llama (on ``device``) with every layer recomputed below the layer, every tensor
+    swapped."""
     built, _ = case("llama")
+    built = Built(built.model.to(device), {k: v.to(device) for k, v in built.inputs.items()},
+                  built.loss)
     offloader = cswap.Offloader(cswap.CSwapConfig(plan="raw", min_bytes=0, profile_steps=1,
                                                   budget=None)).watch(built.model)
     offloader.recompute(every_layer_below(built.model))
@@ -223,15 +226,16 @@ def test_a_block_run_first_without_autograd_lets_go_of_what_it_kept_as_its_backw
     assert settled[:3] == [0, 0, 0] and settled[3] > 0, settled
 
 
-def test_the_host_arena_serves_the_next_step_while_the_last_ones_loss_lives():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_host_arena_serves_the_next_step_while_the_last_ones_loss_lives(device):
     """A usual loop keeps the loss (and so its graph) until the next forward has made a new
     one: the kept outputs' payloads of the layers run first without autograd are given back
     as each layer's backward ends, so the next step's payloads find their arena regions free
     (they were busy, and went to memory of their own: on CUDA, pinned anew)."""
     from cswap_lightning.commands.bench_measure import Method, _engine_summary
 
-    built, offloader = llama_below_the_layer()
-    offloader.transfer.arena_everywhere = True  # the CPU's payloads too
+    built, offloader = llama_below_the_layer(device)
+    offloader.transfer.arena_everywhere = True  # the CPU's payloads too (CUDA's always)
     model, reports = built.model, []
     for _ in range(6):
         with offloader:
