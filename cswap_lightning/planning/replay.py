@@ -310,14 +310,8 @@ class _Replay:
         self.recomputes_at = {k for k, op in enumerate(workload.ops)
                               if self.inputs[op.block] is not None
                               and workload.blocks[op.block].ops.stop - 1 == k}
-        # saves one autograd node asks for at once (``Workload.together``): all at the op of
-        # the latest of them (each held until its own op is done)
-        op_of = {i: k for k, op in enumerate(workload.ops) for i in op.saves}
-        self.asked_at: dict[int, list[int]] = {}  # op -> the saves asked for there, early
-        for group in workload.together:
-            first = max(op_of[i] for i in group)
-            self.asked_at.setdefault(first, []).extend(i for i in group if op_of[i] != first)
-        self.asked = {i for saves in self.asked_at.values() for i in saves}
+        # saves one autograd node asks for before their own op (each held until it is done)
+        self.asked_at, self.asked = workload.asked_early
         self.record = timeline
         self.timeline: list[Interval] = []
         # clocks (seconds) and what they add up

@@ -155,6 +155,20 @@ class Workload:
     together: tuple[tuple[int, ...], ...] = ()
 
     @cached_property
+    def asked_early(self) -> tuple[dict[int, tuple[int, ...]], frozenset[int]]:
+        """From ``together``: at each op, the saves of earlier ops one node asks for there
+        (a group's, at the op of its latest), and all such saves; made once, for the replay."""
+        asked_at: dict[int, tuple[int, ...]] = {}
+        if not self.together:
+            return asked_at, frozenset()
+        op_of = {i: k for k, op in enumerate(self.ops) for i in op.saves}
+        for group in self.together:
+            first = max(op_of[i] for i in group)
+            asked_at[first] = (*asked_at.get(first, ()),
+                               *(i for i in group if op_of[i] != first))
+        return asked_at, frozenset(i for saves in asked_at.values() for i in saves)
+
+    @cached_property
     def save_facts(self) -> tuple[list[int], list[bool], list[bool]]:
         """Each save's storage, whether it is an activation, and whether only a recomputation
         below the layer keeps it: lists the replay reads at every op, made once."""
