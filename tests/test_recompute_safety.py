@@ -174,6 +174,44 @@ def inner_forward_hooks() -> nn.Module:
     return stack(block)
 
 
+def steer(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    return output * 1.5  # as activation steering does, hooked around one forward
+
+
+class SteeredForward(nn.Module):
+    """Blocks whose forward hooks exist during its own forward only: registered on entry,
+    removed before it returns, so backward never sees them. ``inside``: on each block's
+    first layer (a user's hook that also records its calls); else one global forward hook
+    (``register_module_forward_hook``) on every linear layer."""
+
+    def __init__(self, inside: bool) -> None:
+        super().__init__()
+        self.inside = inside
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
+            for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.inside:
+            handles = [layer[0].register_forward_hook(steered_and_recorded)
+                       for layer in self.layers]
+        else:
+            handles = [torch.nn.modules.module.register_module_forward_hook(
+                lambda m, args, out: steer(m, args, out) if isinstance(m, nn.Linear) else None)]
+        try:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def steered_and_recorded(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    record(module, args, output)
+    return steer(module, args, output)
+
+
 class Case:
     """A model of one class, and how it trains: ``modes``, its training flag in forward and in
     backward; ``recomputed``: whether the engine may still recompute its blocks (it restores
@@ -212,6 +250,11 @@ CASES = {
     "train() between forward and backward": Case(dropout_blocks, True, modes=(False, True)),
     "forward hooks inside the block": Case(
         inner_forward_hooks, False, "forward hooks on layers.0.0 would run again"),
+    # gone by backward: seen at the call, not when the blocks were chosen
+    "forward hooks inside the block around one forward": Case(
+        lambda: SteeredForward(inside=True), False, "forward hooks on layers.0.0 would run again"),
+    # run again in the recomputation as forward ran them
+    "a global forward hook around one forward": Case(lambda: SteeredForward(inside=False), True),
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import warnings
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -184,6 +185,36 @@ def llama_below_the_layer(device: str = "cpu") -> tuple[Built, cswap.Offloader]:
                                                   budget=None)).watch(built.model)
     offloader.recompute(every_layer_below(built.model))
     return built, offloader
+
+
+@pytest.mark.parametrize("where", ["global", "inside"])
+def test_forward_hooks_around_one_forward_train_as_plainly_below_the_layer(where):
+    """Hooks that steer each layer's MLP during one forward only (registered by the loss,
+    removed before backward): a global one runs again in the recomputation as forward ran it;
+    one on a module inside a layer keeps the layer from being recomputed from that call on."""
+    built, _ = case("llama")
+
+    def steered(model: torch.nn.Module, inputs: dict) -> torch.Tensor:
+        def steer(module, args, out):
+            return out * 1.5 if type(module).__name__ == "LlamaMLP" else None
+
+        handles = ([torch.nn.modules.module.register_module_forward_hook(steer)]
+                   if where == "global" else
+                   [layer.mlp.register_forward_hook(steer) for layer in model.model.layers])
+        try:
+            return built.loss(model, inputs)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    steering = Built(built.model, built.inputs, steered)
+    want = train(steering, STEPS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, _ = below_layers(steering, "raw")
+    assert not differences(want, got)
+    given_back = [str(w.message) for w in caught if "no longer recomputing" in str(w.message)]
+    assert given_back if where == "inside" else not given_back
 
 
 def test_a_second_backward_recomputes_again_from_the_same_kept_outputs():

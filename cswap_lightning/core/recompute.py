@@ -261,6 +261,18 @@ class Recompute:
                 if (why := self.unfit.get(unit.key) or _compiled_below(unit)
                     or (any(map(reruns, self._inside[name])) and _rerun_hooks(unit)))}
 
+    def hooked(self, unit: Unit, parts: Parts) -> bool:
+        """Whether forward hooks on the modules inside ``unit`` (its ``parts``) would run
+        again in its recomputation, looked for at each call: hooks added since it was chosen,
+        around one forward, say, and gone by backward, whose effect its recomputation would
+        lose. It is unfit from now on (the next step gives it back), this call runs plainly."""
+        if not any(m._forward_pre_hooks or m._forward_hooks for m in parts.called):
+            return False
+        why = _rerun_hooks(unit)
+        if why:
+            self.unfit[unit.key] = why
+        return bool(why)
+
     def _unfit(self, unit: Unit) -> str:
         if unit.key in self.unfit:
             return self.unfit[unit.key]
@@ -388,7 +400,9 @@ class RecomputedForward:
             return self.run(*args, **kwargs)
         if self._parts is None:
             self._parts = Parts.of([self.block], block=True)
-        if _self_checkpointed(self._parts.switches):
+        unit = recompute.chosen.get(self.name)
+        if (unit is None or _self_checkpointed(self._parts.switches)
+                or recompute.hooked(unit, self._parts)):
             return self.run(*args, **kwargs)
         return checkpointed(self.run, self._parts,
                             recompute.changed_buffers(self.name.removesuffix(BELOW), self.block),
@@ -436,6 +450,10 @@ class StagedForward:
             parts = self._parts.get(i)
             if parts is None or parts.modules[0] is not layers[0]:
                 parts = self._parts[i] = Parts.of(layers)
+            if recompute.hooked(unit, parts):
+                input = _in_turn(layers, input)
+                i = unit.span.stop
+                continue
             input = checkpointed(partial(_in_turn, layers), parts,
                                  recompute.changed_buffers(unit.name, self.sequential),
                                  (input,), {}, recompute.witness, None, recompute.verdicts,

@@ -6,9 +6,11 @@ it reads is as the step left it, and all it changes it changes twice. So a recom
 with what its first run saw: each module's training flag (``model.eval()`` may have come
 between forward and backward), the buffers its forward changes (measured on the engine's
 measured steps: a counter, spectral norm's power-iteration vectors), the generators of its
-own (module attributes, or arguments), a Hugging Face cache among its arguments; and leaves
-them all as it found them. Norms' running statistics are only read in eval mode, where they
-are not updated: they are put back after it, not shown as before.
+own (module attributes, or arguments), a Hugging Face cache among its arguments, the global
+forward hooks (``register_module_forward_hook``: one removed after forward still runs in the
+recomputation, one added after does not); and leaves them all as it found them. Norms'
+running statistics are only read in eval mode, where they are not updated: they are put back
+after it, not shown as before.
 
 What cannot be put back keeps a block from being recomputed (``Recompute.left_out``): an input
 or a parameter changed in place, and forward hooks on the modules inside it, which would run
@@ -25,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as module_hooks
 from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.utils.prune import BasePruningMethod
 from torch.nn.utils.spectral_norm import SpectralNorm
@@ -71,7 +74,7 @@ class FirstRun:
     """What a unit's first run started from: the training flags of its ``parts``' modules,
     the values of the buffers its forward changes (``changed``, copied), the states of its
     generators (``generators``: its parts' and those among its arguments), the caches among
-    its arguments."""
+    its arguments, the global forward hooks."""
 
     def __init__(self, parts: Parts, changed: list[Buffer],
                  generators: list[torch.Generator], caches: CacheStates | None) -> None:
@@ -81,6 +84,7 @@ class FirstRun:
                         if (b := m._buffers.get(n)) is not None]
         self.generators = [(g, g.get_state()) for g in generators]
         self.caches = caches
+        self.global_hooks = global_hooks()
 
 
 @contextmanager
@@ -96,6 +100,10 @@ def as_first(first: FirstRun) -> Iterator[None]:
              if (b := m._buffers.get(n)) is not None]
     generators = [(g, g.get_state()) for g, _ in first.generators]
     caches = first.caches.again() if first.caches is not None else None
+    hooks = global_hooks()
+    hooks_differ = hooks != first.global_hooks
+    if hooks_differ:
+        _set_global_hooks(first.global_hooks)
     _set_flags(modules, first.flags)
     for module, name, value in first.changed:
         module._buffers[name] = value.clone()  # a second backward recomputes from it again
@@ -116,6 +124,29 @@ def as_first(first: FirstRun) -> Iterator[None]:
             generator.set_state(state)
         if caches is not None:
             caches.restore()
+        if hooks_differ:
+            _set_global_hooks(hooks)
+
+
+# The global forward hooks' registries, which ``nn.Module.__call__`` reads on every call.
+_GLOBAL_HOOKS = (module_hooks._global_forward_pre_hooks, module_hooks._global_forward_hooks,
+                 module_hooks._global_forward_hooks_always_called,
+                 module_hooks._global_forward_hooks_with_kwargs)
+GlobalHooks = tuple[tuple[tuple[int, Any], ...], ...] | None
+
+
+def global_hooks() -> GlobalHooks:
+    """The global forward hooks now, by handle id (None: none, as nearly always)."""
+    if not (_GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1]):
+        return None
+    return tuple(tuple(registry.items()) for registry in _GLOBAL_HOOKS)
+
+
+def _set_global_hooks(hooks: GlobalHooks) -> None:
+    """Make the global forward hooks ``hooks`` (in place: torch reads the registries by name)."""
+    for registry, items in zip(_GLOBAL_HOOKS, hooks or ((),) * len(_GLOBAL_HOOKS), strict=True):
+        registry.clear()
+        registry.update(items)
 
 
 def _set_flags(modules: list[nn.Module], flags: list[bool]) -> None:
