@@ -388,8 +388,8 @@ def test_stages_of_a_sequential_put_back_their_buffers_and_leave_out_hooked_laye
 
     got = train(case.built(), STEPS, offloader, prepare)
     assert not differences(want, got) and HOOK_CALLS == calls
-    assert skipped == {"[4:7]": "forward hooks on 4 would run again in backward (they run "
-                                "once plainly)"}
+    assert skipped == {"[4:7]": "forward hooks on 4 would run again in backward, where "
+                                "plainly they run once"}
     assert offloader.recomputed == {"[0:4]"}
     assert offloader.recomputer.changed == {"[0:4]": {"1.calls"}}
     offloader.close()

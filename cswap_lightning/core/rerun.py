@@ -171,7 +171,7 @@ def rerun_hooks(tops: list[tuple[str, nn.Module]], whole: bool) -> str:
         if hooked is not None:
             inner = next(n for n, m in top.named_modules() if m is hooked)
             return (f"forward hooks on {'.'.join(p for p in (name, inner) if p)} would run "
-                    "again in backward (they run once plainly)")
+                    "again in backward, where plainly they run once")
     return ""
 
 

@@ -67,9 +67,10 @@ class Watched:
         unfit = recomputer.unfit_chosen() if recomputer is not None else {}
         if not unfit:
             return
-        warnings.warn(f"cswap: no longer recomputing {', '.join(map(repr, unfit))}: "
-                      + "; ".join(f"{name} {why}" for name, why in unfit.items()),
-                      RuntimeWarning, stacklevel=3)
+        whys = (next(iter(unfit.values())) if len(unfit) == 1
+                else "; ".join(f"{name}: {why}" for name, why in unfit.items()))
+        warnings.warn(f"cswap: no longer recomputing {', '.join(map(repr, unfit))} ({whys}); "
+                      f"{'it runs' if len(unfit) == 1 else 'they run'} plainly from this step on", RuntimeWarning, stacklevel=3)
         self.choose([name for name in recomputer.chosen if name not in unfit])
 
     def arm(self, step: Step) -> None:
