@@ -113,6 +113,27 @@ class Counting(Scaled):
         return super().forward(x)
 
 
+class CountingInAttributes(nn.Module):
+    """Counts its calls in plain attributes, a Python number and a tensor that is no buffer
+    (replaced, or with ``in_place`` changed in place), and scales by both: plainly each
+    forward counts once. It keeps its last input aside too, made on its first call."""
+
+    def __init__(self, in_place: bool = False) -> None:
+        super().__init__()
+        self.calls, self.in_place = 0, in_place
+        self.seen = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.in_place:
+            self.seen += 1
+        else:
+            self.seen = self.seen + 1
+        scale = 1 if getattr(self, "last", None) is None else 1 + 0.01 * self.last.mean()
+        self.last = x.detach()
+        return x * (1 + 0.1 * self.calls) * (1 + 0.01 * self.seen) * scale
+
+
 def bump(module: nn.Module, args: tuple) -> None:
     module.calls += 1
 
@@ -240,6 +261,13 @@ CASES = {
     "buffer bumped in forward": Case(
         lambda: stack(lambda: nn.Sequential(nn.Linear(WIDTH, WIDTH), Counting(), nn.Tanh())),
         True),
+    "state in plain attributes changed in forward": Case(
+        lambda: stack(lambda: nn.Sequential(nn.Linear(WIDTH, WIDTH), CountingInAttributes(),
+                                            nn.Tanh())), True),
+    "a plain attribute's tensor changed in place in forward": Case(
+        lambda: stack(lambda: nn.Sequential(nn.Linear(WIDTH, WIDTH),
+                                            CountingInAttributes(in_place=True), nn.Tanh())),
+        False, "changes the tensor of its attribute 1.seen in place"),
     "buffer bumped by a forward pre-hook": Case(
         bumped_by_a_pre_hook, False, "forward hooks on layers.0.1 would run again"),
     "spectral norm (parametrization)": Case(

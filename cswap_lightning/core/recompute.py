@@ -56,6 +56,7 @@ from .rerun import (
     as_first,
     generators_among,
     norm_buffers,
+    plain_state,
     rerun_hooks,
     reruns,
 )
@@ -170,9 +171,9 @@ class Recompute:
         self._inside: dict[str, list[nn.Module]] = {}  # a chosen unit's modules, but a block
         # Units measured not to be recomputable, with why (``BlockTimer``).
         self.unfit: dict[str, str] = {}
-        # The buffers each unit's forward was measured to change, or found changed after it
-        # returned, named within its module (a stage's: within its nn.Sequential): its
-        # recomputation is shown their values from before its first run.
+        # The buffers and plain attributes each unit's forward was measured to change, or
+        # found changed after it returned, named within its module (a stage's: within its
+        # nn.Sequential): its recomputation is shown their values from before its first run.
         self.changed: dict[str, set[str]] = {}
         # what each block's recomputations below the layer keep, each way (by the block's
         # name and the way's weight), and the weight each block is recomputed with
@@ -346,13 +347,13 @@ class Recompute:
         return (not torch.compiler.is_compiling() and self.armed and torch.is_grad_enabled()
                 and top_hooks() == self.hooks)
 
-    def changed_buffers(self, name: str, root: nn.Module) -> list[Buffer]:
-        """The buffers unit ``name`` (its module, or its stage's ``nn.Sequential``: ``root``)
-        was measured to change."""
-        return [_buffer(root, where) for where in self.changed.get(name, ())]
+    def changed_state(self, name: str, root: nn.Module) -> list[Buffer]:
+        """The buffers and plain attributes unit ``name`` (its module, or its stage's
+        ``nn.Sequential``: ``root``) was measured to change."""
+        return [_state(root, where) for where in self.changed.get(name, ())]
 
 
-def _buffer(root: nn.Module, where: str) -> Buffer:
+def _state(root: nn.Module, where: str) -> Buffer:
     path, _, name = where.rpartition(".")
     return root.get_submodule(path), name
 
@@ -405,7 +406,7 @@ class RecomputedForward:
                 or recompute.hooked(unit, self._parts)):
             return self.run(*args, **kwargs)
         return checkpointed(self.run, self._parts,
-                            recompute.changed_buffers(self.name.removesuffix(BELOW), self.block),
+                            recompute.changed_state(self.name.removesuffix(BELOW), self.block),
                             args, kwargs, recompute.witness,
                             Region(recompute.hooks,
                                    choice=recompute.choice(self.name.removesuffix(BELOW)))
@@ -455,7 +456,7 @@ class StagedForward:
                 i = unit.span.stop
                 continue
             input = checkpointed(partial(_in_turn, layers), parts,
-                                 recompute.changed_buffers(unit.name, self.sequential),
+                                 recompute.changed_state(unit.name, self.sequential),
                                  (input,), {}, recompute.witness, None, recompute.verdicts,
                                  unit.name)
             i = unit.span.stop
@@ -722,7 +723,7 @@ class BlockTimer:
                                     choices=[self.recompute.choice(name, weight)
                                              for weight in WEIGHTS])
                 self.observing.append(observer.__enter__())
-            open_calls.append((self.next_site(), versions, _State(buffers, parameters),
+            open_calls.append((self.next_site(), versions, _State(buffers, parameters, named),
                                self.clock.now(), observer))
 
         def after(module: nn.Module, args: tuple, output: Any) -> None:
@@ -737,7 +738,7 @@ class BlockTimer:
                 self.recompute.unfit[name] = "changes an input in place"
             self._learn(name, state, "")
             probes = [(version_probe(t.detach()), t._version) for t, _ in versions]
-            self.returned.append((name, probes, _State(buffers, parameters)))
+            self.returned.append((name, probes, _State(buffers, parameters, named)))
             nbytes = sum(t.numel() * t.element_size() for t, _ in versions)
             self.stamps.append((name, first_site, self.next_site(), len(versions), nbytes,
                                 start, self.clock.now(), ways, timed, began))
@@ -747,12 +748,16 @@ class BlockTimer:
 
     def _learn(self, name: str, state: _State, when: str) -> None:
         """What changed of a unit's ``state`` since it was taken."""
-        changed, parameter = state.changes()
+        changed, parameter, attribute = state.changes()
         if changed:
             self.recompute.changed.setdefault(name, set()).update(changed)
         if parameter:
             self.recompute.unfit.setdefault(name, f"changes its parameter {parameter} in "
                                                   f"place{when}")
+        if attribute:
+            self.recompute.unfit.setdefault(
+                name, f"changes the tensor of its attribute {attribute} in place{when}, which "
+                      "cannot be put back (register it as a buffer, and it will be)")
 
     def look_back(self) -> None:
         """What changed after each unit call returned (at the end of forward, as backward
@@ -834,20 +839,45 @@ def _named_within(root: nn.Module, unit: Unit) -> list[tuple[str, nn.Module]]:
 
 
 class _State:
-    """The buffers (each a name within the unit, its module and its name there) and the
-    parameters (each a name within the unit and itself) of a unit, as they are now: which
-    tensor each buffer is, and every version."""
+    """The buffers (each a name within the unit, its module and its name there), the
+    parameters (each a name within the unit and itself) and the plain attributes that may
+    hold state (``rerun.plain_state`` of each of its ``modules``, named within it) of a unit,
+    as they are now: which tensor or value each holds, and every tensor's version."""
 
     def __init__(self, buffers: list[tuple[str, nn.Module, str]],
-                 parameters: list[tuple[str, nn.Parameter]]) -> None:
+                 parameters: list[tuple[str, nn.Parameter]],
+                 modules: list[tuple[str, nn.Module]]) -> None:
         self.buffers = [(f"{where}.{n}".lstrip("."), m, n, t, t._version)
                         for where, m, n in buffers if (t := m._buffers.get(n)) is not None]
         self.parameters = [(where, p, p._version) for where, p in parameters]
+        self.modules = modules
+        self.attributes = _attributes(modules)
 
-    def changes(self) -> tuple[list[str], str]:
-        """The buffers changed since (in place or replaced), and the first parameter changed
-        in place (``""``: none)."""
+    def changes(self) -> tuple[list[str], str, str]:
+        """The buffers and plain attributes changed since (a buffer in place or replaced, an
+        attribute replaced, added or removed), the first parameter changed in place, and
+        the first attribute whose tensor was changed in place (``""``: none)."""
         changed = [where for where, m, n, t, v in self.buffers
                    if m._buffers.get(n) is not t or t._version != v]
         parameter = next((where for where, p, v in self.parameters if p._version != v), "")
-        return changed, parameter
+        now = _attributes(self.modules)
+        in_place = ""
+        for key in self.attributes.keys() | now.keys():
+            (value, version), (then, before) = now.get(key, _NONE), self.attributes.get(key, _NONE)
+            if value is then and version != before:
+                in_place = in_place or key[0]
+            elif value is not then and (isinstance(value, torch.Tensor)
+                                        or type(value) is not type(then) or value != then):
+                changed.append(key[0])
+        return changed, parameter, in_place
+
+
+_NONE = (None, None)  # an attribute a module does not have
+
+
+def _attributes(modules: list[tuple[str, nn.Module]]) -> dict[tuple, tuple[Any, int | None]]:
+    """Each plain attribute that may hold state, by (name within the unit, module, name):
+    its value, and a tensor's version."""
+    return {(f"{where}.{n}".lstrip("."), m, n):
+            (v, v._version if isinstance(v, torch.Tensor) else None)
+            for where, m in modules for n, v in plain_state(m)}

@@ -4,17 +4,18 @@ A block recomputed in backward runs its forward a second time, after the rest of
 run. ``torch.utils.checkpoint`` puts back the global RNG states and autocast for it; all else
 it reads is as the step left it, and all it changes it changes twice. So a recomputation runs
 with what its first run saw: each module's training flag (``model.eval()`` may have come
-between forward and backward), the buffers its forward changes (measured on the engine's
-measured steps: a counter, spectral norm's power-iteration vectors), the generators of its
+between forward and backward), the buffers and plain attributes its forward changes
+(measured on the engine's measured steps: a counter, spectral norm's power-iteration vectors,
+a Python number, a tensor kept aside), the generators of its
 own (module attributes, or arguments), a Hugging Face cache among its arguments, the global
 forward hooks (``register_module_forward_hook``: one removed after forward still runs in the
 recomputation, one added after does not); and leaves them all as it found them. Norms'
 running statistics are only read in eval mode, where they are not updated: they are put back
 after it, not shown as before.
 
-What cannot be put back keeps a block from being recomputed (``Recompute.left_out``): an input
-or a parameter changed in place, and forward hooks on the modules inside it, which would run
-again.
+What cannot be put back keeps a block from being recomputed (``Recompute.left_out``): an input,
+a parameter or a tensor held in a plain attribute changed in place, and forward hooks on the
+modules inside it, which would run again.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from torch.nn.utils.weight_norm import WeightNorm
 # Hooks that compute a weight from parameters and buffers (which are put back): running them
 # again gives the same weight.
 _PURE_HOOKS = (SpectralNorm, WeightNorm, BasePruningMethod)
-Buffer = tuple[nn.Module, str]  # a module and the name of one of its buffers
+Buffer = tuple[nn.Module, str]  # a module and the name of one of its buffers or attributes
+_MISSING = object()  # an attribute a module did not have yet
 
 
 @dataclass
@@ -63,6 +65,32 @@ class Parts:
                    modules[1:] if block else modules)
 
 
+def plain_state(module: nn.Module) -> Iterator[tuple[str, Any]]:
+    """The plain attributes of ``module`` that may hold state its forward changes: tensors
+    that are neither parameters nor buffers, and Python numbers (a call counter)."""
+    for name, value in vars(module).items():
+        if name[0] != "_" and name != "training" and (
+                type(value) in (int, float, bool)
+                or (isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter))):
+            yield name, value
+
+
+def _value(module: nn.Module, name: str) -> Any:
+    """A buffer's tensor, or a plain attribute's value (``_MISSING`` where it has none)."""
+    if name in module._buffers:
+        return module._buffers[name]
+    return module.__dict__.get(name, _MISSING)
+
+
+def _put(module: nn.Module, name: str, value: Any) -> None:
+    if name in module._buffers:
+        module._buffers[name] = value
+    elif value is _MISSING:
+        module.__dict__.pop(name, None)
+    else:
+        module.__dict__[name] = value
+
+
 def norm_buffers(modules: Iterable[nn.Module]) -> list[Buffer]:
     """The running statistics of the norms among ``modules`` (BatchNorm, InstanceNorm)."""
     return [(m, name) for m in modules if isinstance(m, _NormBase)
@@ -72,7 +100,8 @@ def norm_buffers(modules: Iterable[nn.Module]) -> list[Buffer]:
 
 class FirstRun:
     """What a unit's first run started from: the training flags of its ``parts``' modules,
-    the values of the buffers its forward changes (``changed``, copied), the states of its
+    the values of the buffers (copied) and plain attributes (as they are: a tensor there is
+    replaced, never changed in place) its forward changes (``changed``), the states of its
     generators (``generators``: its parts' and those among its arguments), the caches among
     its arguments, the global forward hooks."""
 
@@ -80,8 +109,8 @@ class FirstRun:
                  generators: list[torch.Generator], caches: CacheStates | None) -> None:
         self.parts = parts
         self.flags = [m.training for m in parts.modules]
-        self.changed = [(m, n, b.clone()) for m, n in changed
-                        if (b := m._buffers.get(n)) is not None]
+        self.changed = [(m, n, v.clone() if n in m._buffers else v) for m, n in changed
+                        if (v := _value(m, n)) is not None]
         self.generators = [(g, g.get_state()) for g in generators]
         self.caches = caches
         self.global_hooks = global_hooks()
@@ -89,13 +118,14 @@ class FirstRun:
 
 @contextmanager
 def as_first(first: FirstRun) -> Iterator[None]:
-    """Run a recomputation as the first run ran (flags, changed buffers, generators and caches
-    as they were; norms' running statistics on the side), and put back all of it as it is
-    now afterwards. A changed buffer is shown as a fresh copy of its first value, swapped in
-    for the buffer: tensors saved before keep the buffer's own values."""
+    """Run a recomputation as the first run ran (flags, changed buffers and attributes,
+    generators, caches and global hooks as they were; norms' running statistics on the
+    side), and put back all of it as it is now afterwards. A changed buffer is shown as a
+    fresh copy of its first value, swapped in for the buffer: tensors saved before keep the
+    buffer's own values."""
     modules = first.parts.modules
     flags = [m.training for m in modules]
-    buffers = [(m, n, m._buffers[n]) for m, n, _ in first.changed]
+    now = [(m, n, _value(m, n)) for m, n, _ in first.changed]
     norms = [(b, b.clone()) for m, n in first.parts.norms
              if (b := m._buffers.get(n)) is not None]
     generators = [(g, g.get_state()) for g, _ in first.generators]
@@ -105,8 +135,8 @@ def as_first(first: FirstRun) -> Iterator[None]:
     if hooks_differ:
         _set_global_hooks(first.global_hooks)
     _set_flags(modules, first.flags)
-    for module, name, value in first.changed:
-        module._buffers[name] = value.clone()  # a second backward recomputes from it again
+    for module, name, value in first.changed:  # a buffer copied: a second backward
+        _put(module, name, value.clone() if name in module._buffers else value)  # reads it
     for generator, state in first.generators:
         generator.set_state(state)
     if first.caches is not None:
@@ -115,8 +145,8 @@ def as_first(first: FirstRun) -> Iterator[None]:
         yield
     finally:
         _set_flags(modules, flags)
-        for module, name, buffer in buffers:
-            module._buffers[name] = buffer
+        for module, name, value in now:
+            _put(module, name, value)
         with torch.no_grad():
             for buffer, value in norms:
                 buffer.copy_(value)
