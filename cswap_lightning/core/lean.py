@@ -118,6 +118,7 @@ class Watch(TorchFunctionMode):
         # and the call's nodes that read it, by the node's id
         self.weighed: dict[int, tuple[Any, list]] = {}
         self.weights = {id(p) for p in params}
+        self.constant: tuple[int, ...] = ()  # the outputs that need no gradient, by place
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -174,6 +175,9 @@ class Watch(TorchFunctionMode):
         returned = _addresses(outs)
         if returned & self.held:
             return "it returns its input or a view of it"
+        # returned by a Function, they would need one where any of its inputs does
+        self.constant = tuple(i for i, t in enumerate(outs) if not t.requires_grad
+                              and (t.is_floating_point() or t.is_complex()))
         caches = self.first_run.caches
         cached = caches.tensors() if caches is not None else set()
         if any((t := ref()) is not None and t.untyped_storage().data_ptr() not in returned
@@ -226,10 +230,10 @@ class _Call:
     def __init__(self, run: Callable, values: tuple, count: int, names: list[str],
                  others: dict[str, Any], first_run: FirstRun, params: list[torch.Tensor],
                  witnessed: Callable[[tuple], Any], second: Callable[[], None],
-                 region: Region | None = None) -> None:
+                 region: Region | None = None, constant: tuple[int, ...] = ()) -> None:
         self.run, self.count, self.names, self.others = run, count, names, others
         self.first_run, self.params, self.witnessed = first_run, params, witnessed
-        self.second, self.region = second, region
+        self.second, self.region, self.constant = second, region, constant
         self.where = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
         self.values = [_TENSOR if isinstance(v, torch.Tensor) else v for v in values]
         self.states = _States([values[i] for i in self.where])
@@ -245,12 +249,14 @@ class _Call:
                         **dict(zip(self.names, values[self.count:], strict=True)))
 
     def first(self, tensors: tuple) -> tuple[torch.Tensor, ...]:
-        """The first run (autograd is off in a ``Function``'s forward): its tensors."""
+        """The first run (autograd is off in a ``Function``'s forward): its tensors, none a
+        view (a ``Function``'s view output cannot be changed in place: plainly it can)."""
         with nullcontext() if self.region is None else self.region.lean():
             out = self.call(tensors)
         leaves, self.spec = tree_flatten(out)
         self.leaves = [_TENSOR if isinstance(v, torch.Tensor) else v for v in leaves]
-        return tuple(v for v in leaves if isinstance(v, torch.Tensor))
+        return tuple(v.detach() if v._base is not None else v
+                     for v in leaves if isinstance(v, torch.Tensor))
 
     def output(self, tensors: tuple[torch.Tensor, ...]) -> Any:
         """The first run's output, its tensors those of the ``Function``."""
@@ -285,9 +291,10 @@ class _Call:
             pairs = [(o, g) for o, g in zip(outs, grads, strict=True)
                      if g is not None and o.requires_grad]
             if pairs and targets:
-                found = torch.autograd.grad([o for o, _ in pairs], targets,
-                                            [g for _, g in pairs], allow_unused=True,
-                                            create_graph=create_graph)
+                with _hooks_held(self.params):
+                    found = torch.autograd.grad([o for o, _ in pairs], targets,
+                                                [g for _, g in pairs], allow_unused=True,
+                                                create_graph=create_graph)
         given = iter(found)
         return [next(given) if w else None for w in wanted]
 
@@ -295,6 +302,22 @@ class _Call:
         """Below the layer, what gives back what the first run kept (where it kept it)."""
         region = self.region
         return nullcontext() if region is None or region.whole else region.recomputing()
+
+
+@contextmanager
+def _hooks_held(params: list[torch.Tensor]) -> Iterator[None]:
+    """The parameters' own gradient hooks (``register_hook``) kept from running: asked for
+    their gradients, ``torch.autograd.grad`` would run them, and the ``Function`` hands those
+    gradients on to the parameters, where they run (once, as plainly). A leaf's hooks are
+    its ``_backward_hooks`` dict, which autograd reads when it calls them."""
+    held = [(hooks, list(hooks.items())) for p in params if (hooks := p._backward_hooks)]
+    for hooks, _ in held:
+        hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in held:
+            hooks.update(items)
 
 
 class _States:
@@ -336,7 +359,9 @@ class _Rerun(torch.autograd.Function):
         ctx.call = call
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(*tensors[:count])
-        return call.first(tensors[:count])
+        out = call.first(tensors[:count])
+        ctx.mark_non_differentiable(*(out[i] for i in call.constant if i < len(out)))
+        return out
 
     @staticmethod
     def backward(ctx, *grads):
@@ -345,15 +370,17 @@ class _Rerun(torch.autograd.Function):
 
 def rerun(run: Callable, values: tuple, count: int, names: list[str], others: dict[str, Any],
           first_run: FirstRun, modules: list[nn.Module], witnessed: Callable[[tuple], Any],
-          second: Callable[[], None], region: Region | None = None) -> Any:
+          second: Callable[[], None], region: Region | None = None,
+          constant: tuple[int, ...] = ()) -> Any:
     """``run`` called without autograd with ``values`` (``count`` positional, then the keyword
     ones ``names``) and ``others``, its output's tensors given a history that recomputes it
     in backward (``as_first(first_run)``, ``witnessed`` around it; ``second`` called where
-    that backward makes a graph); with a ``region`` whose choice is settled, below the layer
-    (``selective.Lean``)."""
+    that backward makes a graph), but those at the places ``constant`` (its watched calls
+    made them needing no gradient); with a ``region`` whose choice is settled, below the
+    layer (``selective.Lean``)."""
     params = parameters(modules)
     call = _Call(run, values, count, names, others, first_run, params, witnessed, second,
-                 region)
+                 region, constant)
     tensors = [values[i] for i in call.where]
     out = call.output(_Rerun.apply(call, len(tensors), *tensors, *params))
     if region is not None:  # what it keeps goes through the step's hooks after its inputs
@@ -462,6 +489,8 @@ class Verdicts:
     def __init__(self, model: Callable[[], nn.Module | None]) -> None:
         self.model = model
         self.why: dict[str, str] = {}
+        # each unit's tensor outputs (by place) that its watched calls made needing no gradient
+        self.constants: dict[str, tuple[int, ...]] = {}
         self.on = True
         self.whole = set(WHOLE_DEVICES)
         self.step: _Watching | None = None  # the step watching, from begin to end
@@ -481,6 +510,7 @@ class Verdicts:
     def forget(self) -> None:
         """Watch every unit again (the chosen ones changed: they are watched together)."""
         self.why.clear()
+        self.constants.clear()
 
     def begin(self, names: Iterable[str]) -> None:
         """A step's forward begins, the units ``names`` chosen: it watches those without a
@@ -491,7 +521,10 @@ class Verdicts:
     def watched(self, name: str, watch: Watch, out: Any, again: Callable[[], Any]) -> None:
         """A unit call watched (``watch``, its output ``out``; ``again``: the call once
         more)."""
-        self.step.called(name, watch.verdict(out, again), watch)
+        why = watch.verdict(out, again)
+        if self.constants.setdefault(name, watch.constant) != watch.constant:
+            why = why or "its calls return tensors that need no gradient in other places"
+        self.step.called(name, why, watch)
         self.watch_backward(name, out)
 
     def end(self) -> None:
@@ -500,7 +533,8 @@ class Verdicts:
         step, self.step = self.step, None
         if step is not None:
             for name, why in step.verdicts_now().items():
-                self.give(name, why)
+                if self.why.get(name) != SECOND:  # seen already (inside the block)
+                    self.give(name, why)
 
     def settle(self, name: str, why: str) -> None:
         """A unit's verdict, once its checks in backward came (a second derivative seen

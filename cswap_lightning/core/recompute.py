@@ -516,7 +516,7 @@ def checkpointed(run: Callable, parts: Parts, changed: list[Buffer], args: tuple
         out = rerun(run, inputs, count, tensors, others, first_run, parts.modules,
                     partial(_witnessed, witness, own=True, below=region is not None),
                     partial(verdicts.second, name),
-                    region)
+                    region, verdicts.constants.get(name, ()))
         if region is not None and region.whole:
             verdicts.give(name, UNSETTLED)
         return out

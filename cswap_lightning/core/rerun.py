@@ -7,7 +7,8 @@ with what its first run saw: each module's training flag (``model.eval()`` may h
 between forward and backward), the buffers and plain attributes its forward changes
 (measured on the engine's measured steps: a counter, spectral norm's power-iteration vectors,
 a Python number, a tensor kept aside), the generators of its
-own (module attributes, or arguments), a Hugging Face cache among its arguments, the global
+own (module attributes, or arguments) and Python's ``random`` (torch's own generators are
+checkpoint's), a Hugging Face cache among its arguments, the global
 forward hooks (``register_module_forward_hook``: one removed after forward still runs in the
 recomputation, one added after does not); and leaves them all as it found them. Norms'
 running statistics are only read in eval mode, where they are not updated: they are put back
@@ -20,6 +21,7 @@ modules inside it, which would run again.
 
 from __future__ import annotations
 
+import random
 import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -103,7 +105,7 @@ class FirstRun:
     the values of the buffers (copied) and plain attributes (as they are: a tensor there is
     replaced, never changed in place) its forward changes (``changed``), the states of its
     generators (``generators``: its parts' and those among its arguments), the caches among
-    its arguments, the global forward hooks."""
+    its arguments, Python's ``random`` state, the global forward hooks."""
 
     def __init__(self, parts: Parts, changed: list[Buffer],
                  generators: list[torch.Generator], caches: CacheStates | None) -> None:
@@ -112,6 +114,7 @@ class FirstRun:
         self.changed = [(m, n, v.clone() if n in m._buffers else v) for m, n in changed
                         if (v := _value(m, n)) is not None]
         self.generators = [(g, g.get_state()) for g in generators]
+        self.python_random = random.getstate()
         self.caches = caches
         self.global_hooks = global_hooks()
 
@@ -129,6 +132,7 @@ def as_first(first: FirstRun) -> Iterator[None]:
     norms = [(b, b.clone()) for m, n in first.parts.norms
              if (b := m._buffers.get(n)) is not None]
     generators = [(g, g.get_state()) for g, _ in first.generators]
+    python_random = random.getstate()
     caches = first.caches.again() if first.caches is not None else None
     hooks = global_hooks()
     hooks_differ = hooks != first.global_hooks
@@ -139,6 +143,7 @@ def as_first(first: FirstRun) -> Iterator[None]:
         _put(module, name, value.clone() if name in module._buffers else value)  # reads it
     for generator, state in first.generators:
         generator.set_state(state)
+    random.setstate(first.python_random)
     if first.caches is not None:
         first.caches.restore()
     try:
@@ -152,6 +157,7 @@ def as_first(first: FirstRun) -> Iterator[None]:
                 buffer.copy_(value)
         for generator, state in generators:
             generator.set_state(state)
+        random.setstate(python_random)
         if caches is not None:
             caches.restore()
         if hooks_differ:
