@@ -40,6 +40,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 import torch
 from test_conformance import (
@@ -496,14 +497,17 @@ class Counted(nn.Module):
 
 class PythonRandom(nn.Module):
     """Scales its output by a number drawn from Python's ``random`` (as LayerDrop was drawn
-    in Hugging Face's models before torch.rand): a second run draws another."""
+    in Hugging Face's models before torch.rand), or NumPy's global generator: a second run
+    draws another."""
 
-    def __init__(self) -> None:
+    def __init__(self, numpy: bool = False) -> None:
         super().__init__()
         self.lin = nn.Linear(WIDTH, WIDTH)
+        self.numpy = numpy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.lin(x) * (0.5 + random.random()))
+        drawn = float(np.random.rand()) if self.numpy else random.random()
+        return torch.tanh(self.lin(x) * (0.5 + drawn))
 
 
 # nesting and second derivatives ----------------------------------------------------------------
@@ -994,6 +998,9 @@ CASES = {
         prepare=halved_weights, below=True, in_order=False),
     "a number drawn from Python's random in forward": Case(
         lambda: stack(PythonRandom, depth=1),
+        f"{AUTOGRAD}test_checkpoint_detects_non_determinism"),
+    "a number drawn from NumPy's generator in forward": Case(
+        lambda: stack(lambda: PythonRandom(numpy=True), depth=1),
         f"{AUTOGRAD}test_checkpoint_detects_non_determinism"),
     "a gradient penalty taken inside the step": Case(
         lambda: stack(Elementwise, depth=1),

@@ -471,6 +471,7 @@ def _read(args: tuple, kwargs: dict, out: Any) -> tuple[list[torch.Tensor], list
 # the recomputation runs the operators after the unit's last saved tensor too, for its
 # output's graph, which checkpoint stops before; the host time it saves hid behind kernels.
 WHOLE_DEVICES = ("cpu",)
+SUBCLASS = "a tensor subclass among its inputs: it runs under checkpoint"
 WHOLE_ELSEWHERE = ("recomputed whole on this device, it runs under checkpoint, which stops "
                    "before the operators after its last saved tensor (``Verdicts.whole``)")
 

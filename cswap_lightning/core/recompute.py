@@ -46,7 +46,7 @@ from ..planning.dataflow import WEIGHTS
 from ..planning.profiler import Clock
 from ..planning.workload import BELOW, Below
 from .compile import containers, is_compiled
-from .lean import WHOLE_ELSEWHERE, Verdicts, Watch, rerun
+from .lean import SUBCLASS, WHOLE_ELSEWHERE, Verdicts, Watch, rerun
 from .lean import parameters as lean_parameters
 from .rerun import (
     Buffer,
@@ -54,7 +54,9 @@ from .rerun import (
     FirstRun,
     Parts,
     as_first,
+    drawn,
     generators_among,
+    host_generators,
     norm_buffers,
     plain_state,
     rerun_hooks,
@@ -175,6 +177,9 @@ class Recompute:
         # found changed after it returned, named within its module (a stage's: within its
         # nn.Sequential): its recomputation is shown their values from before its first run.
         self.changed: dict[str, set[str]] = {}
+        # The host generators (``rerun.host_generators``) each unit's forward was measured to
+        # draw from: its recomputation gets their states back as its first run found them.
+        self.draws: dict[str, set[str]] = {}
         # what each block's recomputations below the layer keep, each way (by the block's
         # name and the way's weight), and the weight each block is recomputed with
         self.choices: dict[tuple[str, float], Choice] = {}
@@ -410,7 +415,8 @@ class RecomputedForward:
                             args, kwargs, recompute.witness,
                             Region(recompute.hooks,
                                    choice=recompute.choice(self.name.removesuffix(BELOW)))
-                            if self.below else None, recompute.verdicts, self.name)
+                            if self.below else None, recompute.verdicts, self.name,
+                            recompute.draws.get(unit.key, ()))
 
     def __deepcopy__(self, memo: dict) -> RecomputedForward:
         from copy import deepcopy
@@ -458,7 +464,7 @@ class StagedForward:
             input = checkpointed(partial(_in_turn, layers), parts,
                                  recompute.changed_state(unit.name, self.sequential),
                                  (input,), {}, recompute.witness, None, recompute.verdicts,
-                                 unit.name)
+                                 unit.name, recompute.draws.get(unit.key, ()))
             i = unit.span.stop
         return input
 
@@ -486,7 +492,7 @@ def _wrapper(unit: Unit) -> RecomputedForward | StagedForward | None:
 def checkpointed(run: Callable, parts: Parts, changed: list[Buffer], args: tuple,
                  kwargs: dict[str, Any], witness: Witness | None = None,
                  region: Region | None = None, verdicts: Verdicts | None = None,
-                 name: str = "") -> Any:
+                 name: str = "", draws: Iterable[str] = ()) -> Any:
     """``run(*args, **kwargs)`` recomputed in backward: its first run without autograd where
     the unit ``name``'s verdict (``verdicts``) says so (``lean.py``), else under non-reentrant
     checkpoint, watched for that verdict on its first call. Tensor keyword arguments are
@@ -505,11 +511,14 @@ def checkpointed(run: Callable, parts: Parts, changed: list[Buffer], args: tuple
     values = (*args, *kwargs.values())
     inputs = (*args, *(kwargs[k] for k in tensors))
     first_run = FirstRun(parts, changed, parts.generators + generators_among(values),
-                         CacheStates.of(values))
+                         CacheStates.of(values), draws)
     if verdicts is None or (region is not None and region.choice is None):
         verdict: str | None = "not watched"
     elif region is None and _device_type(inputs) not in verdicts.whole:
         verdict = WHOLE_ELSEWHERE
+    elif any(type(t) not in (torch.Tensor, nn.Parameter) for t in inputs
+             if isinstance(t, torch.Tensor)):
+        verdict = SUBCLASS  # its storage and its autograd are the subclass's own
     else:
         verdict = verdicts.of(name, parts.modules)
     if verdict == "" and (region is None or region.choice.settled is not None):
@@ -697,7 +706,7 @@ class BlockTimer:
         modules = unit.modules()
         root = unit.module
         open_calls: list[tuple[int, list[tuple[torch.Tensor, int]], _State, Any,
-                               Observer | None]] = []
+                               Observer | None, dict[str, Any]]] = []
         named = _named_within(root, unit)
         norms = {(id(m), n) for m, n in norm_buffers(m for _, m in named)}
         buffers = [(where, m, n) for where, m in named
@@ -724,12 +733,14 @@ class BlockTimer:
                                              for weight in WEIGHTS])
                 self.observing.append(observer.__enter__())
             open_calls.append((self.next_site(), versions, _State(buffers, parameters, named),
-                               self.clock.now(), observer))
+                               self.clock.now(), observer, host_generators()))
 
         def after(module: nn.Module, args: tuple, output: Any) -> None:
             if torch.compiler.is_compiling() or not open_calls:
                 return
-            first_site, versions, state, start, observer = open_calls.pop()
+            first_site, versions, state, start, observer, generators = open_calls.pop()
+            if found := drawn(generators, host_generators()):
+                self.recompute.draws.setdefault(name, set()).update(found)
             ways, timed, began = [], [], None
             if observer is not None:
                 ways, timed, began = observer.finish(output)

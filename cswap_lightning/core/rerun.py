@@ -7,8 +7,9 @@ with what its first run saw: each module's training flag (``model.eval()`` may h
 between forward and backward), the buffers and plain attributes its forward changes
 (measured on the engine's measured steps: a counter, spectral norm's power-iteration vectors,
 a Python number, a tensor kept aside), the generators of its
-own (module attributes, or arguments) and Python's ``random`` (torch's own generators are
-checkpoint's), a Hugging Face cache among its arguments, the global
+own (module attributes, or arguments), the host's generators it was measured to draw from
+(Python's ``random``, NumPy's global one; torch's own are checkpoint's), a Hugging Face cache
+among its arguments, the global
 forward hooks (``register_module_forward_hook``: one removed after forward still runs in the
 recomputation, one added after does not); and leaves them all as it found them. Norms'
 running statistics are only read in eval mode, where they are not updated: they are put back
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import random
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -105,16 +106,18 @@ class FirstRun:
     the values of the buffers (copied) and plain attributes (as they are: a tensor there is
     replaced, never changed in place) its forward changes (``changed``), the states of its
     generators (``generators``: its parts' and those among its arguments), the caches among
-    its arguments, Python's ``random`` state, the global forward hooks."""
+    its arguments, the states of the host generators it draws from (``draws``: by name, of
+    ``host_generators``), the global forward hooks."""
 
     def __init__(self, parts: Parts, changed: list[Buffer],
-                 generators: list[torch.Generator], caches: CacheStates | None) -> None:
+                 generators: list[torch.Generator], caches: CacheStates | None,
+                 draws: Iterable[str] = ()) -> None:
         self.parts = parts
         self.flags = [m.training for m in parts.modules]
         self.changed = [(m, n, v.clone() if n in m._buffers else v) for m, n in changed
                         if (v := _value(m, n)) is not None]
         self.generators = [(g, g.get_state()) for g in generators]
-        self.python_random = random.getstate()
+        self.host = {name: _HOST[name][0]() for name in draws}
         self.caches = caches
         self.global_hooks = global_hooks()
 
@@ -132,7 +135,7 @@ def as_first(first: FirstRun) -> Iterator[None]:
     norms = [(b, b.clone()) for m, n in first.parts.norms
              if (b := m._buffers.get(n)) is not None]
     generators = [(g, g.get_state()) for g, _ in first.generators]
-    python_random = random.getstate()
+    host = {name: _HOST[name][0]() for name in first.host}
     caches = first.caches.again() if first.caches is not None else None
     hooks = global_hooks()
     hooks_differ = hooks != first.global_hooks
@@ -143,7 +146,8 @@ def as_first(first: FirstRun) -> Iterator[None]:
         _put(module, name, value.clone() if name in module._buffers else value)  # reads it
     for generator, state in first.generators:
         generator.set_state(state)
-    random.setstate(first.python_random)
+    for name, state in first.host.items():
+        _HOST[name][1](state)
     if first.caches is not None:
         first.caches.restore()
     try:
@@ -157,11 +161,39 @@ def as_first(first: FirstRun) -> Iterator[None]:
                 buffer.copy_(value)
         for generator, state in generators:
             generator.set_state(state)
-        random.setstate(python_random)
+        for name, state in host.items():
+            _HOST[name][1](state)
         if caches is not None:
             caches.restore()
         if hooks_differ:
             _set_global_hooks(hooks)
+
+
+def _numpy_random() -> Any:
+    return sys.modules["numpy"].random
+
+
+# The host's generators a forward may draw from beside torch's: how to get and set each state.
+_HOST: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {
+    "random": (random.getstate, random.setstate),
+    "numpy": (lambda: _numpy_random().get_state(), lambda s: _numpy_random().set_state(s)),
+}
+
+
+def host_generators() -> dict[str, Any]:
+    """The states of the host's generators now (NumPy's only where NumPy is loaded)."""
+    return {name: get() for name, (get, _) in _HOST.items()
+            if name != "numpy" or "numpy" in sys.modules}
+
+
+def drawn(before: dict[str, Any], after: dict[str, Any]) -> set[str]:
+    """The host generators drawn from between the two states."""
+    def same(a: Any, b: Any) -> bool:  # NumPy's holds an array
+        return type(a) is type(b) and (all(map(same, a, b)) if isinstance(a, tuple)
+                                       else bool((a == b).all()) if hasattr(a, "all")
+                                       else a == b)
+    return {name for name, state in after.items()
+            if name in before and not same(before[name], state)}
 
 
 # The global forward hooks' registries, which ``nn.Module.__call__`` reads on every call.

@@ -70,6 +70,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -444,6 +445,28 @@ def _rng_states(func: Any, args: tuple, kwargs: dict) -> list[tuple[torch.Genera
     return [(g, g.get_state()) for g in generators]
 
 
+# What reads a tensor's values on the host without an operator (``.item()`` and ``bool()``
+# run one, which the dataflow sees).
+_HOST_READS = frozenset({"tolist", "numpy", "__array__", "__dlpack__"})
+
+
+class HostReads(TorchFunctionMode):
+    """Tells a block's dataflow (``flow``) of each tensor its forward reads on the host
+    without an operator (``.tolist()``, ``.numpy()``: a MoE's token counts): needed as what
+    autograd saved is, so that its recomputation makes it again (or keeps it), never a
+    placeholder read as garbage."""
+
+    def __init__(self, flow: Dataflow) -> None:
+        super().__init__()
+        self.flow = flow
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if (getattr(func, "__name__", "") in _HOST_READS and args
+                and isinstance(args[0], torch.Tensor)):
+            self.flow.saved(args[0])
+        return func(*args, **(kwargs or {}))
+
+
 class _SeeingSaves(TorchDispatchMode):
     """A dispatch mode that also sees, through the innermost saved-tensor hooks it finds as
     it is entered, each tensor autograd saves, for a ``Dataflow`` (``saw``). Where other hooks
@@ -501,10 +524,16 @@ class Keeping(_SeeingSaves):
     def saw(self, t: torch.Tensor) -> None:
         self.region.flow.saved(t)
 
+    def __enter__(self):
+        self._reads = HostReads(self.region.flow).__enter__()
+        return super().__enter__()
+
     def __exit__(self, *exc):
         if self.blind:
             self.region.flow.blind = True
-        return super().__exit__(*exc)
+        out = super().__exit__(*exc)
+        self._reads.__exit__(*exc)
+        return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -725,6 +754,15 @@ class Observer(TorchDispatchMode):
     def saw(self, t: torch.Tensor) -> None:
         """Autograd saved ``t``."""
         self.flow.saved(t)
+
+    def __enter__(self):
+        self._reads = HostReads(self.flow).__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        self._reads.__exit__(*exc)
+        return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
