@@ -55,6 +55,7 @@ from test_conformance import (
     seed_all,
 )
 from test_conformance import train as conformance_train
+from test_recompute_safety import stack
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
@@ -79,20 +80,6 @@ def rows(grad: bool = False) -> torch.Tensor:
     return torch.randn(BATCH, 6, WIDTH, generator=_gen()).requires_grad_(grad)
 
 
-def stack(block: Callable[[], nn.Module], depth: int = 3) -> nn.Module:
-    """``depth`` blocks in an ``nn.ModuleList``, called in turn."""
-
-    class Stack(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = nn.ModuleList(block() for _ in range(depth))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for layer in self.layers:
-                x = layer(x)
-            return x
-
-    return Stack()
 
 
 def mlp(width: int = WIDTH) -> nn.Sequential:

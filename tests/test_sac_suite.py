@@ -64,12 +64,14 @@ import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
 from test_conformance import BATCH, LR, Built, _gen, differences, projected
 from test_conformance import train as conformance_train
+from test_recompute_safety import stack as stack_of
 from torch import nn
 from torch.nn import functional as F
 from torch.testing._internal.two_tensor import TwoTensor
@@ -103,20 +105,7 @@ def weight(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.randn(*shape) / math.sqrt(shape[0]))
 
 
-def stack(block: Callable[[], nn.Module], depth: int = 2) -> nn.Module:
-    """``depth`` blocks in an ``nn.ModuleList``, called in turn."""
-
-    class Stack(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = nn.ModuleList(block() for _ in range(depth))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for layer in self.layers:
-                x = layer(x)
-            return x
-
-    return Stack()
+stack = partial(stack_of, depth=2)  # ``depth`` blocks in an ``nn.ModuleList``
 
 
 # TestSelectiveActivationCheckpoint (test_autograd.py) ------------------------------------------
