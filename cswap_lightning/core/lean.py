@@ -118,7 +118,8 @@ class Watch(TorchFunctionMode):
         # and the call's nodes that read it, by the node's id
         self.weighed: dict[int, tuple[Any, list]] = {}
         self.weights = {id(p) for p in params}
-        self.constant: tuple[int, ...] = ()  # the outputs that need no gradient, by place
+        # how many tensors it returned, and those that need no gradient, by place
+        self.constant: tuple[int, tuple[int, ...]] = (0, ())
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -176,8 +177,8 @@ class Watch(TorchFunctionMode):
         if returned & self.held:
             return "it returns its input or a view of it"
         # returned by a Function, they would need one where any of its inputs does
-        self.constant = tuple(i for i, t in enumerate(outs) if not t.requires_grad
-                              and (t.is_floating_point() or t.is_complex()))
+        self.constant = (len(outs), tuple(i for i, t in enumerate(outs) if not t.requires_grad
+                                          and (t.is_floating_point() or t.is_complex())))
         caches = self.first_run.caches
         cached = caches.tensors() if caches is not None else set()
         if any((t := ref()) is not None and t.untyped_storage().data_ptr() not in returned
@@ -230,7 +231,8 @@ class _Call:
     def __init__(self, run: Callable, values: tuple, count: int, names: list[str],
                  others: dict[str, Any], first_run: FirstRun, params: list[torch.Tensor],
                  witnessed: Callable[[tuple], Any], second: Callable[[], None],
-                 region: Region | None = None, constant: tuple[int, ...] = ()) -> None:
+                 region: Region | None = None,
+                 constant: tuple[int, tuple[int, ...]] = (0, ())) -> None:
         self.run, self.count, self.names, self.others = run, count, names, others
         self.first_run, self.params, self.witnessed = first_run, params, witnessed
         self.second, self.region, self.constant = second, region, constant
@@ -360,7 +362,9 @@ class _Rerun(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(*tensors[:count])
         out = call.first(tensors[:count])
-        ctx.mark_non_differentiable(*(out[i] for i in call.constant if i < len(out)))
+        returned, constant = call.constant
+        if len(out) == returned:  # as the watched calls returned them
+            ctx.mark_non_differentiable(*(out[i] for i in constant))
         return out
 
     @staticmethod
@@ -371,13 +375,13 @@ class _Rerun(torch.autograd.Function):
 def rerun(run: Callable, values: tuple, count: int, names: list[str], others: dict[str, Any],
           first_run: FirstRun, modules: list[nn.Module], witnessed: Callable[[tuple], Any],
           second: Callable[[], None], region: Region | None = None,
-          constant: tuple[int, ...] = ()) -> Any:
+          constant: tuple[int, tuple[int, ...]] = (0, ())) -> Any:
     """``run`` called without autograd with ``values`` (``count`` positional, then the keyword
     ones ``names``) and ``others``, its output's tensors given a history that recomputes it
     in backward (``as_first(first_run)``, ``witnessed`` around it; ``second`` called where
-    that backward makes a graph), but those at the places ``constant`` (its watched calls
-    made them needing no gradient); with a ``region`` whose choice is settled, below the
-    layer (``selective.Lean``)."""
+    that backward makes a graph), but those at the places ``constant`` names (of as many as
+    its watched calls returned, which made them needing no gradient); with a ``region``
+    whose choice is settled, below the layer (``selective.Lean``)."""
     params = parameters(modules)
     call = _Call(run, values, count, names, others, first_run, params, witnessed, second,
                  region, constant)
@@ -490,8 +494,9 @@ class Verdicts:
     def __init__(self, model: Callable[[], nn.Module | None]) -> None:
         self.model = model
         self.why: dict[str, str] = {}
-        # each unit's tensor outputs (by place) that its watched calls made needing no gradient
-        self.constants: dict[str, tuple[int, ...]] = {}
+        # each unit's watched calls' tensor outputs: how many, and (by place) those that
+        # needed no gradient
+        self.constants: dict[str, tuple[int, tuple[int, ...]]] = {}
         self.on = True
         self.whole = set(WHOLE_DEVICES)
         self.step: _Watching | None = None  # the step watching, from begin to end

@@ -525,7 +525,7 @@ def checkpointed(run: Callable, parts: Parts, changed: list[Buffer], args: tuple
         out = rerun(run, inputs, count, tensors, others, first_run, parts.modules,
                     partial(_witnessed, witness, own=True, below=region is not None),
                     partial(verdicts.second, name),
-                    region, verdicts.constants.get(name, ()))
+                    region, verdicts.constants.get(name, (0, ())))
         if region is not None and region.whole:
             verdicts.give(name, UNSETTLED)
         return out
