@@ -732,15 +732,14 @@ class BlockTimer:
                                     choices=[self.recompute.choice(name, weight)
                                              for weight in WEIGHTS])
                 self.observing.append(observer.__enter__())
+            generators = host_generators()  # before the clock: not the unit's time
             open_calls.append((self.next_site(), versions, _State(buffers, parameters, named),
-                               self.clock.now(), observer, host_generators()))
+                               self.clock.now(), observer, generators))
 
         def after(module: nn.Module, args: tuple, output: Any) -> None:
             if torch.compiler.is_compiling() or not open_calls:
                 return
             first_site, versions, state, start, observer, generators = open_calls.pop()
-            if found := drawn(generators, host_generators()):
-                self.recompute.draws.setdefault(name, set()).update(found)
             ways, timed, began = [], [], None
             if observer is not None:
                 ways, timed, began = observer.finish(output)
@@ -753,6 +752,9 @@ class BlockTimer:
             nbytes = sum(t.numel() * t.element_size() for t, _ in versions)
             self.stamps.append((name, first_site, self.next_site(), len(versions), nbytes,
                                 start, self.clock.now(), ways, timed, began))
+            found = drawn(generators, host_generators())  # after the clock, as before it
+            if found:
+                self.recompute.draws.setdefault(name, set()).update(found)
 
         self.handles.append(modules[0].register_forward_pre_hook(before, with_kwargs=True))
         self.handles.append(modules[-1].register_forward_hook(after))
