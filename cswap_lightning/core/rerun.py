@@ -6,14 +6,13 @@ it reads is as the step left it, and all it changes it changes twice. So a recom
 with what its first run saw: each module's training flag (``model.eval()`` may have come
 between forward and backward), the buffers and plain attributes its forward changes
 (measured on the engine's measured steps: a counter, spectral norm's power-iteration vectors,
-a Python number, a tensor kept aside), the generators of its
-own (module attributes, or arguments), the host's generators it was measured to draw from
-(Python's ``random``, NumPy's global one; torch's own are checkpoint's), a Hugging Face cache
-among its arguments, the global
-forward hooks (``register_module_forward_hook``: one removed after forward still runs in the
-recomputation, one added after does not); and leaves them all as it found them. Norms'
-running statistics are only read in eval mode, where they are not updated: they are put back
-after it, not shown as before.
+a Python number, a tensor kept aside), the generators of its own (module attributes, or
+arguments), the host's generators it was measured to draw from (Python's ``random``, NumPy's
+global one; torch's own are checkpoint's), a Hugging Face cache among its arguments, the
+global forward hooks (``register_module_forward_hook``: one removed after forward still runs
+in the recomputation, one added after does not); and leaves them all as it found them.
+Norms' running statistics are only read in eval mode, where they are not updated: they are
+put back after it, not shown as before.
 
 What cannot be put back keeps a block from being recomputed (``Recompute.left_out``): an input,
 a parameter or a tensor held in a plain attribute changed in place, and forward hooks on the

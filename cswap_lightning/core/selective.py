@@ -467,6 +467,23 @@ class HostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class _HearingHostReads:
+    """A dispatch mode whose dataflow (``_flow()``) hears of the host's reads too
+    (``HostReads``, entered with it)."""
+
+    def _flow(self) -> Dataflow:
+        raise NotImplementedError
+
+    def __enter__(self):
+        self._reads = HostReads(self._flow()).__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        self._reads.__exit__(*exc)
+        return out
+
+
 class _SeeingSaves(TorchDispatchMode):
     """A dispatch mode that also sees, through the innermost saved-tensor hooks it finds as
     it is entered, each tensor autograd saves, for a ``Dataflow`` (``saw``). Where other hooks
@@ -513,7 +530,7 @@ class _SeeingSaves(TorchDispatchMode):
         return not self.blind
 
 
-class Keeping(_SeeingSaves):
+class Keeping(_HearingHostReads, _SeeingSaves):
     """The forward of a block recomputed below the layer: keeps the kept operators'
     outputs, and records its dataflow (module docstring)."""
 
@@ -524,16 +541,13 @@ class Keeping(_SeeingSaves):
     def saw(self, t: torch.Tensor) -> None:
         self.region.flow.saved(t)
 
-    def __enter__(self):
-        self._reads = HostReads(self.region.flow).__enter__()
-        return super().__enter__()
+    def _flow(self) -> Dataflow:
+        return self.region.flow
 
     def __exit__(self, *exc):
         if self.blind:
             self.region.flow.blind = True
-        out = super().__exit__(*exc)
-        self._reads.__exit__(*exc)
-        return out
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -722,7 +736,7 @@ class Way(NamedTuple):
     stamps: list[tuple[Any, Any]]
 
 
-class Observer(TorchDispatchMode):
+class Observer(_HearingHostReads, TorchDispatchMode):
     """What recomputing a block below the layer would keep and cost, each way, seen while it
     runs plainly (the engine's measured steps), and the block's ``Choice`` for each way made
     from it: its dataflow (the step's pack hook tells it what autograd saves: :meth:`saw`),
@@ -755,14 +769,8 @@ class Observer(TorchDispatchMode):
         """Autograd saved ``t``."""
         self.flow.saved(t)
 
-    def __enter__(self):
-        self._reads = HostReads(self.flow).__enter__()
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        out = super().__exit__(*exc)
-        self._reads.__exit__(*exc)
-        return out
+    def _flow(self) -> Dataflow:
+        return self.flow
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

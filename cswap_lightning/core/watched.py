@@ -70,7 +70,8 @@ class Watched:
         whys = (next(iter(unfit.values())) if len(unfit) == 1
                 else "; ".join(f"{name}: {why}" for name, why in unfit.items()))
         warnings.warn(f"cswap: no longer recomputing {', '.join(map(repr, unfit))} ({whys}); "
-                      f"{'it runs' if len(unfit) == 1 else 'they run'} plainly from this step on", RuntimeWarning, stacklevel=3)
+                      f"{'it runs' if len(unfit) == 1 else 'they run'} plainly from this step "
+                      "on", RuntimeWarning, stacklevel=3)
         self.choose([name for name in recomputer.chosen if name not in unfit])
 
     def arm(self, step: Step) -> None:
