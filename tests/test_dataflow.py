@@ -281,6 +281,29 @@ def test_a_blind_flow_keeps_what_it_was_given():
     assert flow.cut({0}) == {0}
 
 
+@pytest.mark.parametrize("grad", [True, False])
+def test_an_activations_cast_is_an_operator_and_a_weights_runs_again_uncounted(grad):
+    """A bfloat16 norm's cast of what the block made to float32 may be kept (the cut weighs
+    it like any operator); a weight's cast always runs again and is not counted, since
+    autocast casts a weight again in a recomputation that found it cached in forward
+    (``ops.uncounted``); a view of a weight is cast each time: counted. With or without grad
+    mode alike (a first run without autograd is matched against a forward with it)."""
+    mode = Recorded()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        mode.flow.saved(t)
+        return t
+
+    with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode,
+          torch.set_grad_enabled(grad)):
+        h = (X * 2).to(torch.float32)
+        (h * W.to(torch.float32)).exp() @ M.t().to(torch.float32)
+    casts = [c for c in mode.flow.calls if c.func is aten._to_copy.default]
+    assert [(c.uncounted, c.always) for c in casts] == [(False, False), (True, True),
+                                                        (False, False)]
+    assert selective._operators(mode.flow).count(aten._to_copy.default) == 2
+
+
 def test_a_weighted_cut_keeps_more_bytes_where_that_spares_more_work():
     """mm -> times 2 (y) -> exp (z), both saved (exp saves its output, y read by a sin):
     by bytes alone y is kept and exp runs again (its 64 bytes read, 64 written); once a byte

@@ -1149,7 +1149,7 @@ CASES = {
                "silently other gradients from step 2: the block keeps its product h (the "
                "mm under a 3-D matmul, kept because cat's saved output is twice its bytes); "
                "whether a kept output stays kept is judged from what the block returns "
-               "(selective.py:315-316, _returned at selective.py:413), not from a tensor it "
+               "(selective.Region.close, from selective._returned), not from a tensor it "
                "leaked in a list; the caller's h.mul_ (h is the _unsafe_view of mm's "
                "output: its own version counter) changes the kept bytes after the block "
                "closed. From step 2 the plan keeps that site in place as 'held elsewhere' "

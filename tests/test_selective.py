@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn import functional as F
 
 import cswap_lightning as cswap
-from cswap_lightning.core import recompute, selective
+from cswap_lightning.core import recompute, selective, tensors
 from cswap_lightning.core.recompute import BlockCall, below, units
 from cswap_lightning.core.selective import Region
 from cswap_lightning.planning import live, mix, ops, replay
@@ -337,6 +337,62 @@ def test_layers_below_the_layer_run_first_without_autograd_once_settled(name, mo
     assert [lean for lean, _ in packed] == [False] * len(layers) + [True] * 2 * len(layers)
     kept = [n for _, n in packed]
     assert kept == kept[:len(layers)] * 3 and min(kept) > 0
+
+
+@pytest.mark.parametrize("weight", WEIGHTS)
+def test_a_bfloat16_layers_casts_are_kept_or_run_again_like_its_other_operators(weight,
+                                                                              monkeypatch):
+    """A bfloat16 Llama's norms take their input to float32 and back: those casts are the
+    layer's own operators (``ops.uncounted``), so a way that weighs the work run again may
+    keep a norm's bfloat16 output and run only the casts again, where every cast used to run
+    again, and with it the norm. Measured, watched under checkpoint, then without autograd:
+    bitwise plain training, every layer settled."""
+    made = []
+    real = selective.Choice.make
+
+    def make(self, *args):
+        made.append(self)
+        return real(self, *args)
+
+    monkeypatch.setattr(selective.Choice, "make", make)
+    torch.manual_seed(0)
+    built = BUILDERS["llama"]()
+    built = Built(built.model.to(torch.bfloat16), built.inputs)
+    plain = train(built, STEPS + 1)
+    verdicts: dict[str, str] = {}
+    steps, _ = below_layers(built, "raw", STEPS + 1, weight=weight, verdicts=verdicts)
+    assert not differences(plain, steps)
+    assert verdicts == dict.fromkeys(every_layer_below(built.model), "")
+    casts = [n for c in made if c.weight == weight for func, n in c.kept
+             if func is torch.ops.aten._to_copy.default]
+    assert bool(casts) == (weight > 0)
+
+
+class Sliced(torch.nn.Module):
+    """A layer called on a slice of the first one's output, then on all of it (a head shared
+    by feature maps): a linear layer runs other operators on the strided slice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(),
+                                torch.nn.Linear(64, 32)) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x + self.layers[0](x)
+        part = y[:, :3] + self.layers[1](y[:, :3])
+        return part.sum(1, keepdim=True) + y + self.layers[1](y)
+
+
+def test_a_layer_called_on_a_slice_and_whole_has_a_choice_for_each(monkeypatch):
+    """Its two calls run other operators: one choice for both was made again at every step
+    (and never ran without autograd); each kind of call (``selective.signature``) has its
+    own, made once. Nor is the engine's own work in the hooks around a unit inside a layer
+    one of the layer's operators (the first version probe's empty tensor was)."""
+    again = choosing_again(monkeypatch)
+    monkeypatch.setattr(tensors, "_EMPTY", {})
+    bitwise_below(Sliced())
+    assert not again
 
 
 class Changing(torch.nn.Module):
@@ -657,6 +713,20 @@ def test_outputs_changed_in_place_or_returned_are_recomputed_not_kept():
     assert kept == [(8, 16), (8, 16)]  # the input, and the second matmul's output alone
 
 
+def choosing_again(monkeypatch) -> list[selective.Choice]:
+    """The choices a recomputed forward made choose again (it ran other operators), as
+    they do."""
+    again = []
+    real = selective.Choice.check
+
+    def check(self, flow):
+        real(self, flow)
+        again.extend([self] if self.kept is None else [])
+
+    monkeypatch.setattr(selective.Choice, "check", check)
+    return again
+
+
 def bitwise_below(model: torch.nn.Module) -> list[BlockCall]:
     """Train ``model`` (on one input, its output's mean square the loss) with every layer
     below the layer, what they keep kept and swapped raw, bitwise as plainly; the measured
@@ -736,14 +806,7 @@ def test_a_layer_called_twice_under_autocast_is_bitwise_plain_training(monkeypat
     weight casts the recomputation of the second call runs again (not cached there) were
     counted as operators its forward never ran. Nor do the casts count between the two
     calls' forwards: the layer's choice holds for both."""
-    again = []
-    real = selective.Choice.check
-
-    def check(self, flow):
-        real(self, flow)
-        again.extend([self] if self.kept is None else [])
-
-    monkeypatch.setattr(selective.Choice, "check", check)
+    again = choosing_again(monkeypatch)
     calls = bitwise_below(Twice())
     assert sum(len(c.below[0].kept) - 1 for c in calls if c.below) > 0
     assert not again

@@ -62,7 +62,7 @@ from .rerun import (
     rerun_hooks,
     reruns,
 )
-from .selective import Choice, Observer, Region, top_hooks
+from .selective import Choice, Observer, Region, signature, top_hooks
 from .tensors import of_a_leaf, version_probe
 
 _STAGE_ENDS = (_MaxPoolNd, _AdaptiveMaxPoolNd)  # as the replay cuts a Sequential's stages
@@ -181,8 +181,9 @@ class Recompute:
         # draw from: its recomputation gets their states back as its first run found them.
         self.draws: dict[str, set[str]] = {}
         # what each block's recomputations below the layer keep, each way (by the block's
-        # name and the way's weight), and the weight each block is recomputed with
-        self.choices: dict[tuple[str, float], Choice] = {}
+        # name, the way's weight and its calls' ``selective.signature``), and the weight each
+        # block is recomputed with
+        self.choices: dict[tuple[str, float, tuple], Choice] = {}
         self.weights: dict[str, float] = {}
         # whether each unit's first run goes without autograd (``lean.py``)
         self.verdicts = Verdicts(self._model)
@@ -194,12 +195,15 @@ class Recompute:
     def model(self) -> nn.Module | None:
         return self._model()
 
-    def choice(self, block: str, weight: float | None = None) -> Choice:
+    def choice(self, block: str, weight: float | None = None,
+               call: tuple[tuple, dict] = ((), {})) -> Choice:
         """What the block's recomputations below the layer keep (``selective.Choice``) with
-        ``weight`` (None: the one it is recomputed with)."""
+        ``weight`` (None: the one it is recomputed with), for its calls like ``call`` (its
+        arguments; ``selective.signature``)."""
         if weight is None:
             weight = self.weights.get(block, 0.0)
-        return self.choices.setdefault((block, weight), Choice(weight))
+        key = (block, weight, signature(*call))
+        return self.choices.setdefault(key, Choice(weight))
 
     def units(self) -> dict[str, Unit]:
         """The model's units (none once the model is gone)."""
@@ -414,7 +418,8 @@ class RecomputedForward:
                             recompute.changed_state(self.name.removesuffix(BELOW), self.block),
                             args, kwargs, recompute.witness,
                             Region(recompute.hooks,
-                                   choice=recompute.choice(self.name.removesuffix(BELOW)))
+                                   choice=recompute.choice(self.name.removesuffix(BELOW),
+                                                           call=(args, kwargs)))
                             if self.below else None, recompute.verdicts, self.name,
                             recompute.draws.get(unit.key, ()))
 
@@ -729,7 +734,8 @@ class BlockTimer:
             observer = None
             if observe:
                 observer = Observer(self.clock, self.clock.device,
-                                    choices=[self.recompute.choice(name, weight)
+                                    choices=[self.recompute.choice(name, weight,
+                                                                   (args, kwargs))
                                              for weight in WEIGHTS])
                 self.observing.append(observer.__enter__())
             generators = host_generators()  # before the clock: not the unit's time
@@ -747,7 +753,8 @@ class BlockTimer:
             if any(t._version != v for t, v in versions):
                 self.recompute.unfit[name] = "changes an input in place"
             self._learn(name, state, "")
-            probes = [(version_probe(t.detach()), t._version) for t, _ in versions]
+            probes = self.outside(lambda: [(version_probe(t.detach()), t._version)
+                                           for t, _ in versions])  # not an outer block's
             self.returned.append((name, probes, _State(buffers, parameters, named)))
             nbytes = sum(t.numel() * t.element_size() for t, _ in versions)
             self.stamps.append((name, first_site, self.next_site(), len(versions), nbytes,

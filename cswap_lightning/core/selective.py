@@ -227,9 +227,10 @@ def settle(flow: Dataflow, kept: Calls, returned: Sequence[torch.Tensor]) -> lis
 
 class Choice:
     """What a block's recomputations below the layer keep (``Dataflow.cut``), each kept
-    call by operator and count among the block's calls of that operator (casts apart), or
-    None before it is made: from a forward the engine observed (``Observer``), else from the
-    first recomputed one, which keeps its matrix products' outputs. A recomputed forward that
+    call by operator and count among the block's calls of that operator (uncounted calls
+    apart, ``ops.uncounted``), or None before it is made: from a forward the engine observed
+    (``Observer``), else from the first recomputed one, which keeps its matrix products'
+    outputs. A recomputed forward that
     runs other operators than the one it was made from makes the next one choose again.
     ``weight``: the cut's weight of the work run again against the bytes kept."""
 
@@ -247,8 +248,8 @@ class Choice:
     def make(self, flow: Dataflow, given: set[int], returned: Sequence[torch.Tensor],
              calls: dict[Any, list[int]]) -> set[int]:
         """Choose from a forward (its ``flow``, the calls whose outputs it would keep before
-        the cut, the tensors it returned, each operator's calls in the flow but casts): the
-        calls kept."""
+        the cut, the tensors it returned, each operator's calls in the flow but the uncounted
+        ones, ``ops.uncounted``): the calls kept."""
         cut = flow.cut(given, returned, self.weight)
         self.settled = None
         if flow.saving and not flow.blind:
@@ -268,10 +269,26 @@ class Choice:
         self.kept, self.settled = None, None
 
 
+def signature(args: tuple, kwargs: dict) -> tuple[tuple[bool, bool], ...]:
+    """What, of a block call's tensor arguments (and those in a tuple or list among them),
+    may change the operators it runs and counts: whether each is a leaf whose casts autocast
+    caches (``ops.uncounted``) and whether it is contiguous (a linear layer runs other
+    operators on a strided input). A block's calls of another signature (a shared layer on a
+    slice, its first call on the model's leaf input) have choices of their own
+    (``Recompute.choice``). Shapes are not in it: a choice holds across lengths."""
+    found = []
+    for v in (*args, *kwargs.values()):
+        for t in (v if isinstance(v, (tuple, list)) else (v,)):
+            if isinstance(t, torch.Tensor):
+                found.append((t.is_leaf and t.requires_grad and not t._is_view(),
+                              t.is_contiguous()))
+    return tuple(found)
+
+
 def _operators(flow: Dataflow) -> tuple[Any, ...]:
-    """The operators a forward ran, in order, casts apart (autocast casts a weight in one call
-    of a block and finds it cached in the next)."""
-    return tuple(c.func for c in flow.calls if not ops.facts(c.func).cast)
+    """The operators a forward ran, in order, but the uncounted calls (``ops.uncounted``:
+    autocast casts a weight in one call of a block and finds it cached in the next)."""
+    return tuple(c.func for c in flow.calls if not c.uncounted)
 
 
 class Region:
@@ -559,7 +576,7 @@ class Keeping(_HearingHostReads, _SeeingSaves):
         if torch.is_grad_enabled():
             self.seen()
         inputs = ops.arguments(args, kwargs)
-        if facts.cast:  # run again in any case (``dataflow.py``)
+        if ops.uncounted(facts, args):  # run again in any case (``dataflow.py``)
             region.flow.record(func, inputs, ops.leaves(out))
             return out
         calls, chosen = region.calls[func], region.chosen
@@ -599,9 +616,10 @@ class Lean(_Eager, TorchDispatchMode):
         self.region = region
         # For each settled operator all its calls need, found with one lookup (an operator's
         # hash is a Python call): its marks, the argument autograd's run passes as True, whether
-        # it writes in place, and the region's list of its calls.
+        # it writes in place, the region's list of its calls, and whether it casts (a cast
+        # of a weight is uncounted).
         self.settled = {func: (marks, _WITH_AUTOGRAD.get(func), ops.facts(func).mutable,
-                               region.calls[func])
+                               region.calls[func], ops.facts(func).cast)
                         for func, marks in region.choice.settled.items()}
         self.funcs: list[Any] = []
         self.unsettled = False  # an operator called more often than the choice settled
@@ -616,15 +634,15 @@ class Lean(_Eager, TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        settled = self.settled.get(func)  # None: ignored, a cast, or not in the settled forward
-        if settled is None:
+        settled = self.settled.get(func)  # None: ignored, uncounted, or not settled
+        if settled is None or (settled[4] and ops.uncounted(ops.facts(func), args)):
             out = func(*args, **kwargs)
             facts = ops.facts(func)
-            if not (facts.ignored or facts.cast):
+            if not (facts.ignored or ops.uncounted(facts, args)):
                 self.funcs.append(func)
                 self.unsettled = True
             return out
-        marks, at, mutable, calls = settled
+        marks, at, mutable, calls, _ = settled
         if at is not None:
             args = (*args[:at], True, *args[at + 1:])
         out = func(*args, **kwargs)
@@ -683,11 +701,11 @@ class Recomputing(_Eager, _SeeingSaves):
         facts, calls, i = seen
         if facts.ignored:
             return func(*args, **kwargs)
-        if facts.cast:
+        if ops.uncounted(facts, args):
             return self._run(func, args, kwargs)
-        # Matched by operator and call count: casts may run more often than the first time
-        # (autocast casts a weight again that its first run found cached by an earlier call
-        # of the block, in the same forward).
+        # Matched by operator and call count, but a weight's casts: they may run more often
+        # than the first time (autocast casts a weight again that its first run found cached
+        # by an earlier call of the block, in the same forward).
         seen[2] = i + 1
         if i >= len(calls):
             if self.region.keep(func):
@@ -710,11 +728,10 @@ class Recomputing(_Eager, _SeeingSaves):
         out = func(*args, **kwargs)
         if self.tainted.keys:
             read = {storage_key(t) for t in ops.arguments(args, kwargs)}
-            if not self.tainted.keys.isdisjoint(read):  # views share the taint; casts pass it on
-                made = [t for t in ops.tensors(out) if storage_key(t) not in read]
-                if made and not ops.facts(func).cast:
+            if not self.tainted.keys.isdisjoint(read):
+                if any(storage_key(t) not in read for t in ops.tensors(out)):
                     raise RuntimeError(_DIFFERENT)
-                for t in made:
+                for t in ops.tensors(out):  # a view shares the placeholder's taint
                     self.tainted.add(t)
         return out
 
@@ -759,7 +776,7 @@ class Observer(_HearingHostReads, TorchDispatchMode):
         self.paused = 0  # while above 0 (the step's pack hook runs), operators are not the block's
         self.start = clock.now()
         self.flow = Dataflow()
-        self.calls: dict[Any, list[int]] = defaultdict(list)  # each operator's, casts apart
+        self.calls: dict[Any, list[int]] = defaultdict(list)  # each operator's, but uncounted
         # each kept call: its index in the flow, its outputs with their versions, work per byte
         self.kept: list[tuple[int, list[tuple[torch.Tensor, int]], float]] = []
         # the stamps before and after each kept matrix product, attention or convolution
@@ -787,7 +804,7 @@ class Observer(_HearingHostReads, TorchDispatchMode):
         kept = timed or ops.reduction(func, inputs, out)
         values = ops.leaves(out)
         index = self.flow.record(func, inputs, values, kept)
-        if not facts.cast:
+        if not self.flow.calls[index].uncounted:
             self.calls[func].append(index)
         if timed:
             self.stamps[index] = (before, self.clock.now())

@@ -9,9 +9,11 @@ away. A kept output nothing needs is not kept at all (a layer's last projection)
 
 Dependencies go by storage: an operator reads every storage its tensor arguments view and
 depends on every operator that wrote it since it was made, so views and in-place updates are
-followed. Some operators always run: views and other aliases (no kernel), and casts (autocast
-may cast a weight again in a recomputation that found it cached in forward, so their count can
-differ); they need what they read only where their output is needed. Some are needed whatever
+followed. Some operators always run: views and other aliases (no kernel), and casts of a
+weight (autocast may cast one again in a recomputation that found it cached in forward, so their
+count can differ; ``ops.uncounted``); they need what they read only where their output is
+needed. Other casts are operators like any other: a bfloat16 model's norm that takes its input
+to float32 may keep its bfloat16 output and run the cast again, or keep the cast's output. Some are needed whatever
 reads them (roots): those that draw random numbers (the generator must advance as it did),
 change a tensor in place, give no tensor back, or move one to another device (the host may
 read it without an operator).
@@ -62,6 +64,7 @@ class Call:
     dtype: torch.dtype | None = None  # of the largest
     changed: bool = False  # a later call changed one of them in place
     touched: int = 0  # the bytes it reads and writes (none for an alias)
+    uncounted: bool = False  # it may run more or fewer times again (``ops.uncounted``)
 
 
 class Dataflow:
@@ -104,7 +107,8 @@ class Dataflow:
         others = len(outputs) < len(values) and any(  # values beside its tensors
             v is not None and not isinstance(v, torch.Tensor) for v in values)
         root = f.mutable or f.random or moved or not outputs or others
-        always = not root and (f.view or aliases or f.cast)
+        uncounted = ops.uncounted(f, inputs)
+        always = not root and (f.view or aliases or uncounted)
         made: dict[int, tuple[int, torch.dtype]] = {}  # each storage it made: bytes, dtype
         for key, t in zip(keys, outputs, strict=True):
             if key not in read:
@@ -121,7 +125,8 @@ class Dataflow:
         if self.weighing and not (f.view or aliases):
             touched = sum(t.nbytes for t in (*inputs, *outputs))
         self.calls.append(Call(func, frozenset(deps), always, root, kept,
-                               tuple(n for n, _ in made.values()), dtype, touched=touched))
+                               tuple(n for n, _ in made.values()), dtype, touched=touched,
+                               uncounted=uncounted))
         return index
 
     def saved(self, t: torch.Tensor) -> None:
@@ -176,8 +181,9 @@ class Dataflow:
         a matrix product's output only feeds elementwise work that ends in a tensor of its
         size (rotary embedding's query, a LoRA adapter's sum), that tensor is kept instead, so
         the elementwise work does not run again. A call cannot be kept that makes no bytes,
-        must run anyway (views, casts, roots), or whose output was changed in place later or
-        is (a view of) what the block returned (``returned``); none where blind. ``weight``:
+        must run anyway (views, a weight's casts, roots), or whose output was changed in
+        place later or is (a view of) what the block returned (``returned``); none where
+        blind. ``weight``:
         each call run again that need not be costs its ``touched`` bytes times it beside the
         bytes kept (a norm's outputs are kept where running it again reads and writes more
         than ``1 / weight`` times their bytes).

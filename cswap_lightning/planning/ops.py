@@ -42,8 +42,8 @@ KINDS |= {op: "norm" for op in (
 KEPT_KINDS = ("matmul", "attention", "conv")
 
 
-# Casts: autocast may cast a weight again in a recomputation that found it cached in forward
-# (``dataflow.py``).
+# Casts: under autocast, a recomputation may cast a weight again that its forward found cached
+# (``uncounted``).
 CASTS = {aten._to_copy}
 
 
@@ -67,6 +67,19 @@ def facts(func: torch._ops.OpOverload) -> Facts:
     return Facts(kind_, kind_ in KEPT_KINDS, func.is_view, func._schema.is_mutable,
                  torch.Tag.nondeterministic_seeded in func.tags, func.overloadpacket in CASTS,
                  func in SAC_IGNORED_OPS)
+
+
+def uncounted(f: Facts, args: Sequence[Any]) -> bool:
+    """Whether a call of an operator with facts ``f`` on ``args`` (its positional arguments,
+    or its tensor arguments) may run more or fewer times in a recomputation than in its
+    forward, so that calls are matched without it: a cast of what autocast caches the casts
+    of, a leaf that requires grad and is no view (a weight; autocast casts it again in a
+    recomputation that found it cached in forward; a dispatch mode cannot see whether
+    autocast is on: its keys are off while the cast runs). Other casts (a bfloat16 model's
+    norm taking its input to float32, autocast's of an activation) run as often each time:
+    operators like any other, their outputs kept or run again. Whether grad mode is on does
+    not change the answer (a view of a weight is a leaf without it)."""
+    return f.cast and args[0].is_leaf and args[0].requires_grad and not args[0]._is_view()
 
 
 def kind(func: torch._ops.OpOverload) -> str:
