@@ -230,9 +230,9 @@ class Choice:
     call by operator and count among the block's calls of that operator (uncounted calls
     apart, ``ops.uncounted``), or None before it is made: from a forward the engine observed
     (``Observer``), else from the first recomputed one, which keeps its matrix products'
-    outputs. A recomputed forward that
-    runs other operators than the one it was made from makes the next one choose again.
-    ``weight``: the cut's weight of the work run again against the bytes kept."""
+    outputs. A recomputed forward that runs other operators than the one it was made from
+    makes the next one choose again. ``weight``: the cut's weight of the work run again
+    against the bytes kept."""
 
     def __init__(self, weight: float = 0.0) -> None:
         if not weight >= 0:
@@ -728,11 +728,10 @@ class Recomputing(_Eager, _SeeingSaves):
         out = func(*args, **kwargs)
         if self.tainted.keys:
             read = {storage_key(t) for t in ops.arguments(args, kwargs)}
-            if not self.tainted.keys.isdisjoint(read):
-                if any(storage_key(t) not in read for t in ops.tensors(out)):
-                    raise RuntimeError(_DIFFERENT)
-                for t in ops.tensors(out):  # a view shares the placeholder's taint
-                    self.tainted.add(t)
+            # a view of a placeholder shares its storage, and so its taint
+            if not self.tainted.keys.isdisjoint(read) and any(
+                    storage_key(t) not in read for t in ops.tensors(out)):
+                raise RuntimeError(_DIFFERENT)
         return out
 
 
