@@ -7,6 +7,7 @@ beforehand; the replay and the planner weigh it beside whole blocks."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import gc
 import warnings
@@ -356,8 +357,7 @@ def test_a_bfloat16_layers_casts_are_kept_or_run_again_like_its_other_operators(
 
     monkeypatch.setattr(selective.Choice, "make", make)
     torch.manual_seed(0)
-    built = BUILDERS["llama"]()
-    built = Built(built.model.to(torch.bfloat16), built.inputs)
+    built = in_bfloat16(BUILDERS["llama"]())
     plain = train(built, STEPS + 1)
     verdicts: dict[str, str] = {}
     steps, _ = below_layers(built, "raw", STEPS + 1, weight=weight, verdicts=verdicts)
@@ -562,15 +562,25 @@ BELOW_LEAN = {"bert", "gpt2", "gpt_neox", "llama", "mistral", "qwen2", "gemma2",
               "mamba", "vit", "resnet", "wav2vec2"}
 
 
-@pytest.mark.parametrize("autocast", [False, True])
+def in_bfloat16(built: Built) -> Built:
+    """``built`` with its weights and floating inputs in bfloat16 (no autocast: its norms'
+    own casts to float32 and back are operators like any other)."""
+    inputs = {k: v.to(torch.bfloat16) if v.is_floating_point() else v
+              for k, v in built.inputs.items()}
+    return replace(built, model=copy.deepcopy(built.model).to(torch.bfloat16), inputs=inputs)
+
+
+@pytest.mark.parametrize("precision", ["float32", "autocast", "bfloat16"])
 @pytest.mark.parametrize("name", list(conformance.HF))
-def test_every_conformance_architecture_below_the_layer_trains_bitwise(name, autocast):
+def test_every_conformance_architecture_below_the_layer_trains_bitwise(name, precision):
     """Every Hugging Face architecture of the conformance suite, every layer below the layer:
     measured, watched under checkpoint (its choice settled), then without autograd where
-    found fit. Falcon's eager attention divides its scores in place through the view its
-    matmul returns (``test_an_output_changed_in_place_through_an_unsafe_view...``)."""
+    found fit; in float32, under CPU autocast, and in bfloat16 weights. Falcon's eager
+    attention divides its scores in place through the view its matmul returns
+    (``test_an_output_changed_in_place_through_an_unsafe_view...``)."""
     built = conformance.build_hf(name, conformance.HF[name][1][0])
-    built = under_autocast(built) if autocast else built
+    built = {"float32": lambda b: b, "autocast": under_autocast,
+             "bfloat16": in_bfloat16}[precision](built)
     plain = train(built, STEPS + 2)
     run = recomputing(built, "raw", lambda names: [n + BELOW for n in outermost(names)],
                       STEPS + 2)
