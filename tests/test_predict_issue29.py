@@ -81,13 +81,13 @@ def test_the_readme_states_what_pricing_below_the_layer_as_measured_predicts(mon
     script = load_benchmark("predict_issue29", monkeypatch)
     root = Path(__file__).parents[1]
     data = json.loads((root / "benchmarks" / "results" /
-                       "predictions-issue29-h100-pcie-2026-11-28-below-1.6.json").read_text())
+                       "predictions-issue29-h100-pcie-2026-11-28-below-1.6-casts.json").read_text())
     cases = data["cases"]
     assert {c["below_scale"] for c in cases.values()} == {1.6}
     readme = " ".join((root / "README.md").read_text().split())
     goals = script.goals(cases)
     words = dict(enumerate(("none", "one", "two", "three", "four", "five", "six", "all")))
-    assert (f"(1.6x its estimate; `predictions-issue29-h100-pcie-2026-11-28-below-1.6.md`), "
+    assert (f"(1.6x its estimate; `predictions-issue29-h100-pcie-2026-11-28-below-1.6-casts.md`), "
             f"{words[sum(m for *_, m in goals)]} of the seven goals are met") in readme
 
     def lower(case: str) -> tuple[float, float]:
@@ -118,7 +118,7 @@ def test_the_readme_states_what_the_committed_predictions_say(monkeypatch):
     met = {}
     for kernels in ("encode-lane", "codecs-on-compute"):
         name = "" if kernels == "encode-lane" else f"-{kernels}"
-        data = json.loads((results / f"predictions-issue29-h100-pcie-2026-11-28{name}.json")
+        data = json.loads((results / f"predictions-issue29-h100-pcie-2026-11-28{name}-casts.json")
                           .read_text())
         goals = script.goals(data["cases"])
         met[kernels] = sum(m for *_, m in goals)
@@ -134,8 +134,8 @@ def test_the_readme_states_what_the_committed_predictions_say(monkeypatch):
     assert (f"{int8['Llama-3-8B LoRA']:.2f}x with LoRA and "
             f"{int8['Llama-3-8B full fine-tuning']:.2f}x in full fine-tuning") in readme
     assert f"{int8['GPT-2 medium']:.2f}x with int8" in readme
-    bracket = json.loads((results / "predictions-issue29-h100-pcie-2026-11-28-recompute-0.7.json")
-                         .read_text())["cases"]
+    bracket = json.loads((results / "predictions-issue29-h100-pcie-2026-11-28-recompute-0.7-"
+                                    "casts.json").read_text())["cases"]
     assert {c["recompute_scale"] for c in bracket.values()} == {0.7}
     assert (f"{words[sum(m for *_, m in script.goals(bracket))]} of the seven goals are met: "
             "checkpointing itself gets cheaper") in readme
@@ -199,13 +199,13 @@ def test_the_readme_states_the_h200_predictions_of_what_bench_finetune_measures(
     script = load_benchmark("predict_issue29", monkeypatch)
     root = Path(__file__).parents[1]
     data = json.loads((root / "benchmarks" / "results" /
-                       "predictions-issue29-h200-2026-11-28.json").read_text())
+                       "predictions-issue29-h200-2026-11-28-casts.json").read_text())
     cases = data["cases"]
     assert {c["device_key"] for c in cases.values()} == {"h200"}
     readme = " ".join((root / "README.md").read_text().split())
     words = dict(enumerate(("none", "one", "two", "three", "four", "five", "six", "all")))
     met = sum(m for *_, m in script.goals(cases))
-    assert f"`predictions-issue29-h200-2026-11-28.md`), {words[met]} of the seven" in readme
+    assert f"`predictions-issue29-h200-2026-11-28-casts.md`), {words[met]} of the seven" in readme
 
     def lora(budget: str, codec: str) -> dict:
         return next(r for r in cases["Llama-3-8B LoRA"]["rows"]
