@@ -195,15 +195,13 @@ class Recompute:
     def model(self) -> nn.Module | None:
         return self._model()
 
-    def choice(self, block: str, weight: float | None = None,
-               call: tuple[tuple, dict] = ((), {})) -> Choice:
+    def choice(self, block: str, weight: float | None = None, kind: tuple = ()) -> Choice:
         """What the block's recomputations below the layer keep (``selective.Choice``) with
-        ``weight`` (None: the one it is recomputed with), for its calls like ``call`` (its
-        arguments; ``selective.signature``)."""
+        ``weight`` (None: the one it is recomputed with), for its calls of ``kind`` (their
+        arguments' ``selective.signature``)."""
         if weight is None:
             weight = self.weights.get(block, 0.0)
-        key = (block, weight, signature(*call))
-        return self.choices.setdefault(key, Choice(weight))
+        return self.choices.setdefault((block, weight, kind), Choice(weight))
 
     def units(self) -> dict[str, Unit]:
         """The model's units (none once the model is gone)."""
@@ -419,7 +417,7 @@ class RecomputedForward:
                             args, kwargs, recompute.witness,
                             Region(recompute.hooks,
                                    choice=recompute.choice(self.name.removesuffix(BELOW),
-                                                           call=(args, kwargs)))
+                                                           kind=signature(args, kwargs)))
                             if self.below else None, recompute.verdicts, self.name,
                             recompute.draws.get(unit.key, ()))
 
@@ -733,9 +731,9 @@ class BlockTimer:
             versions = [(t, t._version) for t in inputs]
             observer = None
             if observe:
+                kind = signature(args, kwargs)
                 observer = Observer(self.clock, self.clock.device,
-                                    choices=[self.recompute.choice(name, weight,
-                                                                   (args, kwargs))
+                                    choices=[self.recompute.choice(name, weight, kind)
                                              for weight in WEIGHTS])
                 self.observing.append(observer.__enter__())
             generators = host_generators()  # before the clock: not the unit's time
