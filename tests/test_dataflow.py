@@ -244,10 +244,10 @@ def test_grouped_query_attention_counts_the_work_of_the_querys_heads(func):
 
 
 # the cut: what a recomputation keeps ---------------------------------------------------------
-def chain(changed: bool = False):
+def chain(changed: bool = False, watching: bool = False):
     """mm -> slice copy (a quarter of its bytes) -> times 2 -> saved: the flow and its
     tensors (alive, as in a forward)."""
-    flow = Dataflow()
+    flow = Dataflow(watching=watching)
     x, w = torch.randn(4, 8), torch.randn(8, 8)
     a = x @ w
     flow.call(aten.mm.default, (x, w), {}, a, kept=True)
@@ -362,3 +362,43 @@ def test_cuts_at_growing_weights_go_on_from_the_last_flow_and_keep_what_fresh_on
     fewer = set(sorted(given)[1:])
     assert flow.cut(fewer, [out], 0.6) == fresh(0.6, given=fewer)
     assert flow.cut(given, [], 0.6) == fresh(0.6, returned=())
+
+
+@pytest.mark.parametrize("saved", [False, True])
+@pytest.mark.parametrize("leaked", [False, True])
+def test_a_product_held_outside_the_block_stays_kept_only_where_autograd_saved_it(leaked, saved):
+    """A block whose product its caller can reach afterwards (a leaked list, a cache): where
+    autograd saved nothing of it, the caller could change it in place unseen by the version
+    the engine checks, or seen where plain PyTorch runs on, so the recomputation makes it
+    again; where autograd saved it (``sin``'s input), plain PyTorch's version check sees such
+    a change as the engine's does, and it stays kept. Gradients plain either way."""
+    x = torch.randn(8, 16, requires_grad=True)
+    w = torch.randn(16, 16, requires_grad=True)
+    outside: list[torch.Tensor] = []
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        h = torch.mm(x, w)
+        if leaked:
+            outside.append(h)
+        return (h.sin() if saved else torch.cat([h, h], -1).sin()).sum(-1)
+
+    def grads(region: Region | None) -> list[torch.Tensor]:
+        x.grad = w.grad = None
+        outside.clear()
+        y = block(x) if region is None else below(block, region, x)
+        y.sum().backward()
+        return [x.grad.clone(), w.grad.clone()]
+
+    plain = grads(None)
+    region = Region(None)
+    got = grads(region)
+    assert all(torch.equal(a, b) for a, b in zip(plain, got, strict=True))
+    assert bool(region.made) == (saved or not leaked)
+
+
+def test_a_watched_flow_holds_the_live_outputs_autograd_saved_nothing_of():
+    flow, (_x, _w, a, b, _c) = chain(watching=True)
+    assert [id(t) for t in flow.held()] == [id(a), id(b)]  # c was saved
+    del a
+    assert [id(t) for t in flow.held()] == [id(b)]
+    assert not chain()[0].held()  # not watched

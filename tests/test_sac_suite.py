@@ -50,9 +50,10 @@ The last cases are what this suite found, each in its smallest model: before the
 an elementwise result read on the host (``.numpy()``, ``.tolist()``: a MoE's split sizes)
 was given back as an uninitialised placeholder, NumPy's global generator was not put back
 for a recomputation (both silently other gradients), and a tensor subclass input
-(``TwoTensor``) made the watched step raise. One is not fixed, marked
-``xfail(strict=True)`` with its diagnosis (the README names it): a kept product the block
-leaks (in a list) and its caller changes in place after it returned is given back changed.
+(``TwoTensor``) made the watched step raise, and a kept product the block leaked (in a
+list) and its caller changed in place after it returned was given back changed (through an
+alias with a version counter of its own: silently other gradients; the product itself: the
+engine's version error where plain PyTorch runs).
 """
 
 from __future__ import annotations
@@ -944,32 +945,34 @@ class Experts(nn.Module):
 
 
 class Leaking(nn.Module):
-    """Appends its product (a 3-D ``matmul``: ``mm``, then ``_unsafe_view``) to a list it
-    is given, and returns elementwise work on it that saves twice its bytes."""
+    """Appends its product to a list it is given, and returns elementwise work on it that
+    saves twice its bytes. ``flat``: a 2-D ``mm``, whose output itself is leaked; else a 3-D
+    ``matmul`` (``mm``, then ``_unsafe_view``: an alias with a version counter of its own)."""
 
-    def __init__(self) -> None:
+    def __init__(self, flat: bool) -> None:
         super().__init__()
         self.w = weight(WIDTH, WIDTH)
+        self.flat = flat
 
     def forward(self, x: torch.Tensor, z: list) -> torch.Tensor:
-        h = x @ self.w
+        h = (x.flatten(0, -2) if self.flat else x) @ self.w
         z.append(h)
-        return torch.cat([h, h], -1).sin()
+        return torch.cat([h, h], -1).sin().view(*x.shape[:-1], 2 * WIDTH)
 
 
 class LeakingStack(nn.Module):
     """The caller changes the product the block leaked in place after it returned (plainly
     fine: autograd saved nothing of it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, flat: bool = False) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([Leaking()])
+        self.layers = nn.ModuleList([Leaking(flat)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         z: list = []
         y = self.layers[0](x, z)
         z[0].mul_(0.5)
-        return y[..., :WIDTH] * y[..., WIDTH:] + z[0]
+        return y[..., :WIDTH] * y[..., WIDTH:] + z[0].view(x.shape)
 
 
 class NumpyRandom(nn.Module):
@@ -998,8 +1001,7 @@ class Case:
     on fixed random weights); ``frees``: the first recomputed step saves fewer tensors than
     the measured one (False: as many or more, where the block keeps all it saves); ``lean``:
     None, or the start of every block's verdict on its first runs without autograd (``""``:
-    they go so); ``xfail``: what this suite found the engine does otherwise than plain
-    PyTorch, the error it fails with and why."""
+    they go so)."""
 
     build: Callable[[], nn.Module]
     restates: str
@@ -1009,7 +1011,6 @@ class Case:
         default=lambda model, inputs: projected(model(inputs["x"])))
     frees: bool = True
     lean: str | None = None
-    xfail: tuple[type[BaseException], str] | None = None
 
     def built(self) -> Built:
         torch.manual_seed(0)
@@ -1144,20 +1145,10 @@ CASES = {
         lambda: stack(Experts, depth=1),
         f"{SAC}test_function_with_non_tensor_output (a MoE's split sizes)"),
     "a product leaked in a list, changed in place after the block": Case(
-        LeakingStack, f"{TAGS}test_nonlocal_list_mutation (the leaked tensor then mutated)",
-        xfail=(AssertionError, (
-               "silently other gradients from step 2: the block keeps its product h (the "
-               "mm under a 3-D matmul, kept because cat's saved output is twice its bytes); "
-               "whether a kept output stays kept is judged from what the block returns "
-               "(selective.Region.close, from selective._returned), not from a tensor it "
-               "leaked in a list; the caller's h.mul_ (h is the _unsafe_view of mm's "
-               "output: its own version counter) changes the kept bytes after the block "
-               "closed. From step 2 the plan keeps that site in place as 'held elsewhere' "
-               "(engine.py:247-250, step.py:345-348): unpack's version check "
-               "(step.py:460-462) reads mm's counter, unmoved, and the recomputation runs "
-               "cat and sin on the halved product. (plan='keep': from step 1; a 2-D x @ w, "
-               "whose mm output shares h's counter, raises the engine's version error where "
-               "plain PyTorch runs)"))),
+        LeakingStack, f"{TAGS}test_nonlocal_list_mutation (the leaked tensor then mutated)"),
+    "a 2-D product leaked in a list, changed in place after the block": Case(
+        lambda: LeakingStack(flat=True),
+        f"{TAGS}test_nonlocal_list_mutation (the leaked tensor then mutated)"),
     "a number drawn from NumPy's generator": Case(
         lambda: stack(NumpyRandom, depth=1),
         f"{TAGS}test_compile_selective_checkpoint_random_op (a host random number)"),
@@ -1214,13 +1205,7 @@ def below_the_layer(case: Case, offloader: cswap.Offloader) -> Run:
     return Run(train(case, offloader, choose), offloader, chosen, skipped)
 
 
-def cases() -> list:
-    return [pytest.param(name, marks=pytest.mark.xfail(strict=True, raises=case.xfail[0],
-                                                       reason=case.xfail[1]))
-            if case.xfail else name for name, case in CASES.items()]
-
-
-@pytest.mark.parametrize("name", cases())
+@pytest.mark.parametrize("name", list(CASES))
 def test_blocks_below_the_layer_train_as_plain_pytorch(name):
     case = CASES[name]
     want = train(case)

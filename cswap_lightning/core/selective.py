@@ -104,8 +104,10 @@ def _detached(x: Any) -> Any:
 class _Kept:
     """One kept operator call: its outputs (flattened: tensors, then their handles once
     packed) and their structure (None: one tensor), each tensor's version when made (None
-    where no tensor), the RNG states after it (where it draws random numbers), and its call
-    in the block's ``Dataflow``."""
+    where no tensor), the RNG states after it (where it draws random numbers), its call
+    in the block's ``Dataflow``, how many owners each of its outputs' storages has once
+    the tensors the call made are gone, and whether autograd saved a tensor on one of them in
+    the forward that chose to keep it (``held_elsewhere``)."""
 
     values: list[Any]
     spec: Any
@@ -113,6 +115,8 @@ class _Kept:
     rng: list[tuple[torch.Generator, torch.Tensor]] | None
     cost: float  # its operator's work per byte of output (``ops.work_per_byte``)
     index: int
+    owners: dict[int, int]
+    saved: bool = False
 
     @classmethod
     def of(cls, func: Any, args: tuple, kwargs: dict, out: Any, random: bool, cost: float,
@@ -120,9 +124,25 @@ class _Kept:
         """The call of ``func`` that gave ``out`` (``random``: it drew random numbers)."""
         flat, spec = ([out], None) if isinstance(out, torch.Tensor) else tree_flatten(out)
         values = [_detached(v) for v in flat]
+        owners: dict[int, int] = {}
+        for v in flat:
+            if isinstance(v, torch.Tensor):
+                key = storage_key(v)
+                owners[key] = owners.get(key, _use_count(key)) - 1
         return cls(values, spec, [v._version if isinstance(v, torch.Tensor) else None
                                   for v in values],
-                   _rng_states(func, args, kwargs) if random else None, cost, index)
+                   _rng_states(func, args, kwargs) if random else None, cost, index, owners)
+
+    def held_elsewhere(self) -> bool:
+        """Whether a tensor the block did not return, and autograd did not save, still
+        shares an output's storage: one the block leaked (in a list, say), or an alias with a
+        version counter of its own (the ``_unsafe_view`` a matmul returns). Its holder could
+        change the kept bytes after the block returned, unseen by the version the engine
+        checks or seen where plain PyTorch, which saved nothing of them, runs on. (Where
+        autograd saved a tensor on them, their holder is likely the block's cache, whose
+        changes plain PyTorch's version check sees as the engine's does.)"""
+        return not self.saved and any(_use_count(key) > self.owners[key]
+                                      for key in {storage_key(t) for t, _ in self.tensors()})
 
     def tensors(self) -> list[tuple[torch.Tensor, int]]:
         """Its output tensors, each with its version when made."""
@@ -196,33 +216,37 @@ class Tainted:
         return bool(self.keys) and any(storage_key(t) in self.keys for t in tensors)
 
 
-Calls = Sequence[tuple[int, Iterable[tuple[torch.Tensor, int]], float]]
+def _use_count(key: int) -> int:
+    """The owners of a storage (``storage_key``): the tensors on it and its Python object."""
+    return torch._C._storage_Use_Count(key)
 
 
-def staying(calls: Calls, returned: Iterable[torch.Tensor], changed: Container[int]
+def staying(made: Sequence[_Kept], returned: Iterable[torch.Tensor], changed: Container[int]
             ) -> list[bool]:
-    """Which kept calls (each: its index among the block's calls, its output tensors with
-    their versions when made, and its operator's work per byte) stay kept once the block
-    returned the tensors ``returned``: those none of whose outputs was changed in place
-    since (its version moved, or a later call wrote its storage: its index is among
-    ``changed``, which sees it through an alias that shares no version, as the
-    ``_unsafe_view`` a matmul returns) or is (a view of) one of them, and not far cheaper to
-    make than the rest (``ops.dear``)."""
+    """Which kept calls stay kept once the block returned the tensors ``returned``: those
+    none of whose outputs was changed in place since (its version moved, or a later call
+    wrote its storage: its index is among ``changed``, which sees it through an alias that
+    shares no version, as the ``_unsafe_view`` a matmul returns), is (a view of) one of them
+    or is held elsewhere (``_Kept.held_elsewhere``), and not far cheaper to make than the
+    rest (``ops.dear``)."""
     returned = {t.untyped_storage()._cdata for t in returned}
-    fresh = [index not in changed and not any(
-        t._version != v or t.untyped_storage()._cdata in returned for t, v in tensors)
-        for index, tensors, _ in calls]
-    dear = iter(ops.dear([cost for (_, _, cost), ok in zip(calls, fresh, strict=True) if ok]))
+    fresh = [k.index not in changed and not any(
+        t._version != v or t.untyped_storage()._cdata in returned for t, v in k.tensors())
+        and not k.held_elsewhere() for k in made]
+    dear = iter(ops.dear([k.cost for k, ok in zip(made, fresh, strict=True) if ok]))
     return [ok and next(dear) for ok in fresh]
 
 
-def settle(flow: Dataflow, kept: Calls, returned: Sequence[torch.Tensor]) -> list[bool]:
-    """Once a block returned the tensors ``returned``, which of its kept calls (each: its call
-    in ``flow``, its outputs with their versions, its work per byte) stay kept: ``staying``
-    (the flow knows which calls' outputs a later call changed in place), and needed."""
-    stay = staying(kept, returned, {i for i, _, _ in kept if flow.calls[i].changed})
-    need = flow.needed(i for (i, _, _), ok in zip(kept, stay, strict=True) if ok)
-    return [ok and need[i] for (i, _, _), ok in zip(kept, stay, strict=True)]
+def settle(flow: Dataflow, made: Sequence[_Kept], returned: Sequence[torch.Tensor]
+           ) -> list[bool]:
+    """Once a block returned the tensors ``returned``, which of its kept calls ``made`` stay
+    kept: ``staying`` (the flow knows which calls' outputs a later call changed in place,
+    and which autograd saved), and needed."""
+    for k in made:
+        k.saved = flow.was_saved(k.index)
+    stay = staying(made, returned, {k.index for k in made if flow.calls[k.index].changed})
+    need = flow.needed(k.index for k, ok in zip(made, stay, strict=True) if ok)
+    return [ok and need[k.index] for k, ok in zip(made, stay, strict=True)]
 
 
 class Choice:
@@ -303,9 +327,10 @@ class Region:
         self.keep = keep  # which operators' outputs are kept (tests choose others)
         self.choice = choice  # the block's (None: its matrix products' outputs, every call)
         self.chosen = None if choice is None else choice.kept
-        # each call's traffic is only read by a choice still to be made with a weight
-        self.flow = Dataflow(weighing=choice is not None and self.chosen is None
-                             and choice.weight > 0)
+        # each call's traffic and outputs are only read by a choice still to be made (its
+        # traffic with a weight)
+        choosing = choice is not None and self.chosen is None
+        self.flow = Dataflow(weighing=choosing and choice.weight > 0, watching=choosing)
         self.made: list[_Kept] = []  # in the order made
         self.whole = False  # a first run without autograd left nothing to give back
         self.mode: Lean | None = None  # that first run's, until it closes
@@ -330,8 +355,8 @@ class Region:
         (``ops.dear``); do not run again, nor keep, what nothing saved needs
         (``dataflow.py``); pass the rest through the step's pack hook, in the order made.
         The block's first forward makes its ``Choice``."""
-        returned = _returned(output)
-        stay = settle(self.flow, [(k.index, k.tensors(), k.cost) for k in self.made], returned)
+        returned = _returned(output) + self.flow.held()
+        stay = settle(self.flow, self.made, returned)
         given = {k.index: k for k, ok in zip(self.made, stay, strict=True) if ok}
         if self.choice is not None:
             if self.chosen is None:
@@ -359,8 +384,7 @@ class Region:
         and not returned, they go through the step's pack hook; else (``whole``) its
         recomputation runs everything again, and the next forward chooses again."""
         mode, self.mode = self.mode, None
-        fresh = staying([(k.index, k.tensors(), math.inf) for k in self.made],
-                        _returned(output), mode.changed())
+        fresh = staying(self.made, _returned(output), mode.changed())
         if tuple(mode.funcs) != self.choice.funcs or mode.unsettled or not all(fresh):
             self.whole = True
             self.made, self.calls = [], defaultdict(list)
@@ -399,11 +423,13 @@ KEPT, DEAD, RUN = "kept", "dead", "run"
 
 
 class Settled(NamedTuple):
-    """What a recomputation does with one call (``kind``: KEPT, DEAD or RUN) and, kept or
-    not run, the layout of what the call made (``made``: ``_made``)."""
+    """What a recomputation does with one call (``kind``: KEPT, DEAD or RUN), kept or not
+    run, the layout of what the call made (``made``: ``_made``), and kept, whether autograd
+    saved a tensor on what it made (``_Kept.saved``)."""
 
     kind: str
     made: Any = None
+    saved: bool = False
 
 
 _RUN = Settled(RUN)
@@ -412,7 +438,7 @@ _RUN = Settled(RUN)
 def _mark(entry: Any) -> Settled:
     """One call of ``Region.calls``, settled."""
     if isinstance(entry, _Kept):
-        return Settled(KEPT, _made(entry))
+        return Settled(KEPT, _made(entry), entry.saved)
     return Settled(DEAD, entry.outputs) if isinstance(entry, _Dead) else _RUN
 
 
@@ -663,6 +689,7 @@ class Lean(_Eager, TorchDispatchMode):
         else:
             entry = _Kept.of(func, args, kwargs, out, ops.facts(func).random, math.inf,
                              len(self.funcs))
+            entry.saved = mark.saved
             self.region.made.append(entry)
             made = _made(entry)
         calls.append(entry)
@@ -774,10 +801,9 @@ class Observer(_HearingHostReads, TorchDispatchMode):
         self.choices = choices or [Choice(weight) for weight in WEIGHTS]
         self.paused = 0  # while above 0 (the step's pack hook runs), operators are not the block's
         self.start = clock.now()
-        self.flow = Dataflow()
+        self.flow = Dataflow(watching=True)
         self.calls: dict[Any, list[int]] = defaultdict(list)  # each operator's, but uncounted
-        # each kept call: its index in the flow, its outputs with their versions, work per byte
-        self.kept: list[tuple[int, list[tuple[torch.Tensor, int]], float]] = []
+        self.kept: list[_Kept] = []  # each kept call, with its work per byte
         # the stamps before and after each kept matrix product, attention or convolution
         self.stamps: dict[int, tuple[Any, Any]] = {}
 
@@ -808,17 +834,17 @@ class Observer(_HearingHostReads, TorchDispatchMode):
         if timed:
             self.stamps[index] = (before, self.clock.now())
         if kept:
-            self.kept.append((index, [(t, t._version) for t in values
-                                      if isinstance(t, torch.Tensor)],
-                              ops.work_per_byte(func, args, kwargs, out)))
+            self.kept.append(_Kept.of(func, args, kwargs, out, False,
+                                      ops.work_per_byte(func, args, kwargs, out), index))
         return out
 
     def finish(self, output: Any) -> tuple[list[Way], list[tuple[Any, Any]], Any]:
         """After the block returned ``output``: the block's choices made; each one's ``Way``,
         the stamps of every timed operator, and the block's start stamp."""
-        flow, returned = self.flow, _returned(output)
+        flow = self.flow
+        returned = _returned(output) + flow.held()
         stay = settle(flow, self.kept, returned)
-        given = {i for (i, _, _), ok in zip(self.kept, stay, strict=True) if ok}
+        given = {k.index for k, ok in zip(self.kept, stay, strict=True) if ok}
         untimed = [i for i, c in enumerate(flow.calls) if i not in self.stamps and c.touched]
         traffic = sum(flow.calls[i].touched for i in untimed)
         ways = []
@@ -831,5 +857,6 @@ class Observer(_HearingHostReads, TorchDispatchMode):
                             again / traffic if traffic else 0.0,
                             [stamp for i, stamp in self.stamps.items() if runs[i]]))
         stamps = list(self.stamps.values())
-        self.kept, self.stamps, self.flow, self.calls = [], {}, Dataflow(), defaultdict(list)
+        self.kept, self.stamps, self.flow = [], {}, Dataflow(watching=True)
+        self.calls = defaultdict(list)
         return ways, stamps, self.start

@@ -33,6 +33,7 @@ the planner chooses per block by the memory it has.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -71,8 +72,10 @@ class Dataflow:
     """A block's forward, one operator call at a time (:meth:`call`), and the tensors autograd
     saved from it (:meth:`saved`): :meth:`needed` says which calls its recomputation runs."""
 
-    def __init__(self, weighing: bool = True) -> None:
+    def __init__(self, weighing: bool = True, watching: bool = False) -> None:
         self.weighing = weighing  # record each call's traffic (``touched``), for a weighted cut
+        # each output tensor made, weakly: which live on after the block (``held``), for a cut
+        self._made: list[weakref.ref] | None = [] if watching else None
         self.calls: list[Call] = []
         self._writers: dict[int, tuple[int, ...]] = {}  # storage -> calls that wrote it
         self._saved: set[int] = set()  # calls whose outputs autograd saved
@@ -124,6 +127,8 @@ class Dataflow:
         touched = 0
         if self.weighing and not (f.view or aliases):
             touched = sum(t.nbytes for t in (*inputs, *outputs))
+        if self._made is not None:
+            self._made.extend(map(weakref.ref, outputs))
         self.calls.append(Call(func, frozenset(deps), always, root, kept,
                                tuple(n for n, _ in made.values()), dtype, touched=touched,
                                uncounted=uncounted))
@@ -132,6 +137,20 @@ class Dataflow:
     def saved(self, t: torch.Tensor) -> None:
         """Autograd saved ``t``: whatever wrote it is needed."""
         self._saved.update(self._writers.get(storage_key(t), ()))
+
+    def held(self) -> list[torch.Tensor]:
+        """The tensors the block made (watched) that live on after it and share no storage
+        autograd saved a tensor on: returned, or held where the block put them (a list, a
+        module's attribute), where the caller may change them in place. A cut keeps none of
+        them (``cut``'s ``returned``). (Saved ones are held by the step; a cache's are seen
+        changed by plain PyTorch's version check as by the engine's.)"""
+        saved, writers = self._saved, self._writers
+        return [t for ref in self._made or () if (t := ref()) is not None
+                and saved.isdisjoint(writers.get(storage_key(t), ()))]
+
+    def was_saved(self, index: int) -> bool:
+        """Whether autograd saved a tensor on a storage the call ``index`` wrote."""
+        return index in self._saved
 
     def needed(self, given: Iterable[int] | None = None) -> list[bool]:
         """Per call, whether the recomputation needs it (runs it, or gives its output back);
