@@ -31,7 +31,7 @@ def test_the_goals_are_predicted_labelled_and_judged(tmp_path, monkeypatch):
                        for r in case["rows"] if r["codec"] == "lossless"
                        and r["vs_keep"] <= script.SLOWER)
     goals = script.goals(cases)
-    assert len(goals) == 7 and all(isinstance(met, bool) for *_, met in goals)
+    assert len(goals) == 7 and all(isinstance(g.met, bool) for g in goals)
     text = (tmp_path / "p.md").read_text()
     assert "- kind: prediction" in text and "| goal | predicted | met |" in text
     assert script.CODEC_KERNELS["own stream"] in text
@@ -69,93 +69,8 @@ def test_a_goal_at_checkpointings_peak_needs_the_row_within_that_peak(monkeypatc
     for peak, met in ((31.0, True), (31.5, False)):
         cases = {name: case(peak) for name in
                  ("Llama-3-8B LoRA", "Llama-3-8B full fine-tuning", "GPT-2 medium")}
-        judged = [m for goal, _, m in script.goals(cases) if "checkpointing's peak" in goal]
+        judged = [g.met for g in script.goals(cases) if "checkpointing's peak" in g.asks]
         assert len(judged) == 5 and all(m is met for m in judged)
-
-
-def test_the_readme_states_what_pricing_below_the_layer_as_measured_predicts(monkeypatch):
-    """The bracket that charges recomputation below the layer what the H200 measured: the
-    README's count of goals met and its figures are the committed file's."""
-    from pathlib import Path
-
-    script = load_benchmark("predict_issue29", monkeypatch)
-    root = Path(__file__).parents[1]
-    data = json.loads((root / "benchmarks" / "results" /
-                       "predictions-issue29-h100-pcie-2026-11-28-below-1.6-casts.json").read_text())
-    cases = data["cases"]
-    assert {c["below_scale"] for c in cases.values()} == {1.6}
-    readme = " ".join((root / "README.md").read_text().split())
-    goals = script.goals(cases)
-    words = dict(enumerate(("none", "one", "two", "three", "four", "five", "six", "all")))
-    assert (f"(1.6x its estimate; `predictions-issue29-h100-pcie-2026-11-28-below-1.6-casts.md`), "
-            f"{words[sum(m for *_, m in goals)]} of the seven goals are met") in readme
-
-    def lower(case: str) -> tuple[float, float]:
-        row = next(r for r in cases[case]["rows"] if r["budget"] == "75% lower saved activations"
-                   and r["codec"] == "lossless")
-        return row["vs_keep"] - 1, cases[case]["lower_within_3_percent"]["fraction"]
-
-    (lora, lora_within), (full, full_within) = (lower("Llama-3-8B LoRA"),
-                                                lower("Llama-3-8B full fine-tuning"))
-    gpt2 = next(r["vs_checkpointing"] for r in cases["GPT-2 medium"]["rows"]
-                if r["budget"] == "checkpointing's peak" and r["codec"] == "int8")
-    assert (f"with LoRA, 75% lower costs {lora:.1%} (within 3%: {lora_within:.0%} lower), in "
-            f"full fine-tuning {full:.1%} (within 3%: {full_within:.0%} lower), and GPT-2 "
-            f"medium with int8 falls just short of 1.15x checkpointing's throughput "
-            f"({gpt2:.3f}x)") in readme
-
-
-def test_the_readme_states_what_the_committed_predictions_say(monkeypatch):
-    """The README's count of issue 29's goals met, with its bracket, and its int8 figures at
-    checkpointing's peak, are those of the committed prediction files."""
-    from pathlib import Path
-
-    script = load_benchmark("predict_issue29", monkeypatch)
-    root = Path(__file__).parents[1]
-    results = root / "benchmarks" / "results"
-    readme = " ".join((root / "README.md").read_text().split())
-    words = dict(enumerate(("none", "one", "two", "three", "four", "five", "six", "all")))
-    met = {}
-    for kernels in ("encode-lane", "codecs-on-compute"):
-        name = "" if kernels == "encode-lane" else f"-{kernels}"
-        data = json.loads((results / f"predictions-issue29-h100-pcie-2026-11-28{name}-casts.json")
-                          .read_text())
-        goals = script.goals(data["cases"])
-        met[kernels] = sum(m for *_, m in goals)
-        assert len(goals) == 7
-        if kernels == "encode-lane":
-            check = {r["way"]: r for r in data["measured_check"]["rows"]}
-            int8 = {case: next(r for r in c["rows"] if r["codec"] == "int8"
-                               and r["budget"] == "checkpointing's peak")["vs_checkpointing"]
-                    for case, c in data["cases"].items()}
-    n = met["encode-lane"]
-    assert f"{words[n]} of the seven goals are met, {words[7 - n]} missed" in readme
-    assert f"({words[met['codecs-on-compute']]} met where the int8 codec's kernels" in readme
-    assert (f"{int8['Llama-3-8B LoRA']:.2f}x with LoRA and "
-            f"{int8['Llama-3-8B full fine-tuning']:.2f}x in full fine-tuning") in readme
-    assert f"{int8['GPT-2 medium']:.2f}x with int8" in readme
-    bracket = json.loads((results / "predictions-issue29-h100-pcie-2026-11-28-recompute-0.7-"
-                                    "casts.json").read_text())["cases"]
-    assert {c["recompute_scale"] for c in bracket.values()} == {0.7}
-    assert (f"{words[sum(m for *_, m in script.goals(bracket))]} of the seven goals are met: "
-            "checkpointing itself gets cheaper") in readme
-    missed = [goal for goal, _, met in script.goals(bracket) if not met]
-    assert [g.split(":")[0] for g in missed] == ["Llama-3-8B full fine-tuning"] * 2 + [
-        "GPT-2 medium"]
-    at_peak = {(case, r["codec"]): r["vs_checkpointing"] for case, c in bracket.items()
-               for r in c["rows"] if r["budget"] == "checkpointing's peak"}
-    assert (f"(LoRA {at_peak['Llama-3-8B LoRA', 'lossless']:.2f}x lossless and "
-            f"{at_peak['Llama-3-8B LoRA', 'int8']:.2f}x with int8, full fine-tuning "
-            f"{at_peak['Llama-3-8B full fine-tuning', 'lossless']:.2f}x lossless and "
-            f"{at_peak['Llama-3-8B full fine-tuning', 'int8']:.2f}x with int8, GPT-2 medium "
-            f"{at_peak['GPT-2 medium', 'int8']:.2f}x with int8)") in readme
-    at, ckpt = check["checkpointing's peak"], check["checkpointing"]
-    assert (f"{1 - at['predicted_ms'] / at['measured_ms']:.1%} under the engine's "
-            f"({at['predicted_ms']:.1f} ms for its own mix, measured {at['measured_ms']:.1f} "
-            "for the mix the engine chose") in readme
-    assert f"({ckpt['predicted_ms']:.1f} ms, measured {ckpt['measured_ms']:.1f})" in readme
-    assert (f"{at['predicted_vs_checkpointing']:.2f}x checkpointing's throughput predicted, "
-            f"{at['measured_vs_checkpointing']:.2f}x measured") in readme
 
 
 @pytest.mark.slow
@@ -191,28 +106,56 @@ def test_the_measured_llm_shape_is_predicted_beside_its_measurement(monkeypatch)
     assert check["rows"][3]["predicted_peak_gib"] <= ckpt["predicted_peak_gib"] + 1e-9
 
 
-def test_the_readme_states_the_h200_predictions_of_what_bench_finetune_measures(monkeypatch):
-    """The H200's count of goals met and the figures of the setup `cswap bench finetune`
-    measures there are the committed file's."""
+def summary(monkeypatch):
     from pathlib import Path
 
-    script = load_benchmark("predict_issue29", monkeypatch)
+    benchmarks = Path(__file__).parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(benchmarks))
+    return load_benchmark("summarize_issue29", monkeypatch)
+
+
+def test_the_predictions_page_is_made_from_the_committed_files(monkeypatch):
+    """``benchmarks/results/PREDICTIONS-ISSUE-29.md`` is what its script makes of the committed
+    prediction files: no figure on it copied by hand or left behind by a newer file."""
+    script = summary(monkeypatch)
+    assert script.PAGE.read_text() == script.page()
+    text = script.page()
+    assert "- kind: prediction" in text and text.count("predictions-issue29-") == len(
+        script.FILES)
+
+
+def test_the_readme_summarises_the_predictions_page(monkeypatch):
+    """The README's count of issue 29's goals met, each way, its missed goal's figures and the
+    check against a measurement are the committed files'."""
+    from pathlib import Path
+
+    script = summary(monkeypatch)
     root = Path(__file__).parents[1]
-    data = json.loads((root / "benchmarks" / "results" /
-                       "predictions-issue29-h200-2026-11-28-casts.json").read_text())
-    cases = data["cases"]
-    assert {c["device_key"] for c in cases.values()} == {"h200"}
     readme = " ".join((root / "README.md").read_text().split())
-    words = dict(enumerate(("none", "one", "two", "three", "four", "five", "six", "all")))
-    met = sum(m for *_, m in script.goals(cases))
-    assert f"`predictions-issue29-h200-2026-11-28-casts.md`), {words[met]} of the seven" in readme
-
-    def lora(budget: str, codec: str) -> dict:
-        return next(r for r in cases["Llama-3-8B LoRA"]["rows"]
-                    if r["budget"].startswith(budget) and r["codec"] == codec)
-
-    assert (f"predicted at {lora('checkpointing', 'lossless')['vs_checkpointing']:.2f}x "
-            f"checkpointing's throughput at its peak lossless, "
-            f"{lora('checkpointing', 'int8')['vs_checkpointing']:.2f}x with int8, and 75% lower "
-            f"saved activations for {lora('75%', 'lossless')['vs_keep'] - 1:.1%} of the "
-            "step") in readme
+    words = dict(enumerate(script.WORDS))
+    met, lower = {}, {}
+    for name in script.FILES:
+        cases = json.loads((script.RESULTS / name).read_text())["cases"]
+        found = script.goals(cases)
+        met[script.pricing(next(iter(cases.values())))] = sum(g.met for g in found)
+        full = cases["Llama-3-8B full fine-tuning"]
+        row = next(r for r in full["rows"] if r["budget"] == "75% lower saved activations"
+                   and r["codec"] == "lossless")
+        lower[name] = row["vs_keep"] - 1, full["lower_within_3_percent"]["fraction"]
+    estimated, exponent = met.pop("as estimated"), met.pop("the exponent codec weighed")
+    assert f"**{words[estimated]} of the seven goals are met as estimated**" in readme
+    (cost, within), (dense_cost, _) = lower[script.FILES[0]], lower[script.FILES[1]]
+    assert (f"75% lower, lossless, cost {cost:.1%} of the step (goal: at most 3%; within 3%: "
+            f"{within:.0%} lower)") in readme
+    said = "all seven" if exponent == 7 else words[exponent]
+    assert f"**{said}** (full fine-tuning's 75% lower for {dense_cost:.1%})" in readme
+    h200 = [met.pop(p) for p in ("an H200 141GB", "an H200 141GB, the exponent codec weighed")]
+    assert f"on an H200, {words[h200[0]]} ({words[h200[1]]} with the exponent codec)" in readme
+    assert f"{' or '.join(words[n] for n in sorted(set(met.values())))} are met" in readme
+    check = {r["way"]: r for r in json.loads((script.RESULTS / script.FILES[0]).read_text())[
+        "measured_check"]["rows"]}
+    at, ckpt = check["checkpointing's peak"], check["checkpointing"]
+    assert (f"predicted {1 - at['predicted_ms'] / at['measured_ms']:.1%} under the engine's, "
+            f"but checkpointing's own step {ckpt['predicted_ms'] / ckpt['measured_ms'] - 1:.1%}"
+            f" over: {at['predicted_vs_checkpointing']:.2f}x checkpointing's throughput "
+            f"predicted, {at['measured_vs_checkpointing']:.2f}x measured") in readme
