@@ -975,6 +975,35 @@ class LeakingStack(nn.Module):
         return y[..., :WIDTH] * y[..., WIDTH:] + z[0].view(x.shape)
 
 
+class Cached(nn.Module):
+    """Puts its product in a cache it is given, and returns its sine (which saves it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = weight(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, cache: list) -> torch.Tensor:
+        h = x.flatten(0, -2) @ self.w
+        cache.append(h)
+        return h.sin().view(x.shape)
+
+
+class CachedStack(nn.Module):
+    """The caller changes the cached product in place after the block (``change``)."""
+
+    def __init__(self, change: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Cached()])
+        self.change = change
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cache: list = []
+        y = self.layers[0](x, cache)
+        if self.change:
+            cache[0].mul_(0.5)
+        return y * 2
+
+
 class NumpyRandom(nn.Module):
     """Scales elementwise work by a number drawn from NumPy's global generator."""
 
@@ -1227,6 +1256,30 @@ def test_blocks_below_the_layer_train_as_plain_pytorch(name):
                 why = offloader.recomputer.verdicts.why
                 assert set(why) == set(run.chosen), why
                 assert all(w.startswith(case.lean) for w in why.values()), why
+    finally:
+        offloader.close()
+
+
+@pytest.mark.parametrize("change", [False, True])
+def test_a_product_saved_and_cached_outside_stays_kept_and_checked_as_plain(change):
+    """A kept product the block also puts in a cache, and autograd saved (a key-value cache's
+    keys): it stays kept (``_Kept.held_elsewhere`` spares it), training is plain's, and
+    changed in place after the block it raises the version error plain PyTorch raises."""
+    case = Case(lambda: CachedStack(change), "a cache's tensor changed in place")
+    offloader = engine()
+    try:
+        if change:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                train(case)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                below_the_layer(case, offloader)
+        else:
+            want = train(case)
+            run = below_the_layer(case, offloader)
+            assert not differences(want, run.steps)
+            assert offloader.recomputed == set(run.chosen)
+            measured, recomputed = run.steps[0].stats, run.steps[1].stats
+            assert activations(recomputed) == activations(measured)  # the product, kept
     finally:
         offloader.close()
 
