@@ -44,8 +44,16 @@ from cswap_lightning.planning.estimate import Setup, estimate
 KiB = 1024
 
 
-def llama(layers: int) -> transformers.PreTrainedModel:
+def llama(layers: int, narrow: int = 1) -> transformers.PreTrainedModel:
+    """Llama-3-8B's layers, ``narrow`` times narrower (hidden size, MLP and heads; the head
+    dimension as it is)."""
     config = {k: v for k, v in models.KNOWN["llama-3-8b"].items() if k != "model_type"}
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads",
+                "num_key_value_heads"):
+        if config[key] % narrow:
+            raise ValueError(f"--narrow {narrow} does not divide {key} ({config[key]}): "
+                             "use 1, 2, 4 or 8")
+        config[key] //= narrow
     # the head apart; no key/value cache, as in fine-tuning (Hugging Face's default keeps one
     # in training too: each layer would copy its keys and values into it)
     config |= {"num_hidden_layers": layers, "vocab_size": 1024, "use_cache": False}
@@ -77,11 +85,11 @@ def deterministic(dev: torch.device) -> Iterator[None]:
 
 
 def measure(layers: int, sequence: int, repeats: int, dev: torch.device,
-            profiles: Path | None = None, memory: Path | None = None) -> dict:
+            profiles: Path | None = None, memory: Path | None = None, narrow: int = 1) -> dict:
     """Plain, below the layer and whole, each measured (``profiles``: a folder where each
     way's profiled step is written too; ``memory``: one where, on CUDA, what one more step of
     each way held at the allocator's peak is written, ``live_at_peak``)."""
-    model = llama(layers).to(dev)
+    model = llama(layers, narrow).to(dev)
     ids = torch.randint(0, 1024, (1, sequence), generator=torch.Generator().manual_seed(0))
     ids = ids.to(dev)
     off = cswap.Offloader(cswap.CSwapConfig(plan="keep", min_bytes=0, profile_steps=1,
@@ -181,7 +189,7 @@ def measure(layers: int, sequence: int, repeats: int, dev: torch.device,
                                         device("h100-pcie")))
     h100 = {"saves_kib_per_token": layer.saved_kib, "below_keeps_kib_per_token": layer.below_kib,
             "below_ms": 1e3 * layer.below_s, "forward_ms": 1e3 * layer.forward_s}
-    return {"layers": layers, "sequence": sequence, "per_layer": per_layer,
+    return {"layers": layers, "sequence": sequence, "narrow": narrow, "per_layer": per_layer,
             "ledger_freed_kib_per_token_per_layer": freed, "ways": ways, "device": str(dev),
             "estimate_h100_pcie_s8192": h100}
 
@@ -245,7 +253,9 @@ def markdown(r: dict) -> str:
     p, h = r["per_layer"], r["estimate_h100_pcie_s8192"]
     plain = r["ways"]["plain"]["step_s"]
     where = "CPU" if r["device"] == "cpu" else "GPU"
-    lines = [(f"Llama-3-8B's layer shapes, {r['layers']} layers, sequence {r['sequence']}, "
+    shapes = ("Llama-3-8B's layer shapes" if r.get("narrow", 1) == 1 else
+              f"Llama-3-8B's layers {r['narrow']} times narrower (not the estimate's shapes)")
+    lines = [(f"{shapes}, {r['layers']} layers, sequence {r['sequence']}, "
               f"batch 1, bf16, SDPA, random init, transformers {transformers.__version__}, "
               "plan keep (the ledger counts every saved tensor the engine's hooks see)."), "",
              f"| per layer, per token | measured ({where}) | estimated (H100 PCIe, s8192) |",
@@ -303,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--narrow", type=int, default=1,
+                   help="divide the layers' hidden size, MLP and heads by this (1, 2, 4 or 8): "
+                        "a quick run where bfloat16 matmuls are slow (CPUs without bfloat16 "
+                        "instructions take seconds for one layer's weight gradients)")
     p.add_argument("--profile", action="store_true",
                    help="one more step of each way under torch.profiler: its table beside OUT "
                         "(OUT-profiles/profile-WAY.txt) and, on CUDA, the seconds the device "
@@ -322,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory:
         memory = Path(f"{args.out}-memory")
         memory.mkdir(parents=True, exist_ok=True)
-    r = measure(args.layers, args.seq, args.repeats, dev, profiles, memory)
+    r = measure(args.layers, args.seq, args.repeats, dev, profiles, memory, args.narrow)
     meta = result_meta(dev, command=" ".join(
         ["python", *sys.argv] if argv is None else ["python", __file__, *argv]),
         kind="measurement (the engine's ledger; this machine's times) beside an estimate")

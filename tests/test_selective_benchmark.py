@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 def test_each_way_is_measured_and_bitwise_with_plain_training(tmp_path, monkeypatch):
     script = load_benchmark("selective", monkeypatch)
     assert script.main(["--layers", "1", "--seq", "16", "--repeats", "1", "--profile",
-                        "--out", str(tmp_path / "s")]) == 0
+                        "--narrow", "8", "--out", str(tmp_path / "s")]) == 0
     for kind in ("profile", "host"):  # torch.profiler's table, cProfile's
         assert len(list((tmp_path / "s-profiles").glob(f"{kind}-*.txt"))) == 6
     data = json.loads((tmp_path / "s.json").read_text())
@@ -34,3 +34,9 @@ def test_each_way_is_measured_and_bitwise_with_plain_training(tmp_path, monkeypa
     text = (tmp_path / "s.md").read_text()
     assert "| gradients bitwise |" in text and "NO" not in text
     assert "| forward: host, to its end | backward |" in text
+
+
+def test_a_narrowing_that_does_not_divide_the_layer_is_refused_with_the_ones_that_do(monkeypatch):
+    script = load_benchmark("selective", monkeypatch)
+    with pytest.raises(ValueError, match="--narrow 3 does not divide hidden_size.*1, 2, 4 or 8"):
+        script.llama(1, 3)
