@@ -423,10 +423,12 @@ def seed_all(seed: int) -> None:
 
 def train(built: Built, steps: int, offloader: cswap.Offloader | None = None,
           prepare: Callable[[nn.Module], object] | None = None,
-          modes: tuple[bool, bool] = (True, True)) -> list[Step]:
+          modes: tuple[bool, bool] = (True, True),
+          dropped: frozenset[int] = frozenset()) -> list[Step]:
     """``steps`` SGD steps of a deep copy of ``built``, seeded alike before each forward
     (``prepare``: called with the copy first); ``modes``: the model's training flag in
-    forward and in backward (``model.eval()`` between them, say)."""
+    forward and in backward (``model.eval()`` between them, say); the forwards numbered in
+    ``dropped`` have their graph dropped without a backward (a step skipped), unrecorded."""
     model = copy.deepcopy(built.model).train()
     if prepare is not None:
         prepare(model)
@@ -444,6 +446,9 @@ def train(built: Built, steps: int, offloader: cswap.Offloader | None = None,
         else:
             with offloader:
                 loss = built.loss(model, inputs)
+        if i in dropped:
+            del loss
+            continue
         model.train(modes[1])
         loss.backward()
         # a recomputation runs as forward ran and leaves every flag as backward found it

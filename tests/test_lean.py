@@ -468,6 +468,45 @@ def test_a_weight_used_twice_in_a_block_called_twice_keeps_it_under_checkpoint(t
     assert run.verdicts == {"layers.0": lean.SHARED if twice else ""}
 
 
+@pytest.mark.parametrize("twice", [True, False])
+def test_a_watched_step_whose_graph_is_dropped_is_watched_again(twice, caplog):
+    """The watched step's graph goes without a backward (a step skipped on a non-finite
+    loss, say): its checks in backward never come, so the block is watched again in the
+    next step (it used to await them forever, under checkpoint)."""
+    built = torch_case(Twice(twice), torch.randn(BATCH, WIDTH, generator=_gen()))
+    dropped = frozenset({1})  # the first step after the measured one: the watched one
+    plain = train(built, STEPS + 2, dropped=dropped)
+    with caplog.at_level("INFO", logger="cswap_lightning.core.lean"):
+        run = recomputing(built, "raw", lean_first_layer, STEPS + 2, dropped=dropped)
+    assert not differences(plain, run.steps)
+    assert run.verdicts == {"layers.0": lean.SHARED if twice else ""}
+    assert "cswap: layers.0 is watched again: its watched step's graph was dropped before " \
+           "backward" in caplog.messages
+
+
+class Discarded(nn.Module):
+    """A block called twice, the first call's output thrown away in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Reused(True)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.layers[0](2 * x)
+        return self.layers[0](x)
+
+
+def test_a_block_whose_watched_graph_always_goes_unchecked_stays_under_checkpoint():
+    """Its first call's graph goes in every forward, before backward could check it: the
+    block is watched again in each of ``REWATCHES`` steps, then stays under checkpoint."""
+    built = torch_case(Discarded(), torch.randn(BATCH, WIDTH, generator=_gen()))
+    steps = lean.REWATCHES + 2
+    plain = train(built, steps)
+    run = recomputing(built, "raw", lean_first_layer, steps)
+    assert not differences(plain, run.steps)
+    assert run.verdicts == {"layers.0": lean.DROPPED}
+
+
 class CastTwice(Twice):
     """The block called twice under CPU autocast: the second call reads its weight through
     the cast the first made (autocast's cache), one node that sums both calls' gradients in

@@ -84,11 +84,12 @@ def outermost(names: list[str]) -> list[str]:
 
 
 def recomputing(built: Built, plan: str, choose=outermost, steps: int = STEPS,
-                lean: bool = True, whole: tuple[str, ...] | None = None) -> Run:
+                lean: bool = True, whole: tuple[str, ...] | None = None,
+                dropped: frozenset[int] = frozenset()) -> Run:
     """Train ``built`` under ``plan`` for ``steps`` steps, with the units ``choose`` picks
     recomputed from the first step after the measured one (``lean``: their first runs
     without autograd where they are found fit; ``whole``: on these device types, not the
-    default ones, ``Verdicts.whole``)."""
+    default ones, ``Verdicts.whole``; ``dropped``: as ``train``'s)."""
     offloader = cswap.Offloader(cswap.CSwapConfig(plan=plan, min_bytes=0, profile_steps=1,
                                                   budget=None))
 
@@ -100,7 +101,7 @@ def recomputing(built: Built, plan: str, choose=outermost, steps: int = STEPS,
             offloader.recomputer.verdicts.whole = set(whole)
 
     try:
-        record = train(built, steps, offloader, prepare)
+        record = train(built, steps, offloader, prepare, dropped=dropped)
         return Run(record, offloader.recomputed, offloader.block_calls,
                    dict(offloader.recomputer.unfit), dict(offloader.recomputer.verdicts.why))
     finally:

@@ -62,6 +62,7 @@ SECOND = "a second derivative is taken through it"
 SHARED = ("it reads an input or a weight more than once that gets gradient elsewhere too: "
           "that gradient would be summed in another order")
 AWAITING = "its watched step's backward has not checked it yet"
+DROPPED = "its watched steps' graphs went before their backward checked it, each time"
 CAST = ("a cast of a weight it reads (autocast's cache) is read by other code too: the "
         "gradients would be summed in another order")
 _TENSOR = object()  # where a tensor goes among a call's values or an output's leaves
@@ -392,30 +393,43 @@ def rerun(run: Callable, values: tuple, count: int, names: list[str], others: di
     return out
 
 
+class _Graph:
+    """Held by the watched nodes of one unit call (in their ``metadata``): it goes when its
+    graph does, with or without a backward."""
+
+
 class _Watching:
     """One step's watched calls: the reason found in each unit's calls, and for each input
     or parameter a unit reads more than once (its gradient summed inside the ``Function``) a
     check in the step's backward that nothing else added to that gradient (the sum of what
     the unit's operations gave it, in their order, is all it got: not so for a weight of a
-    block called twice, as ALBERT's); ``awaiting``: the checks per unit still to come."""
+    block called twice, as ALBERT's); ``awaiting``: the checks per unit still to come.
+
+    A graph dropped without its backward (a step skipped on a non-finite loss, a forward
+    for a metric) takes its checks with it: they are cancelled, and the unit is watched
+    again in a later step, rather than awaiting forever under checkpoint."""
 
     def __init__(self, verdicts: Verdicts) -> None:
         self.verdicts = verdicts
         self.reasons: dict[str, str] = {}
         self.awaiting: Counter[str] = Counter()
         self.shared: dict[str, str] = {}  # the units whose checks in backward failed: why
+        self.lost: set[str] = set()  # the units a call's graph of went before its checks
 
     def called(self, name: str, why: str, watch: Watch) -> None:
         self.reasons[name] = self.reasons.get(name) or why
         if why:
             return
+        checks: list[list] = []  # each: the sum so far, the hook's handle (None once in)
+        nodes = []
         for t in (*watch.inputs, *watch.params):
             if t.requires_grad and watch.uses[id(t)] > 1:
-                given: list = [None, None]  # the sum so far; the hook's handle
+                given: list = [None, None]
                 for node, edges in watch.reads[id(t)]:
                     node.register_hook(partial(_given, given, edges))
+                    nodes.append(node)
                 given[1] = t.register_hook(partial(self._received, name, given, SHARED))
-                self.awaiting[name] += 1
+                checks.append(given)
         # what the call made of a weight (autocast's cast, cached for whoever casts it next
         # in the step) gets its gradient from the call alone, or it is summed there with
         # others' (in plain training; run first without autograd, apart)
@@ -423,27 +437,49 @@ class _Watching:
             given = [None, None]
             for reader, edges in readers:
                 reader.register_hook(partial(_given, given, edges))
+                nodes.append(reader)
             given[1] = node.register_prehook(
                 lambda grads, given=given: self._received(name, given, CAST, grads[0]))
-            self.awaiting[name] += 1
+            checks.append(given)
+        if checks:
+            self.awaiting[name] += len(checks)
+            graph = _Graph()
+            for node in nodes:
+                node.metadata[_Graph] = graph
+            weakref.finalize(graph, self._dropped, name, checks)
 
     def _received(self, name: str, given: list, why: str, total: torch.Tensor | None) -> None:
         """A watched gradient's whole arrived (once: a leaf input may live on): it is the sum
         of what the unit's operations gave, or the unit is not alone in giving it (``why``)."""
         given[1].remove()
+        given[1] = None
         if given[0] is None or total is None or not torch.equal(given[0], total):
             self.shared.setdefault(name, why)
         self.awaiting[name] -= 1
-        if not self.awaiting[name]:
+        if not self.awaiting[name] and name not in self.lost:
             self.verdicts.settle(name, self.verdict(name))
+
+    def _dropped(self, name: str, checks: list[list]) -> None:
+        """A watched call's graph is gone: its checks that did not come never will."""
+        waiting = [given for given in checks if given[1] is not None]
+        if not waiting:
+            return
+        for given in waiting:
+            given[1].remove()
+            given[1] = None
+        self.awaiting[name] -= len(waiting)
+        if name not in self.lost:
+            self.lost.add(name)
+            self.verdicts.rewatch(name)
 
     def verdict(self, name: str) -> str:
         return self.reasons[name] or self.shared.get(name, "")
 
     def verdicts_now(self) -> dict[str, str]:
-        """Each unit's, as far as forward tells: awaiting its checks in backward, or given."""
+        """Each unit's, as far as forward tells: awaiting its checks in backward, or given
+        (but those a call's graph of went already: watched again)."""
         return {name: AWAITING if self.awaiting[name] else self.verdict(name)
-                for name in self.reasons}
+                for name in self.reasons if name not in self.lost}
 
 
 def _given(given: list, edges: list[int], grad_inputs: tuple, grad_outputs: tuple) -> None:
@@ -475,6 +511,7 @@ def _read(args: tuple, kwargs: dict, out: Any) -> tuple[list[torch.Tensor], list
 # the recomputation runs the operators after the unit's last saved tensor too, for its
 # output's graph, which checkpoint stops before; the host time it saves hid behind kernels.
 WHOLE_DEVICES = ("cpu",)
+REWATCHES = 3  # watched steps with a unit's graph gone unchecked before it stays under checkpoint
 SUBCLASS = "a tensor subclass among its inputs: it runs under checkpoint"
 WHOLE_ELSEWHERE = ("recomputed whole on this device, it runs under checkpoint, which stops "
                    "before the operators after its last saved tensor (``Verdicts.whole``)")
@@ -500,6 +537,7 @@ class Verdicts:
         self.on = True
         self.whole = set(WHOLE_DEVICES)
         self.step: _Watching | None = None  # the step watching, from begin to end
+        self.dropped: Counter[str] = Counter()  # watched steps whose graphs went unchecked
 
     def of(self, name: str, modules: list[nn.Module]) -> str | None:
         """The unit's verdict: ``""``, why not, or None: to be watched (in a watching step;
@@ -517,6 +555,7 @@ class Verdicts:
         """Watch every unit again (the chosen ones changed: they are watched together)."""
         self.why.clear()
         self.constants.clear()
+        self.dropped.clear()
 
     def begin(self, names: Iterable[str]) -> None:
         """A step's forward begins, the units ``names`` chosen: it watches those without a
@@ -541,6 +580,18 @@ class Verdicts:
             for name, why in step.verdicts_now().items():
                 if self.why.get(name) != SECOND:  # seen already (inside the block)
                     self.give(name, why)
+
+    def rewatch(self, name: str) -> None:
+        """A graph of the unit's watched step went before its backward checked it: it is
+        watched again in the next step that watches; after ``REWATCHES`` such steps (a call
+        whose output is always dropped) it stays under checkpoint (``DROPPED``)."""
+        self.dropped[name] += 1
+        if self.dropped[name] >= REWATCHES:
+            self.give(name, DROPPED)
+        elif self.why.get(name) == AWAITING:
+            del self.why[name]
+            _log.info("cswap: %s is watched again: its watched step's graph was dropped "
+                      "before backward", name)
 
     def settle(self, name: str, why: str) -> None:
         """A unit's verdict, once its checks in backward came (a second derivative seen
