@@ -503,3 +503,49 @@ def test_transformers_with_varying_lengths_are_never_measured_again(kind):
     assert [s.hooks_off for s in stats[-3:]] == [True] * 3, [
         (len(s.sites), s.untracked_tensors, s.resized) for s in stats]
     off.close()
+
+
+def small_blocks() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+                            for _ in range(6)])
+    return model, torch.randn(32, 64)
+
+
+def planned(dropped: frozenset[int]) -> tuple[Offloader, list[StepStats]]:
+    """Six steps of ``small_blocks`` under a budget of half its saved activations, measured
+    on one step; the forwards numbered in ``dropped`` have their graph dropped without a
+    backward (a step skipped)."""
+    model, x = small_blocks()
+    off = Offloader(CSwapConfig(budget="120KiB", min_bytes=0, profile_steps=1,
+                                recompute="off"))
+    stats = []
+    for i in range(6):
+        with off:
+            loss = model(x).relu().sum()
+        if i not in dropped:
+            loss.backward()
+            stats.append(off.last_step())
+        del loss
+    off.close()
+    return off, stats
+
+
+def test_a_step_whose_graph_goes_without_backward_neither_measures_nor_checks_a_plan(caplog):
+    """The measured step, then the step that checks the plan, skipped (their graphs dropped):
+    the next steps measure and check instead, and the plan is the one made without skips.
+    Measured on a forward alone, the plan went over its budget (128 KiB for 120) and was made
+    again."""
+    off, stats = planned(frozenset())
+    with caplog.at_level("INFO", logger="cswap_lightning"):
+        skipped, skipped_stats = planned(frozenset({0, 2}))
+    plain, dropped = ([(d.site, d.decision) for d in p.decisions.values()]
+                      for p in (off.plan, skipped.plan))
+    assert dropped == plain and any(decision != "keep" for _, decision in plain)
+    assert skipped.plan.predicted_peak == off.plan.predicted_peak <= 120 << 10
+    assert skipped.plan.measured_peak == off.plan.measured_peak == off.plan.predicted_peak
+    assert stats[-1].peak_resident_bytes == skipped_stats[-1].peak_resident_bytes
+    assert not any("passed the budget" in m for m in caplog.messages)
+    assert [m for m in caplog.messages if "backward had not begun" in m] == [
+        f"cswap: step {i}'s backward had not begun when the next step did: it neither "
+        "measures nor checks a plan" for i in (0, 2)]

@@ -169,7 +169,7 @@ class Offloader:
         useful: tensors saved in forward are offloaded only if forward runs inside it."""
         if self.backward_inside or step.dormant:
             return
-        if step._backward_begun:
+        if step.backward_begun:
             what = "cswap: backward ran inside the Offloader's block"
         elif not step.sizes and torch.is_grad_enabled():
             what = "cswap: no tensor autograd saved passed through the Offloader's block"

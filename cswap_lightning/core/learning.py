@@ -144,6 +144,11 @@ class Learning:
             self.plan = self.unchecked = None  # made by position for the other graph
             self._replanning()
             return
+        if not step.backward_begun:  # its graph went first (a step skipped): measured again
+            _log.info("cswap: step %d's backward had not begun when the next step did: it "
+                      "neither measures nor checks a plan", step.stats.step)
+            self.owner.transfer.step_closed(step.stats, step.device, plan=False)
+            return
         auto = self.config.plan == "auto"
         if step.checked is not None:
             if step.stats.resized:  # it saved other sizes than the checking step

@@ -219,7 +219,7 @@ class Step:
         # The allocator's peak when backward ended (CUDA), read then: what runs before the
         # step closes (the optimizer, a trainer resetting the peak) does not count.
         self.backward_peak: int | None = None
-        self._backward_begun = False
+        self.backward_begun = False
         self.probe: Probe | None = None  # an accuracy-guard probe step
         self.seed = 0  # the lossy codecs' rounding seed of the step (each site mixes in its own)
         # Autograd runs backward on one thread per device: a model split over several GPUs in
@@ -454,7 +454,7 @@ class Step:
     def unpack(self, saved: tuple | _Entry | _View) -> torch.Tensor:
         if _dynamo_callback() is not None:  # in a compiled module's eager fallback
             return torch.compiler.disable(self.unpack)(saved)
-        if not self._backward_begun:
+        if not self.backward_begun:
             self._begin_backward()
         if type(saved) is tuple:  # kept: the tensor, its version when saved, its site
             t, version, site = saved
@@ -501,14 +501,14 @@ class Step:
         return torch.autograd.graph.saved_tensors_hooks(_same, self.unpack_plain)
 
     def unpack_plain(self, t: torch.Tensor) -> torch.Tensor:
-        if not self._backward_begun:
+        if not self.backward_begun:
             self._begin_backward()
         return t
 
     def _begin_backward(self) -> None:
         """At backward's first unpack, on CUDA: have autograd read the allocator's peak when
         this backward ends (``backward_peak``)."""
-        self._backward_begun = True
+        self.backward_begun = True
         device = self.device
         if device is None or device.type != "cuda":
             return
