@@ -624,3 +624,28 @@ def test_import_cswap_lightning_registers_the_strategy_names_in_either_order(fir
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.split() == ["True", "CSwapStrategy"]
+
+
+class SkipsFirst(ReluNet):
+    """Its first two training steps return None, as a step skipped on a non-finite loss does:
+    Lightning runs no backward for them."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx < 2 else loss
+
+
+def test_skipped_training_steps_are_not_taken_as_measured(caplog):
+    """The first batches' steps are skipped (their graphs go without backward): the engine
+    measures and plans from the first step that ran one, and training matches the plain
+    strategy's."""
+    config = CSwapConfig(plan="auto", profile_steps=1, min_bytes=0, budget=None)
+    with caplog.at_level("INFO", logger="cswap_lightning"):
+        trainer, model = train(CSwapStrategy(config), SkipsFirst, max_steps=-1, max_epochs=1)
+    _, plain = train(SingleDeviceStrategy("cpu"), SkipsFirst, max_steps=-1, max_epochs=1)
+    assert_same_weights(model, plain)
+    assert [m for m in caplog.messages if "backward had not begun" in m] == [
+        f"cswap: step {i}'s backward had not begun when the next step did: it neither "
+        "measures nor checks a plan" for i in (0, 1)]
+    offloader = trainer.strategy.offloader
+    assert offloader.plan is not None and offloader.last_step().step == 5
