@@ -104,7 +104,7 @@ def _run(args: argparse.Namespace) -> int:
     print(memory(est, base[0]))
     print(below_the_layer(est), flush=True)
     progress = Progress("cswap plan")
-    progress(f"planning at {len(budgets)} budgets (a minute for a 32-layer model)")
+    progress(f"planning at {len(budgets)} budgets (one to two minutes for a 32-layer model)")
     ways = base + sizing.mixes(est, budgets, finer=args.finer, lossy=args.lossy,
                                progress=progress, dense=args.dense)
     print(plans(ways), flush=True)
