@@ -304,12 +304,12 @@ class _Replay:
         self.inputs = [workload.recompute_inputs(b) if d.action == "recompute" else None
                        for b, d in enumerate(self.decisions)]
         # the saves of blocks that would keep them below the layer but are not recomputed
-        self.absent = {i for op in workload.ops if self.inputs[op.block] is None
-                       for i in op.saves if workload.saved[i].below}
+        self.absent = {i for b, saves in workload.below_saves.items()
+                       if self.inputs[b] is None for i in saves}
         # the last op of each recomputed block: backward recomputes the block there
-        self.recomputes_at = {k for k, op in enumerate(workload.ops)
-                              if self.inputs[op.block] is not None
-                              and workload.blocks[op.block].ops.stop - 1 == k}
+        self.recomputes_at = {workload.blocks[b].ops.stop - 1
+                              for b, kept in enumerate(self.inputs)
+                              if kept is not None and workload.blocks[b].ops}
         # saves one autograd node asks for before their own op (each held until it is done)
         self.asked_at, self.asked = workload.asked_early
         self.record = timeline
@@ -335,10 +335,7 @@ class _Replay:
         self.grads = 0  # weight gradients made so far
         self.peak, self.peak_at = 0, ""
         self.held_peak = 0
-        self.last_forward_op: dict[int, int] = {}  # storage -> the last op that saved it
-        for k, op in enumerate(workload.ops):
-            for i in op.saves:
-                self.last_forward_op[workload.saved[i].storage] = k
+        self.last_forward_op = workload.last_forward_op
         # backward's prefetching (set when backward begins)
         self.order: list[int] = []
         self.position: dict[int, int] = {}
@@ -493,6 +490,7 @@ class _Replay:
         self.position = {storage: n for n, storage in enumerate(self.order)}
         input_copy: dict[int, set[int]] = {}  # recomputed block -> its input's copy back
         storage_of, activation, kept_below = self.storage_of, self.activation, self.kept_below
+        holding = self.holding
         for k in range(len(w.ops) - 1, -1, -1):
             op = w.ops[k]
             if k in self.recomputes_at:
@@ -526,7 +524,8 @@ class _Replay:
                 used |= input_copy.pop(op.block)  # the block is done with its input
             self._drop_copies(used)
             for i in op.saves:
-                self._release(i)
+                if i in holding:
+                    self._release(i)
 
     def _prefetch_order(self) -> list[int]:
         """Moved storages in the order backward first asks for them (the order the engine
@@ -570,17 +569,17 @@ class _Replay:
         self.decoding = 0.0
         self.recompute_s += seconds
         self._mark("compute", f"recompute {b.name}", begin, self.compute)
+        activation, kept_below, storage_of = self.activation, self.kept_below, self.storage_of
         for op in ops:
             for i in op.saves:
-                s = w.saved[i]
-                if s.activation and not s.below and s.storage not in inputs:
+                if activation[i] and not kept_below[i] and storage_of[i] not in inputs:
                     self._hold(i)
         if not b.selective:
             input_copy[block] = moved
             return
         for op in ops:
             for i in op.saves:
-                if w.saved[i].below:
+                if kept_below[i]:
                     self._release(i)
         self._drop_copies(moved)
 

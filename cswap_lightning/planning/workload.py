@@ -175,6 +175,23 @@ class Workload:
         return ([s.storage for s in self.saved], [s.activation for s in self.saved],
                 [s.below for s in self.saved])
 
+    @cached_property
+    def below_saves(self) -> dict[int, tuple[int, ...]]:
+        """Each block's saves that only a recomputation below the layer keeps (``Saved.below``),
+        where it has any: made once, for the replay."""
+        saves: dict[int, tuple[int, ...]] = {}
+        for op in self.ops:
+            below = tuple(i for i in op.saves if self.saved[i].below)
+            if below:
+                saves[op.block] = (*saves.get(op.block, ()), *below)
+        return saves
+
+    @cached_property
+    def last_forward_op(self) -> dict[int, int]:
+        """Each saved storage's last op in forward (the last that saves it): made once, for
+        the replay."""
+        return {self.saved[i].storage: k for k, op in enumerate(self.ops) for i in op.saves}
+
     @property
     def forward_s(self) -> float:
         return sum(op.forward_s for op in self.ops)
