@@ -79,10 +79,12 @@ def main(argv: list[str] | None = None) -> None:
          f"(median {statistics.median(ratios):.3f})."),
         ("Outputs (but the line of the command's own seconds): "
          f"{'the same, every run' if same else 'DIFFERENT'}.")])
-    write_results(args.out, "cswap plan: one checkout against another", result_meta(
-        torch.device("cpu"), kind="measurement (process time on this CPU)", base=args.base,
-        head=head, runs=args.runs), {"seconds": times, "ratios": ratios, "same": same},
-        markdown)
+    meta = result_meta(torch.device("cpu"), command=" ".join(
+        ["python", *sys.argv] if argv is None else ["python", __file__, *argv]),
+        kind="measurement (process time on this CPU)", base=args.base, head=head,
+        runs=args.runs)
+    write_results(args.out, "cswap plan: one checkout against another", meta,
+                  {"seconds": times, "ratios": ratios, "same": same}, markdown)
 
 
 if __name__ == "__main__":
