@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     same = outputs["A"] == outputs["B"] and len(outputs["A"]) == 1
     ratios = [a / b for a, b in zip(times["A"], times["B"], strict=True)]
     rows = [f"| {side} | {name} | {statistics.median(t):.1f} | {min(t):.1f} | {max(t):.1f} |"
-            for side, name, t in (("A", f"this checkout ({head}, with its changes)", times["A"]),
+            for side, name, t in (("A", f"this checkout ({head})", times["A"]),
                                   ("B", f"{args.base}", times["B"]))]
     markdown = "\n".join([
         "Process seconds (user and system) of each run of `cswap plan "
