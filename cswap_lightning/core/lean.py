@@ -446,7 +446,7 @@ class _Watching:
             graph = _Graph()
             for node in nodes:
                 node.metadata[_Graph] = graph
-            weakref.finalize(graph, self._dropped, name, checks)
+            weakref.finalize(graph, self._dropped, name, checks).atexit = False
 
     def _received(self, name: str, given: list, why: str, total: torch.Tensor | None) -> None:
         """A watched gradient's whole arrived (once: a leaf input may live on): it is the sum
