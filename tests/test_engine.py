@@ -867,6 +867,33 @@ def test_measured_forward_times_are_scaled_to_a_step_timed_without_hooks(monkeyp
     off.close()
 
 
+@pytest.mark.parametrize("how", ["raises", "goes without backward"])
+def test_a_step_timed_without_hooks_that_fails_or_is_skipped_is_timed_again(how, monkeypatch):
+    """The step timed without hooks raised in forward, or its graph went without a backward:
+    the next measured step is timed so instead (before, no step was, for the whole epoch, and
+    the plan took the hooked steps' times). The device's answers are injected, as above."""
+    from cswap_lightning.core import learning
+
+    monkeypatch.setattr(learning, "room_to_keep", lambda *args, **kwargs: True)
+    monkeypatch.setattr(learning, "hooks_idle", lambda device: True)
+    model, x, y = model_and_batch("mlp")
+    off = Offloader(CSwapConfig(plan="auto", min_bytes=0, budget=None, profile_steps=2))
+    seen = []
+    for i in range(4):
+        model.zero_grad(set_to_none=True)
+        with contextlib.suppress(RuntimeError), off:
+            loss = F.cross_entropy(model(x), y)
+            if i == 1 and how == "raises":
+                raise RuntimeError("the step's forward failed")
+        if i == 1:
+            del loss
+            continue
+        loss.backward()
+        seen.append((off.last_step().hooks_off, off.learning.plain_forward_s is not None))
+    off.close()
+    assert seen == [(False, False), (True, False), (False, True)]  # measured, timed, measured
+
+
 def test_a_scaled_block_call_keeps_the_host_time_of_its_recomputation_below_the_layer():
     """A block's forward is scaled to the plain step's; recomputing it below the layer runs
     under dispatch modes, host-bound as the measured step was (an H100 measured it slower than

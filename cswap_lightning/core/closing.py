@@ -30,7 +30,10 @@ class Closing:
             return
         step.closed = True
         step.residency.fold()
-        if (step.dormant and not step.timed_plainly) or step.failed:
+        if step.failed:
+            self.learning.failed(step)
+            return
+        if step.dormant and not step.timed_plainly:
             return
         owed = step.device is not None and (step.measure or step.checked is None
                                             or step.stats.resized)

@@ -126,8 +126,8 @@ class Learning:
         """What a closed step teaches: the plan it checked, backward's order, its
         measurements (a plan from them), the host arena planned from its payloads."""
         if step.timed_plainly:
-            self.timing_plain = False
-            if step.epoch == self.epoch:
+            self.timing_plain = False  # one without a backward is timed again
+            if step.epoch == self.epoch and step.backward_begun:
                 self.plain_forward_s = step.timer.forward_s()
                 self.plain_peak = step.backward_peak
             return
@@ -275,6 +275,12 @@ class Learning:
         step.timer = StepTimer(device)
         step.timer.begin()
         return step
+
+    def failed(self, step: Step) -> None:
+        """A step whose forward raised teaches nothing; where it was the plain step being
+        timed, the next measured step is timed plainly instead."""
+        if step.timed_plainly:
+            self.timing_plain = False
 
     def _forward_scale(self, step: Step) -> float:
         """What a measured step's forward times are scaled by: the plain step's forward
