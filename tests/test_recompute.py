@@ -209,6 +209,33 @@ def test_without_putting_the_cache_back_gpt2_would_fail(monkeypatch):
         recomputing(case("gpt2_eager")[0], "raw")
 
 
+def test_a_cache_is_put_back_as_it_was_each_time():
+    """``CacheStates`` of a Hugging Face cache: put back after later updates (a layer written
+    again, a layer added to its list), as often as a recomputation asks, its own copy intact."""
+    from transformers.cache_utils import DynamicCache
+
+    from cswap_lightning.core.rerun import CacheStates
+
+    cache = DynamicCache()
+    kv = [torch.randn(1, 2, 3, 4, generator=_gen()) for _ in range(4)]
+    cache.update(kv[0], kv[1], 0)
+    first = CacheStates.of([torch.ones(1), cache])
+    assert first is not None and CacheStates.of([torch.ones(1)]) is None
+    keys, values = cache.layers[0].keys, cache.layers[0].values
+    assert {id(keys), id(values)} <= first.tensors()
+    layers = len(cache.layers)
+    for _ in range(2):
+        cache.update(kv[2], kv[3], 0)  # written twice: six tokens
+        cache.update(kv[2], kv[3], 1)
+        now = first.again()
+        first.restore()
+        assert len(cache.layers) == layers and cache.get_seq_length(0) == 3
+        assert cache.layers[0].keys is keys and cache.layers[0].values is values
+        now.restore()
+        assert cache.get_seq_length(0) == 6 and len(cache.layers) >= 2
+        first.restore()
+
+
 def test_without_putting_the_running_statistics_back_resnet_would_differ(monkeypatch):
     from cswap_lightning.core import rerun
 

@@ -266,11 +266,14 @@ class CacheStates:
     layers it holds), copied shallowly: the tensors are shared, the attributes and the lists
     and dicts they are kept in are copied, so the state can be put back after updates. A
     recomputation given the cache as the first run left it would attend to keys and values
-    written twice."""
+    written twice.
+
+    Taken at every recomputed block's first run and recomputation, of every layer's cache: so
+    kept quick (``_states``), a few microseconds a layer."""
 
     def __init__(self, roots: list[Any]) -> None:
         self.roots = roots
-        self.states = [(o, _copied(o.__dict__)) for o in _cache_objects(roots)]
+        self.states = _states(roots)
 
     @classmethod
     def of(cls, values: Iterable[Any]) -> CacheStates | None:
@@ -288,32 +291,49 @@ class CacheStates:
     def tensors(self) -> set[int]:
         """The ids of the tensors the caches hold now, and of those they hold views of (a
         sliding window's keys are a slice of the keys it was given)."""
-        held = [t for obj in _cache_objects(self.roots) for value in obj.__dict__.values()
+        held = [t for _, state, _ in _states(self.roots) for value in state.values()
                 for t in (value if isinstance(value, (list, tuple)) else (value,))
                 if isinstance(t, torch.Tensor)]
         return {id(t) for t in held} | {id(t._base) for t in held if t._base is not None}
 
     def restore(self) -> None:
-        for obj, state in self.states:
-            obj.__dict__.clear()
-            obj.__dict__.update(_copied(state))
+        for obj, state, containers in self.states:
+            attributes = obj.__dict__
+            attributes.clear()
+            attributes.update(state)
+            for name in containers:  # the state stays as it is, to be put back again
+                attributes[name] = state[name].copy()
 
 
-def _cache_objects(roots: list[Any]) -> list[Any]:
+# Types a cache's attributes hold that are neither caches nor containers, passed over without
+# ``isinstance``: a cache layer is an abstract class, whose check costs a microsecond.
+_PLAIN = frozenset({torch.Tensor, nn.Parameter, bool, int, float, str, type(None),
+                    torch.device, torch.dtype})
+
+
+def _states(roots: list[Any]) -> list[tuple[Any, dict[str, Any], tuple[str, ...]]]:
+    """Each cache and cache layer ``roots`` hold (``roots`` first) with a copy of its
+    attributes, the lists and dicts among them copied too, and the names of those."""
     from transformers.cache_utils import Cache, CacheLayerMixin
 
+    kinds = (Cache, CacheLayerMixin)
     found, todo, seen = [], list(roots), set()
     while todo:
         obj = todo.pop()
         if id(obj) in seen:
             continue
         seen.add(id(obj))
-        found.append(obj)
-        for value in obj.__dict__.values():
-            items = value if isinstance(value, (list, tuple)) else (value,)
-            todo += [v for v in items if isinstance(v, (Cache, CacheLayerMixin))]
+        state = obj.__dict__.copy()
+        containers = []
+        for name, value in obj.__dict__.items():
+            if type(value) in _PLAIN:
+                continue
+            if isinstance(value, (list, tuple)):
+                todo += [v for v in value if type(v) not in _PLAIN and isinstance(v, kinds)]
+            elif isinstance(value, kinds):
+                todo.append(value)
+            if isinstance(value, (list, dict)):
+                state[name] = value.copy()
+                containers.append(name)
+        found.append((obj, state, tuple(containers)))
     return found
-
-
-def _copied(state: dict[str, Any]) -> dict[str, Any]:
-    return {k: v.copy() if isinstance(v, (list, dict)) else v for k, v in state.items()}
