@@ -2,7 +2,7 @@
 (``core/rerun.CacheStates``), this checkout against another commit's, in one process.
 
 A model run with its cache on (``use_cache=True``: the configs' default, which Hugging Face's
-Trainer leaves as it is) hands every layer the whole cache; each recomputed layer's first run
+Trainer turns off, and Lightning and plain loops do not) hands every layer the whole cache; each recomputed layer's first run
 saves the state of all of it, and its recomputation puts that back and then the state after
 it. Two figures, old and new code interleaved (the commit's ``rerun.CacheStates`` loaded from
 ``git show``, swapped in where the engine reads it):

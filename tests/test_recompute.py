@@ -236,6 +236,24 @@ def test_a_cache_is_put_back_as_it_was_each_time():
         first.restore()
 
 
+def test_a_cache_in_training_is_pointed_out_once(recwarn):
+    """A model run with its key-value cache on hands it to every recomputed layer: said once,
+    with the fix; without the cache nothing is said."""
+    from cswap_lightning.core import recompute
+
+    def said(use_cache: bool) -> list[str]:
+        recompute._say_cache_on.cache_clear()
+        built, _ = case("gpt2")
+        recwarn.clear()
+        recomputing(Built(built.model, built.inputs,
+                          lambda model, inputs: model(**inputs, use_cache=use_cache).loss), "keep")
+        return [str(w.message) for w in recwarn if "key-value cache" in str(w.message)]
+
+    with_cache = said(True)
+    assert len(with_cache) == 1 and "pass use_cache=False" in with_cache[0]
+    assert said(False) == []
+
+
 def test_without_putting_the_running_statistics_back_resnet_would_differ(monkeypatch):
     from cswap_lightning.core import rerun
 

@@ -29,7 +29,9 @@ and cost, each way (``selective.Observer``).
 
 from __future__ import annotations
 
+import functools
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -492,6 +494,17 @@ def _wrapper(unit: Unit) -> RecomputedForward | StagedForward | None:
     return forward if isinstance(forward, kind) else None
 
 
+@functools.cache  # once a process
+def _say_cache_on() -> None:
+    warnings.warn(
+        "cswap: a recomputed layer was handed a Hugging Face key-value cache in training (the "
+        "model runs with use_cache=True): the cache holds every layer's keys and values until "
+        "the model's output is dropped, which recomputing the layer cannot free, and each "
+        "recomputation puts the cache back as it was. Hugging Face's Trainer and its "
+        "checkpointing turn the cache off for training: pass use_cache=False to the model (or "
+        "set model.config.use_cache = False)", RuntimeWarning, stacklevel=1)
+
+
 def checkpointed(run: Callable, parts: Parts, changed: list[Buffer], args: tuple,
                  kwargs: dict[str, Any], witness: Witness | None = None,
                  region: Region | None = None, verdicts: Verdicts | None = None,
@@ -513,8 +526,11 @@ def checkpointed(run: Callable, parts: Parts, changed: list[Buffer], args: tuple
     count = len(args)
     values = (*args, *kwargs.values())
     inputs = (*args, *(kwargs[k] for k in tensors))
-    first_run = FirstRun(parts, changed, parts.generators + generators_among(values),
-                         CacheStates.of(values), draws)
+    caches = CacheStates.of(values)
+    if caches is not None:
+        _say_cache_on()
+    first_run = FirstRun(parts, changed, parts.generators + generators_among(values), caches,
+                         draws)
     if verdicts is None or (region is not None and region.choice is None):
         verdict: str | None = "not watched"
     elif region is None and _device_type(inputs) not in verdicts.whole:
