@@ -715,10 +715,10 @@ def test_the_profiler_times_sites_from_the_steps_that_moved_nothing():
         return stats
 
     profiler = Profiler()
-    profiler.observe(step("raw"), {0: (1.0, 2.0)})
+    profiler.observe(step("raw"), {0: (1.0, 2.0, 0.0)})
     assert profiler.profile()[0].forward_s == 1.0  # no plain step yet: the swapping one
-    profiler.observe(step("keep"), {0: (0.1, 0.3)})
-    profiler.observe(step("raw"), {0: (5.0, 5.0)})
+    profiler.observe(step("keep"), {0: (0.1, 0.3, 0.0)})
+    profiler.observe(step("raw"), {0: (5.0, 5.0, 0.0)})
     site = profiler.profile()[0]
     assert (site.forward_s, site.backward_s) == (0.1, 0.3)
 
@@ -834,9 +834,9 @@ def test_measured_forward_times_are_scaled_to_a_step_timed_without_hooks(monkeyp
     """On a GPU the measured steps' hooks leave the device idle between kernels (GPT-2
     medium's measured forward took 5x the plain one on an H100, and the plans moved what
     the link could not hide). With room, one step runs without hooks, its forward timed,
-    and the measured steps' windows and block times the planner is given are scaled to it.
-    The device's answers are injected (the CPU has no allocator, and its hooks' time is the
-    step's)."""
+    and the measured steps' windows and block times the planner is given are scaled to it,
+    the host's windows to its host's time. The device's answers are injected (the CPU has no
+    allocator, and its hooks' time is the step's)."""
     from cswap_lightning.core import learning
 
     monkeypatch.setattr(learning, "room_to_keep", lambda stats, device: True)
@@ -845,8 +845,10 @@ def test_measured_forward_times_are_scaled_to_a_step_timed_without_hooks(monkeyp
     choose = learning.Learning._plan_recompute
 
     def planning(self, step):
-        given.append((self.plain_forward_s, sum(p.forward_s for p in self.profiler.profile()),
-                      [c.forward_s for c in self.block_calls]))
+        profile = self.profiler.profile()
+        given.append((self.plain_forward_s, sum(p.forward_s for p in profile),
+                      [c.forward_s for c in self.block_calls],
+                      self.plain_host_forward_s, sum(p.host_s for p in profile)))
         return choose(self, step)
 
     monkeypatch.setattr(learning.Learning, "_plan_recompute", planning)
@@ -858,12 +860,14 @@ def test_measured_forward_times_are_scaled_to_a_step_timed_without_hooks(monkeyp
         grads(model, x, y, off)
         hooks_off.append(off.last_step().hooks_off)
     assert hooks_off[:3] == [False, True, False], hooks_off  # swapping, plain, keeping
-    plain, windows, blocks = given[0]
+    plain, windows, blocks, plain_host, host_windows = given[0]
     assert plain is not None and plain > 0
     assert 0 < windows <= plain * (1 + 1e-9)  # the keeping step's, scaled to the plain one
     assert blocks and 0 < sum(blocks) <= plain * (1 + 1e-9)
+    # the host's windows too, to the plain step's host (what the replay's host clock runs on)
+    assert plain_host is not None and 0 < host_windows <= plain_host * (1 + 1e-9)
     off.new_epoch()  # measured again: timed again
-    assert off.learning.plain_forward_s is None
+    assert off.learning.plain_forward_s is None and off.learning.plain_host_forward_s is None
     off.close()
 
 

@@ -85,8 +85,11 @@ class Learning:
         # On CUDA the measured steps' hooks (and the blocks' observers) leave the device idle
         # between kernels, so their windows and block times are the host's: one step with room
         # for every tensor runs without hooks, its forward timed (``plain_forward_s``), and
-        # the measured times are scaled to it (``_forward_scale``).
+        # the measured times are scaled to it (``_forward_scale``); the host's own windows to
+        # its host's time in forward (``plain_host_forward_s``), what the replay's host clock
+        # runs on: a forward whose host falls behind the device sets the pace.
         self.plain_forward_s: float | None = None
+        self.plain_host_forward_s: float | None = None
         self.plain_peak: int | None = None  # its allocator peak (CUDA)
         self.timing_plain = False  # that step runs, or its figures are owed
         self.measure_device: torch.device | None = None
@@ -129,6 +132,7 @@ class Learning:
             self.timing_plain = False  # one without a backward is timed again
             if step.epoch == self.epoch and step.backward_begun:
                 self.plain_forward_s = step.timer.forward_s()
+                self.plain_host_forward_s = step.timer.host_forward_s()
                 self.plain_peak = step.backward_peak
             return
         if step.device is not None:
@@ -188,8 +192,9 @@ class Learning:
         if step.measure:
             timer = step.timer
             windows = timer.windows() if timer else {}
+            host = self._host_scale(step)
             self.profiler.observe(
-                step.stats, {site: (f * scale, b) for site, (f, b) in windows.items()},
+                step.stats, {site: (f * scale, b, h * host) for site, (f, b, h) in windows.items()},
                 timer.unpack_order() if timer else None, timer.together() if timer else None)
             self.measured_keeping |= step.keeping
             self.measure_device = step.device
@@ -289,6 +294,15 @@ class Learning:
             return 1.0
         measured = step.timer.forward_s()
         return min(1.0, self.plain_forward_s / measured) if measured > 0 else 1.0
+
+    def _host_scale(self, step: Step) -> float:
+        """What a measured step's host windows are scaled by: the plain step's host seconds
+        in forward over its own (at most 1); 0 where no plain step's host was timed (the CPU,
+        whose windows are the host's already): then the replay leaves the host out."""
+        if not self.plain_host_forward_s or step.timer is None:
+            return 0.0
+        measured = step.timer.host_forward_s()
+        return min(1.0, self.plain_host_forward_s / measured) if measured > 0 else 0.0
 
     def near_budget(self) -> bool:
         """On CUDA, whether the allocator's peak since the last step came near the plan's
@@ -530,7 +544,7 @@ class Learning:
         self.profiler = Profiler()
         self.measure_left = self.config.profile_steps
         self.measure_keeping = self.measured_keeping = False
-        self.plain_forward_s = self.plain_peak = None
+        self.plain_forward_s = self.plain_host_forward_s = self.plain_peak = None
         self.timing_plain = False  # one that failed is owed nothing; a late one is ignored
         self.held_elsewhere = set()
         self.checked = None

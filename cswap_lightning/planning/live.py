@@ -4,7 +4,8 @@ The planner decides what to recompute by replaying the step under candidate plan
 (``mix.py``). For the H100 profiles a :class:`~.workload.Workload` comes from a profile file;
 here it comes from what the engine measured itself on its measured steps: each site's bytes,
 kind and storage (the profiler's rows), the compute around it (the forward and backward
-windows), and the blocks that can be recomputed with the sites each saved
+windows; on CUDA also the host's forward window, scaled to the host's plain forward:
+``Op.host_s``), and the blocks that can be recomputed with the sites each saved
 (``core/recompute.py``'s ``BlockCall``). Each site is one op of the replay. What the step
 holds beside its saved tensors (on CUDA the allocator's peak less theirs; nothing known on the
 CPU) is counted as held from the start, as the advisor counts it.
@@ -87,7 +88,7 @@ def workload(profiles: Sequence[SiteProfile], calls: Sequence[BlockCall],
                                     parent[start]))
             start = i
     ops = tuple(Op(profiles[k].module, b, range(k, k + 1), profiles[k].forward_s,
-                   profiles[k].backward_s, 0, 0, 0)
+                   profiles[k].backward_s, 0, 0, 0, profiles[k].host_s)
                 for b, block in enumerate(blocks) for k in block.ops)
     # what stays in place is on the device all along: the saved tensors' peak counted it,
     # so what the step holds beside them did not

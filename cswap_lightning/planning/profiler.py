@@ -119,7 +119,9 @@ def median_seconds(fn: Callable[[], object], device: torch.device, warmup: int,
 
 class StepTimer:
     """Time stamps of one step's packs, end of forward and first unpacks, per site; and which
-    first unpacks one autograd node asked for (``together``)."""
+    first unpacks one autograd node asked for (``together``). The host's clock is read beside
+    them in forward (``host_packs``): on CUDA the stamps are the device's, and where the host
+    falls behind the device, the step waits for it."""
 
     def __init__(self, device: torch.device) -> None:
         self.clock = Clock(device)
@@ -129,15 +131,22 @@ class StepTimer:
         self.forward_end: object | None = None
         self.groups: list[list[int]] = []  # first unpacks, by the node that asked for them
         self._node: tuple | None = None  # the node that asked last: its type and number
+        # the host's clock at the forward's start, at each pack and at its end
+        self.host_began: float | None = None
+        self.host_packs: list[float] = []
+        self.host_forward_end: float | None = None
 
     def begin(self) -> None:
         self.began = self.clock.now()
+        self.host_began = time.perf_counter()
 
     def packed(self, site: int) -> None:
         self.packs.append((site, self.clock.now()))
+        self.host_packs.append(time.perf_counter())
 
     def forward_done(self) -> None:
         self.forward_end = self.clock.now()
+        self.host_forward_end = time.perf_counter()
 
     def unpacked(self, site: int) -> None:
         self.unpacks.append((site, self.clock.now()))
@@ -157,6 +166,14 @@ class StepTimer:
             return 0.0
         return self.clock.seconds(start, self.forward_end)
 
+    def host_forward_s(self) -> float:
+        """The host's seconds in forward, as ``forward_s``."""
+        start = self.host_began if self.host_began is not None else (
+            self.host_packs[0] if self.host_packs else None)
+        if start is None or self.host_forward_end is None:
+            return 0.0
+        return self.host_forward_end - start
+
     def unpack_order(self) -> list[int]:
         """The sites in the order backward first needed them, kept ones included."""
         return [site for site, _ in self.unpacks]
@@ -167,19 +184,21 @@ class StepTimer:
         than one: they are all held from then until the node is done."""
         return [tuple(group) for group in self.groups if len(group) > 1]
 
-    def windows(self) -> dict[int, tuple[float, float]]:
-        """site -> (forward window, backward window) in seconds."""
+    def windows(self) -> dict[int, tuple[float, float, float]]:
+        """site -> (forward window, backward window, the host's forward window) in seconds."""
         if self.forward_end is None or not self.packs:
             return {}
         seconds = self.clock.seconds
         out = {}
         ends = [stamp for _, stamp in self.packs[1:]] + [self.forward_end]
-        for (site, start), end in zip(self.packs, ends):
-            out[site] = (seconds(start, end), 0.0)
+        host = zip(self.host_packs, [*self.host_packs[1:], self.host_forward_end], strict=True)
+        for (site, start), end, (issued, next_issued) in zip(self.packs, ends, host,
+                                                             strict=True):
+            out[site] = (seconds(start, end), 0.0, next_issued - issued)
         # The first site backward needs has nothing to hide behind: its prefetch starts late.
         for (_, before), (site, stamp) in zip(self.unpacks, self.unpacks[1:]):
             if site in out:
-                out[site] = (out[site][0], seconds(before, stamp))
+                out[site] = (out[site][0], seconds(before, stamp), out[site][2])
         return out
 
 
@@ -197,6 +216,7 @@ class SiteProfile:
     sparsity: float = 0.0
     forward_s: float = 0.0  # forward window
     backward_s: float = 0.0  # backward window
+    host_s: float = 0.0  # the host's forward window, where the device may wait for it (CUDA)
     stored: dict[str, int] = field(default_factory=dict)  # codec -> measured payload bytes
 
 
@@ -207,18 +227,19 @@ class Profiler:
         self.sites: dict[int, SiteProfile] = {}
         self.order: list[int] = []  # backward's order of first unpacks, last profiled step
         self.together: list[tuple[int, ...]] = []  # and those one node asked for at once
-        self._windows: dict[int, list[tuple[float, float]]] = {}
+        self._windows: dict[int, list[tuple[float, float, float]]] = {}
         # windows of steps that moved nothing: no copies in them, preferred where there are
-        self._plain: dict[int, list[tuple[float, float]]] = {}
+        self._plain: dict[int, list[tuple[float, float, float]]] = {}
 
-    def observe(self, step: StepStats, windows: dict[int, tuple[float, float]],
+    def observe(self, step: StepStats, windows: dict[int, tuple[float, float, float]],
                 order: list[int] | None = None,
                 together: list[tuple[int, ...]] | None = None) -> None:
         """Fold one profiled step in (call after the step's statistics are closed), with
         the order backward first needed its sites (``StepTimer.unpack_order``) and those
-        first needed together (``StepTimer.together``). A site's windows are those of the
-        steps that moved nothing, where there are any: the copies of a step that swapped
-        stretch them.
+        first needed together (``StepTimer.together``); ``windows``: each site's forward,
+        backward and host's forward windows (``StepTimer.windows``). A site's windows are
+        those of the steps that moved nothing, where there are any: the copies of a step that
+        swapped stretch them.
 
         A site keeps the largest size seen of its kind (dtype and dimensions), so that a
         plan made from the profile serves every step no larger (shorter sequences); a site
@@ -257,6 +278,7 @@ class Profiler:
             if measured:
                 self.sites[site].forward_s = statistics.median(w[0] for w in measured)
                 self.sites[site].backward_s = statistics.median(w[1] for w in measured)
+                self.sites[site].host_s = statistics.median(w[2] for w in measured)
 
     def payloads(self, step: StepStats) -> None:
         """Keep what a step's compressed payloads measured (a profiled step's, or one that

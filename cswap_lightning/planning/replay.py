@@ -34,9 +34,9 @@ Memory is counted as ``torch.cuda.max_memory_allocated`` counts it (the measured
 that): a tensor from its allocation until the program drops it, in program order. An original
 being copied out is free by that count once forward drops it, though the allocator cannot
 reuse its memory before the copy ends (up to ``inflight_bytes`` more device memory in use than
-the peak says): ``held_peak_bytes`` counts those too. At each op the allocator also holds what the workload measured or modelled
-beside the saved tensors (its temporaries in forward; weight gradients so far and activation
-gradients in backward).
+the peak says): ``held_peak_bytes`` counts those too. At each op the allocator also holds
+what the workload measured or modelled beside the saved tensors (its temporaries in forward;
+weight gradients so far and activation gradients in backward).
 
 The engine's host time per moved tensor (its pack and unpack hooks, the copies' launches:
 66.1 us on the H200, 99.3 before its transfer path made fewer CUDA calls, 188 us on the
@@ -52,10 +52,11 @@ holds forward until its encoding is done. What the kernels take from compute's S
 modelled; until a GPU measurement says which is nearer, ``Engine.codec_kernels`` can put
 them in the copy's lane (as the replay did before) or on the compute stream's clock
 instead. Where a profile timed the host too (``Op.host_s``: captured CUDA profiles that
-hold ``forward_host_ms``), the host clock also moves by each op's time to issue its forward: an
-op cannot end before the host has issued it, so a forward the host sets the pace of waits
-for it, and the engine's host time per moved tensor adds to that; recomputing a block costs
-the longer of its kernels and the host's issuing them again. A profile without (the
+hold ``forward_host_ms``, and the engine's own measured steps on CUDA, once a step without
+hooks timed the host's plain forward), the host clock also moves by each op's time to issue
+its forward: an op cannot end before the host has issued it, so a forward the host sets the
+pace of waits for it, and the engine's host time per moved tensor adds to that; recomputing a
+block costs the longer of its kernels and the host's issuing them again. A profile without (the
 evidence committed before, every estimate) leaves the host out of forward, its device times
 scaled to include what the device waited for. Not modelled: the host's time in backward
 but for restores and recomputation, and the allocator's fragmentation. Every figure the
