@@ -835,7 +835,7 @@ def test_measured_forward_times_are_scaled_to_a_step_timed_without_hooks(monkeyp
     medium's measured forward took 5x the plain one on an H100, and the plans moved what
     the link could not hide). With room, one step runs without hooks, its forward timed,
     and the measured steps' windows and block times the planner is given are scaled to it,
-    the host's windows to its host's time. The device's answers are injected (the CPU has no
+    backward's to its backward, the host's windows to its host's time. The device's answers are injected (the CPU has no
     allocator, and its hooks' time is the step's)."""
     from cswap_lightning.core import learning
 
@@ -848,7 +848,8 @@ def test_measured_forward_times_are_scaled_to_a_step_timed_without_hooks(monkeyp
         profile = self.profiler.profile()
         given.append((self.plain_forward_s, sum(p.forward_s for p in profile),
                       [c.forward_s for c in self.block_calls],
-                      self.plain_host_forward_s, sum(p.host_s for p in profile)))
+                      self.plain_host_forward_s, sum(p.host_s for p in profile),
+                      self.plain_backward_s, sum(p.backward_s for p in profile)))
         return choose(self, step)
 
     monkeypatch.setattr(learning.Learning, "_plan_recompute", planning)
@@ -860,14 +861,17 @@ def test_measured_forward_times_are_scaled_to_a_step_timed_without_hooks(monkeyp
         grads(model, x, y, off)
         hooks_off.append(off.last_step().hooks_off)
     assert hooks_off[:3] == [False, True, False], hooks_off  # swapping, plain, keeping
-    plain, windows, blocks, plain_host, host_windows = given[0]
+    plain, windows, blocks, plain_host, host_windows, plain_back, back_windows = given[0]
     assert plain is not None and plain > 0
     assert 0 < windows <= plain * (1 + 1e-9)  # the keeping step's, scaled to the plain one
     assert blocks and 0 < sum(blocks) <= plain * (1 + 1e-9)
     # the host's windows too, to the plain step's host (what the replay's host clock runs on)
     assert plain_host is not None and 0 < host_windows <= plain_host * (1 + 1e-9)
+    # and backward's, first unpack to its end, to the plain step's
+    assert plain_back is not None and 0 < back_windows <= plain_back * (1 + 1e-9)
     off.new_epoch()  # measured again: timed again
-    assert off.learning.plain_forward_s is None and off.learning.plain_host_forward_s is None
+    assert (off.learning.plain_forward_s, off.learning.plain_backward_s,
+            off.learning.plain_host_forward_s) == (None, None, None)
     off.close()
 
 

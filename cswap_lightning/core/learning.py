@@ -85,10 +85,12 @@ class Learning:
         # On CUDA the measured steps' hooks (and the blocks' observers) leave the device idle
         # between kernels, so their windows and block times are the host's: one step with room
         # for every tensor runs without hooks, its forward timed (``plain_forward_s``), and
-        # the measured times are scaled to it (``_forward_scale``); the host's own windows to
-        # its host's time in forward (``plain_host_forward_s``), what the replay's host clock
-        # runs on: a forward whose host falls behind the device sets the pace.
+        # the measured times are scaled to it (``_forward_scale``); its backward too, from the
+        # first unpack to the end (``plain_backward_s``); the host's own windows to its host's
+        # time in forward (``plain_host_forward_s``), what the replay's host clock runs on: a
+        # forward whose host falls behind the device sets the pace.
         self.plain_forward_s: float | None = None
+        self.plain_backward_s: float | None = None
         self.plain_host_forward_s: float | None = None
         self.plain_peak: int | None = None  # its allocator peak (CUDA)
         self.timing_plain = False  # that step runs, or its figures are owed
@@ -132,6 +134,7 @@ class Learning:
             self.timing_plain = False  # one without a backward is timed again
             if step.epoch == self.epoch and step.backward_begun:
                 self.plain_forward_s = step.timer.forward_s()
+                self.plain_backward_s = step.timer.backward_s()
                 self.plain_host_forward_s = step.timer.host_forward_s()
                 self.plain_peak = step.backward_peak
             return
@@ -192,9 +195,10 @@ class Learning:
         if step.measure:
             timer = step.timer
             windows = timer.windows() if timer else {}
-            host = self._host_scale(step)
+            back, host = self._backward_scale(step), self._host_scale(step)
             self.profiler.observe(
-                step.stats, {site: (f * scale, b, h * host) for site, (f, b, h) in windows.items()},
+                step.stats,
+                {site: (f * scale, b * back, h * host) for site, (f, b, h) in windows.items()},
                 timer.unpack_order() if timer else None, timer.together() if timer else None)
             self.measured_keeping |= step.keeping
             self.measure_device = step.device
@@ -294,6 +298,14 @@ class Learning:
             return 1.0
         measured = step.timer.forward_s()
         return min(1.0, self.plain_forward_s / measured) if measured > 0 else 1.0
+
+    def _backward_scale(self, step: Step) -> float:
+        """What a measured step's backward windows are scaled by: the plain step's backward
+        seconds over its own (at most 1; 1 where either was not timed)."""
+        if not self.plain_backward_s or step.timer is None:
+            return 1.0
+        measured = step.timer.backward_s()
+        return min(1.0, self.plain_backward_s / measured) if measured > 0 else 1.0
 
     def _host_scale(self, step: Step) -> float:
         """What a measured step's host windows are scaled by: the plain step's host seconds
@@ -544,7 +556,8 @@ class Learning:
         self.profiler = Profiler()
         self.measure_left = self.config.profile_steps
         self.measure_keeping = self.measured_keeping = False
-        self.plain_forward_s = self.plain_host_forward_s = self.plain_peak = None
+        self.plain_forward_s = self.plain_backward_s = self.plain_host_forward_s = None
+        self.plain_peak = None
         self.timing_plain = False  # one that failed is owed nothing; a late one is ignored
         self.held_elsewhere = set()
         self.checked = None

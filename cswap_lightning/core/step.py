@@ -506,15 +506,20 @@ class Step:
         return t
 
     def _begin_backward(self) -> None:
-        """At backward's first unpack, on CUDA: have autograd read the allocator's peak when
-        this backward ends (``backward_peak``)."""
+        """At backward's first unpack: have autograd, when this backward ends, read the
+        allocator's peak (CUDA: ``backward_peak``) and stamp the end for a timed step."""
         self.backward_begun = True
-        device = self.device
-        if device is None or device.type != "cuda":
+        device, timer = self.device, self.timer
+        if timer is not None:
+            timer.backward_begin()
+        if device is None or (device.type != "cuda" and timer is None):
             return
 
         def ended() -> None:
-            self.backward_peak = peak_allocated_bytes(device)
+            if device.type == "cuda":
+                self.backward_peak = peak_allocated_bytes(device)
+            if timer is not None:
+                timer.backward_done()
 
         with contextlib.suppress(RuntimeError):  # an unpack outside backward: read at close
             torch.autograd.Variable._execution_engine.queue_callback(ended)

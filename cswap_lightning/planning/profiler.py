@@ -135,6 +135,9 @@ class StepTimer:
         self.host_began: float | None = None
         self.host_packs: list[float] = []
         self.host_forward_end: float | None = None
+        # backward's first unpack and its end (stamped where autograd calls back)
+        self.backward_began: object | None = None
+        self.backward_end: object | None = None
 
     def begin(self) -> None:
         self.began = self.clock.now()
@@ -147,6 +150,12 @@ class StepTimer:
     def forward_done(self) -> None:
         self.forward_end = self.clock.now()
         self.host_forward_end = time.perf_counter()
+
+    def backward_begin(self) -> None:
+        self.backward_began = self.clock.now()
+
+    def backward_done(self) -> None:
+        self.backward_end = self.clock.now()
 
     def unpacked(self, site: int) -> None:
         self.unpacks.append((site, self.clock.now()))
@@ -173,6 +182,12 @@ class StepTimer:
         if start is None or self.host_forward_end is None:
             return 0.0
         return self.host_forward_end - start
+
+    def backward_s(self) -> float:
+        """Seconds from backward's first unpack to its end (0 where either is missing)."""
+        if self.backward_began is None or self.backward_end is None:
+            return 0.0
+        return self.clock.seconds(self.backward_began, self.backward_end)
 
     def unpack_order(self) -> list[int]:
         """The sites in the order backward first needed them, kept ones included."""
