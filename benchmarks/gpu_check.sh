@@ -60,8 +60,12 @@
 # forward's device and host times (near each other: the host set the pace, or waited); the
 # host's own waits in "what ran" (forward at the in-flight bound, backward for restores);
 # the traced step's kernel and copy time (far below the step: the device sat idle); the
-# allocator's cudaMalloc calls and retries (host stalls, device syncs). Replay changes
-# follow from those, not from the step times alone.
+# allocator's cudaMalloc calls and retries (host stalls, device syncs); in the JSON, what the
+# engine's step without hooks timed (`engine_plain_forward_s`, `..._backward_s`,
+# `..._host_forward_s`: its replay's windows and host clock are scaled to them; a host
+# forward near the device's means the host sets the pace) and the device's idle time before
+# the first kernel (`enter_s`: the engine's own start of step). Replay changes follow from
+# those, not from the step times alone.
 #
 # Environment: OUT (set by the device machine), BUDGET_S (seconds for the whole call, default
 # 450), ONLY (space-separated step names to run instead of all), MODELS (the measure step's,
