@@ -1,11 +1,12 @@
 """What putting Hugging Face's key-value cache back costs a recomputed layer
 (``core/rerun.CacheStates``), this checkout against another commit's, in one process.
 
-A model run with its cache on (``use_cache=True``: the configs' default, which Hugging Face's
-Trainer turns off, and Lightning and plain loops do not) hands every layer the whole cache; each recomputed layer's first run
-saves the state of all of it, and its recomputation puts that back and then the state after
-it. Two figures, old and new code interleaved (the commit's ``rerun.CacheStates`` loaded from
-``git show``, swapped in where the engine reads it):
+A model run with its cache on (``use_cache=True``: the configs' default; Hugging Face's Trainer
+sets it from ``TrainingArguments.use_cache``, False in transformers 5.24, Lightning and plain
+loops leave it) hands every layer the whole cache; each recomputed layer's first run saves the
+state of all of it, and its recomputation puts that back and then the state after it. Two
+figures, old and new code interleaved (the commit's ``rerun.CacheStates`` loaded from ``git
+show``, swapped in where the engine reads it):
 
 - per layer: one layer's handling (its first run's state, the state again, put back twice,
   the tensors the cache holds) on a Llama cache of 12, 32 and 80 layers, host microseconds;

@@ -300,6 +300,14 @@ def llama_trainer(tmp_path, callbacks: list[TrainerCallback],
                    callbacks=callbacks)
 
 
+def test_the_trainer_turns_the_models_key_value_cache_off_by_default(tmp_path):
+    """What the README and the engine's warning about a cache handed to recomputed layers say
+    of the Trainer: it sets the model's ``use_cache`` from ``TrainingArguments.use_cache``,
+    False unless asked."""
+    assert llama_trainer(tmp_path / "default", []).model.config.use_cache is False
+    assert llama_trainer(tmp_path / "asked", [], use_cache=True).model.config.use_cache is True
+
+
 # The Trainer's checkpointing arguments and the model's switch, as transformers names them:
 # from 5.23, and in 5.17-5.22 (the offload switch's first releases; later ones take those
 # argument names as aliases, and their Trainer calls the old switch where it is the only one).

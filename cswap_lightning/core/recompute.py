@@ -500,9 +500,10 @@ def _say_cache_on() -> None:
         "cswap: a recomputed layer was handed a Hugging Face key-value cache in training (the "
         "model runs with use_cache=True): the cache holds every layer's keys and values until "
         "the model's output is dropped, which recomputing the layer cannot free, and each "
-        "recomputation puts the cache back as it was. Hugging Face's Trainer and its "
-        "checkpointing turn the cache off for training: pass use_cache=False to the model (or "
-        "set model.config.use_cache = False)", RuntimeWarning, stacklevel=1)
+        "recomputation puts the cache back as it was. Hugging Face's checkpointing turns the "
+        "cache off in training, as its Trainer does by default (TrainingArguments.use_cache): "
+        "pass use_cache=False to the model (or set model.config.use_cache = False)",
+        RuntimeWarning, stacklevel=1)
 
 
 def checkpointed(run: Callable, parts: Parts, changed: list[Buffer], args: tuple,
