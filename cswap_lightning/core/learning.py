@@ -85,7 +85,7 @@ class Learning:
         # On CUDA the measured steps' hooks (and the blocks' observers) leave the device idle
         # between kernels, so their windows and block times are the host's: one step with room
         # for every tensor runs without hooks, its forward timed (``plain_forward_s``), and
-        # the measured times are scaled to it (``_forward_scale``); its backward too, from the
+        # the measured times are scaled to it (``_scales``); its backward too, from the
         # first unpack to the end (``plain_backward_s``); the host's own windows to its host's
         # time in forward (``plain_host_forward_s``), what the replay's host clock runs on: a
         # forward whose host falls behind the device sets the pace.
@@ -141,7 +141,7 @@ class Learning:
         if step.device is not None:
             self.owner.transfer.poll()  # its compressed payloads settled
             step.close()
-        scale = self._forward_scale(step)
+        scale, back, host = self._scales(step)
         if step.blocks is not None:
             self.block_calls = [_scaled(call, scale) for call in step.blocks.calls()]
             self.plain_stats = step.stats
@@ -195,7 +195,6 @@ class Learning:
         if step.measure:
             timer = step.timer
             windows = timer.windows() if timer else {}
-            back, host = self._backward_scale(step), self._host_scale(step)
             self.profiler.observe(
                 step.stats,
                 {site: (f * scale, b * back, h * host) for site, (f, b, h) in windows.items()},
@@ -291,30 +290,21 @@ class Learning:
         if step.timed_plainly:
             self.timing_plain = False
 
-    def _forward_scale(self, step: Step) -> float:
-        """What a measured step's forward times are scaled by: the plain step's forward
-        seconds over its own (at most 1; 1 where no plain step was timed)."""
-        if self.plain_forward_s is None or step.timer is None or not step.measure:
-            return 1.0
-        measured = step.timer.forward_s()
-        return min(1.0, self.plain_forward_s / measured) if measured > 0 else 1.0
+    def _scales(self, step: Step) -> tuple[float, float, float]:
+        """What a measured step's forward, backward and host's forward times are scaled by:
+        the plain step's seconds over its own, at most 1; where either was not timed, 1, and
+        0 for the host's (the CPU, whose windows are the host's already: the replay then
+        leaves the host out)."""
+        timer = step.timer if step.measure else None
 
-    def _backward_scale(self, step: Step) -> float:
-        """What a measured step's backward windows are scaled by: the plain step's backward
-        seconds over its own (at most 1; 1 where either was not timed)."""
-        if not self.plain_backward_s or step.timer is None:
-            return 1.0
-        measured = step.timer.backward_s()
-        return min(1.0, self.plain_backward_s / measured) if measured > 0 else 1.0
+        def scale(plain: float | None, measured: float, untimed: float) -> float:
+            return min(1.0, plain / measured) if plain and measured > 0 else untimed
 
-    def _host_scale(self, step: Step) -> float:
-        """What a measured step's host windows are scaled by: the plain step's host seconds
-        in forward over its own (at most 1); 0 where no plain step's host was timed (the CPU,
-        whose windows are the host's already): then the replay leaves the host out."""
-        if not self.plain_host_forward_s or step.timer is None:
-            return 0.0
-        measured = step.timer.host_forward_s()
-        return min(1.0, self.plain_host_forward_s / measured) if measured > 0 else 0.0
+        if timer is None:
+            return 1.0, 1.0, 0.0
+        return (scale(self.plain_forward_s, timer.forward_s(), 1.0),
+                scale(self.plain_backward_s, timer.backward_s(), 1.0),
+                scale(self.plain_host_forward_s, timer.host_forward_s(), 0.0))
 
     def near_budget(self) -> bool:
         """On CUDA, whether the allocator's peak since the last step came near the plan's

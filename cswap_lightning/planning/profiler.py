@@ -120,20 +120,18 @@ def median_seconds(fn: Callable[[], object], device: torch.device, warmup: int,
 class StepTimer:
     """Time stamps of one step's packs, end of forward and first unpacks, per site; and which
     first unpacks one autograd node asked for (``together``). The host's clock is read beside
-    them in forward (``host_packs``): on CUDA the stamps are the device's, and where the host
-    falls behind the device, the step waits for it."""
+    them in forward (each pack's third element): on CUDA the stamps are the device's, and
+    where the host falls behind the device, the step waits for it."""
 
     def __init__(self, device: torch.device) -> None:
         self.clock = Clock(device)
         self.began: object | None = None  # a step without hooks: when its forward began
-        self.packs: list[tuple[int, object]] = []
+        self.packs: list[tuple[int, object, float]] = []  # site, stamp, the host's clock
         self.unpacks: list[tuple[int, object]] = []
         self.forward_end: object | None = None
         self.groups: list[list[int]] = []  # first unpacks, by the node that asked for them
         self._node: tuple | None = None  # the node that asked last: its type and number
-        # the host's clock at the forward's start, at each pack and at its end
-        self.host_began: float | None = None
-        self.host_packs: list[float] = []
+        self.host_began: float | None = None  # the host's clock at forward's start and end
         self.host_forward_end: float | None = None
         # backward's first unpack and its end (stamped where autograd calls back)
         self.backward_began: object | None = None
@@ -144,8 +142,7 @@ class StepTimer:
         self.host_began = time.perf_counter()
 
     def packed(self, site: int) -> None:
-        self.packs.append((site, self.clock.now()))
-        self.host_packs.append(time.perf_counter())
+        self.packs.append((site, self.clock.now(), time.perf_counter()))
 
     def forward_done(self) -> None:
         self.forward_end = self.clock.now()
@@ -178,7 +175,7 @@ class StepTimer:
     def host_forward_s(self) -> float:
         """The host's seconds in forward, as ``forward_s``."""
         start = self.host_began if self.host_began is not None else (
-            self.host_packs[0] if self.host_packs else None)
+            self.packs[0][2] if self.packs else None)
         if start is None or self.host_forward_end is None:
             return 0.0
         return self.host_forward_end - start
@@ -205,10 +202,9 @@ class StepTimer:
             return {}
         seconds = self.clock.seconds
         out = {}
-        ends = [stamp for _, stamp in self.packs[1:]] + [self.forward_end]
-        host = zip(self.host_packs, [*self.host_packs[1:], self.host_forward_end], strict=True)
-        for (site, start), end, (issued, next_issued) in zip(self.packs, ends, host,
-                                                             strict=True):
+        ends = [(stamp, host) for _, stamp, host in self.packs[1:]]
+        ends.append((self.forward_end, self.host_forward_end))
+        for (site, start, issued), (end, next_issued) in zip(self.packs, ends, strict=True):
             out[site] = (seconds(start, end), 0.0, next_issued - issued)
         # The first site backward needs has nothing to hide behind: its prefetch starts late.
         for (_, before), (site, stamp) in zip(self.unpacks, self.unpacks[1:]):
