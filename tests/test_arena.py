@@ -198,6 +198,31 @@ def test_a_region_sharing_bytes_with_a_held_one_waits_for_its_release():
     assert arena.acquire(0, 2048) == "too big"
 
 
+def test_a_region_is_viewed_as_its_payloads_dtype_and_its_arena_lives_while_the_view_does():
+    """A replanned arena is dropped while payloads of live steps still view the old one: the
+    old one (its memory, its pinning on CUDA) must stay until the last view goes, and then
+    go, its region given back."""
+    layout = plan([Buffer(0, 1024, 0, 1), Buffer(1, 4096, 0, 1)], alignment=512)
+    arena = HostArena(layout, signature=(), pin=False)
+    view, lease = arena.acquire(1, 4000, torch.float64)
+    assert view.dtype is torch.float64 and view.numel() == 500
+    assert view.data_ptr() == arena.buffer.data_ptr() + layout.regions[1][0]
+    halves, _ = arena.acquire(0, 1024, torch.bfloat16)
+    assert halves.numel() == 512
+    assert halves.data_ptr() == arena.buffer.data_ptr() + layout.regions[0][0]
+    view.copy_(torch.arange(500, dtype=torch.float64))
+    alive = weakref.ref(arena)
+    del arena, halves
+    gc.collect()
+    assert alive() is not None  # the view holds it
+    assert torch.equal(view, torch.arange(500, dtype=torch.float64))
+    alive().acquire(3, 8)  # takes in what was released since (region 0)
+    assert alive().in_use() == 1
+    del view
+    gc.collect()
+    assert alive() is None and lease.key == 1
+
+
 def test_a_larger_batch_falls_back_then_is_replanned():
     model, ref, x, y, off = warmed_up()
     big_x, big_y = torch.cat([x, x.flip(0)]), torch.cat([y, y.flip(0)])

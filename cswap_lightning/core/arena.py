@@ -57,38 +57,44 @@ class HostArena:
         self._sharing = _sharing(layout)
         self._busy: set[int] = set()
         self._last_use: dict[int, torch.cuda.Event] = {}
-        self._released: deque[Lease] = deque()
+        self._released: deque[Lease] = deque()  # appended to by any thread (_region_free)
         self._unpin: weakref.finalize | None = None
-        self.buffer = self._allocate(max(layout.arena_bytes, 1), pin, device)
+        # a whole number of 8-byte elements, so that it can be viewed as any dtype
+        self.buffer = self._allocate(memplan.align_up(max(layout.arena_bytes, 1), 8), pin,
+                                     device)
+        self._typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer viewed as each dtype
 
     def acquire(self, key: int, nbytes: int, dtype: torch.dtype = torch.uint8
                 ) -> tuple[torch.Tensor, Lease] | str:
         """A view (as ``dtype``: the region goes back when this very view is collected) of
         ``nbytes`` at the start of buffer ``key``'s region and its lease, or the
         reason it cannot be had."""
-        while self._released:
-            lease = self._released.popleft()
+        released = self._released
+        while released:
+            lease = released.popleft()
             self._busy.discard(lease.key)
             if lease.last_use is not None:
                 self._last_use[lease.key] = lease.last_use
-        if key not in self.layout.regions:
+        region = self.layout.regions.get(key)
+        if region is None:
             return "unplanned"
-        at, size = self.layout.regions[key]
+        at, size = region
         if nbytes > size:
             return "too big"
         sharing = self._sharing[key]
         if not self._busy.isdisjoint(sharing):
             return "busy"
         self._busy.add(key)
-        lease = Lease(key, [self._last_use[k] for k in sharing if k in self._last_use])
-        view = self.buffer[at : at + nbytes].view(dtype)
-        weakref.finalize(view, self._release, lease).atexit = False
+        last_use = self._last_use
+        lease = Lease(key, [last_use[k] for k in sharing if k in last_use])
+        typed = self._typed.get(dtype)
+        if typed is None:
+            typed = self._typed[dtype] = self.buffer.view(dtype)
+        itemsize = dtype.itemsize  # regions start at multiples of ALIGNMENT: whole elements
+        view = typed[at // itemsize : (at + nbytes) // itemsize]
+        held = weakref.ref(view, partial(_region_free, self, lease))
+        _HELD[id(held)] = held
         return view, lease
-
-    def _release(self, lease: Lease) -> None:
-        """Runs when the payload's view is collected, in whichever thread dropped it; holding
-        this bound method keeps the arena (and its memory) alive while any view lives."""
-        self._released.append(lease)
 
     def in_use(self) -> int:
         """Regions held by live payloads."""
@@ -121,6 +127,18 @@ class HostArena:
         if self._unpin is not None and self._unpin.alive:
             _, _, (unpin,), _ = self._unpin.detach()
             unpin()
+
+
+_HELD: dict[int, weakref.ref] = {}  # the weak reference to each live view, by its id
+
+
+def _region_free(arena: HostArena, lease: Lease, view: weakref.ref) -> None:
+    """A payload's view of an arena region was collected (in whichever thread dropped it):
+    its lease goes to the arena's released queue. The reference's callback holds the arena,
+    and ``_HELD`` the reference, so an arena (and its pinning) lives while any view of it
+    does. Cheaper than ``weakref.finalize``, on every moved tensor's pack on CUDA."""
+    del _HELD[id(view)]
+    arena._released.append(lease)
 
 
 # Whichever thread drops an arena's last payload (the forward thread, even) must not wait for
