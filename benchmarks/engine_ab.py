@@ -19,8 +19,8 @@ Two measures:
   for that step alone; instructions per saved tensor = (step - no engine's step) / tensors.
   A step counts the same to within about 0.5% from run to run (the background threads, the
   moment the instrumentation turns on), about 2% of the per-tensor figure, whatever the
-  machine's load. Instructions are not time (a cache miss costs more than an add), but the hot path's
-  cost is Python's and torch's dispatch, which they follow.
+  machine's load. Instructions are not time (a cache miss costs more than an add), but the
+  hot path's cost is Python's and torch's dispatch, which they follow.
 - ``--measure time``: the sides interleaved step by step in one process; CPU time of the
   thread (torch on one thread), (fastest step - no engine's fastest step) / tensors (this
   machine's noise only adds time), medians beside.

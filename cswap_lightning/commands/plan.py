@@ -200,7 +200,8 @@ def plans(ways: list[sizing.Way]) -> str:
     width = max(42, *(len(way.how) for way in ways))
     left = max(28, *map(len, labels))
     lines = [title,
-             f"  {'budget':<{left}} {'plan':<{width}} {'peak GiB':>8} {'step ms':>8} {'vs ckpt':>8}"]
+             (f"  {'budget':<{left}} {'plan':<{width}} {'peak GiB':>8} {'step ms':>8} "
+              f"{'vs ckpt':>8}")]
     for label, way in zip(labels, ways):
         lines.append(f"  {label:<{left}} {way.how:<{width}} "
                      f"{way.prediction.peak_bytes / GiB:>8.2f} {1e3 * way.step_s:>8.1f} "

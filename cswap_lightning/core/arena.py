@@ -212,7 +212,8 @@ def payload_buffers(step: StepStats) -> list[Buffer]:
     last tick if backward never needed it, yet)."""
     last = max((max(s.packed_at, s.unpacked_at or 0) for s in step.sites), default=0)
     return [
-        Buffer(s.site, _slot_bytes(s), s.packed_at, last if s.unpacked_at is None else s.unpacked_at)
+        Buffer(s.site, _slot_bytes(s), s.packed_at,
+               last if s.unpacked_at is None else s.unpacked_at)
         for s in step.sites
         if s.stored_bytes > 0
     ]

@@ -264,7 +264,8 @@ class Choice:
                              f"got {weight!r}")
         self.weight = weight
         self.kept: frozenset[tuple[Any, int]] | None = None
-        self.funcs: tuple[Any, ...] = ()  # the forward's operators it was made from (``_operators``)
+        # the forward's operators it was made from (``_operators``)
+        self.funcs: tuple[Any, ...] = ()
         # what a forward made with it gave its recomputation, each operator's calls in order
         # (``Settled``); a first run without autograd follows it (``Lean``)
         self.settled: dict[Any, tuple[Settled, ...]] | None = None

@@ -10,11 +10,11 @@ away. A kept output nothing needs is not kept at all (a layer's last projection)
 Dependencies go by storage: an operator reads every storage its tensor arguments view and
 depends on every operator that wrote it since it was made, so views and in-place updates are
 followed. Some operators always run: views and other aliases (no kernel), and casts of a
-weight (autocast may cast one again in a recomputation that found it cached in forward, so their
-count can differ; ``ops.uncounted``); they need what they read only where their output is
-needed. Other casts are operators like any other: a bfloat16 model's norm that takes its input
-to float32 may keep its bfloat16 output and run the cast again, or keep the cast's output. Some are needed whatever
-reads them (roots): those that draw random numbers (the generator must advance as it did),
+weight (autocast may cast one again in a recomputation that found it cached in forward, so
+their count can differ; ``ops.uncounted``); they need what they read only where their output
+is needed. Other casts are operators like any other: a bfloat16 model's norm that takes its
+input to float32 may keep its bfloat16 output and run the cast again, or keep the cast's
+output. Some are needed whatever reads them (roots): those that draw random numbers (the generator must advance as it did),
 change a tensor in place, give no tensor back, or move one to another device (the host may
 read it without an operator).
 

@@ -117,7 +117,8 @@ def measure_runs(
             t = sparse_tensor(nbytes, sparsity, device, dtype=dtype)
             packed = impl.encode(t)
             packed = Packed(packed.header, packed.payload.clone())
-            for direction, call, arg in (("encode", impl.encode, t), ("decode", impl.decode, packed)):
+            for direction, call, arg in (("encode", impl.encode, t),
+                                         ("decode", impl.decode, packed)):
                 best = float("inf")
                 for _ in range(repeats):
                     start = clock.now()
