@@ -61,9 +61,11 @@
 # host's own waits in "what ran" (forward at the in-flight bound, backward for restores);
 # the traced step's kernel and copy time (far below the step: the device sat idle); the
 # allocator's cudaMalloc calls and retries (host stalls, device syncs); in the JSON, what the
-# engine's step without hooks timed (`engine_plain_forward_s`, `..._backward_s`,
-# `..._host_forward_s`: its replay's windows and host clock are scaled to them; a host
-# forward near the device's means the host sets the pace) and the device's idle time before
+# engine's step without hooks timed (`engine_plain_forward_s`, `..._backward_s`: its
+# replay's windows are scaled to them; `..._host_forward_s`, a host forward near the device's
+# means the host sets the pace) beside `engine_host_windows_s`, the host clock its replay runs
+# on (its measured steps' time outside the hooks: near the plain host forward if the hooks'
+# time is all they add) and the device's idle time before
 # the first kernel (`enter_s`: the engine's own start of step). Replay changes follow from
 # those, not from the step times alone.
 #

@@ -136,6 +136,8 @@ def test_measure_bench_runs_every_method_and_labels_a_cpu_run_a_dry_run(tmp_path
     # no step runs without hooks on the CPU: nothing scaled the engines' windows
     assert all(r["engine_plain_forward_s"] is None and r["engine_plain_backward_s"] is None
                and r["engine_plain_host_forward_s"] is None for r in engines)
+    # and the CPU's windows are the host's: no host clock of its own for the replay
+    assert all(r["engine_host_windows_s"] == 0 for r in engines)
     assert all(r["host_arena"] is None for r in engines)  # planned for CUDA payloads only
     # the allocator's driver calls are CUDA's: none counted on the CPU
     assert all(r["device_mallocs"] == r["alloc_retries"] == 0 for r in rows.values())

@@ -762,6 +762,29 @@ def test_the_timer_groups_the_first_unpacks_one_autograd_node_asked_for():
     assert [sorted(group) for group in timer.together()] == [[2, 3]]
 
 
+def test_the_hosts_windows_leave_the_pack_hooks_out(monkeypatch):
+    """The host's window of a site is its time from the site's hook's end to the next hook's
+    start (or forward's end): the forward's own, as a step without hooks spends it, however
+    long the hooks took. The host's clock is scripted."""
+    from cswap_lightning.planning import profiler
+
+    clock = iter([0.0, 0.0,  # forward begins: its stamp (the CPU's: the host clock), the host
+                  1.0, 1.0, 1.4,  # site 0: its stamp, the hook's start, its end 0.4 s later
+                  2.0, 2.0, 2.9,  # site 1: a hook of 0.9 s
+                  3.5, 3.5])  # forward ends: stamp and host
+    monkeypatch.setattr(profiler.time, "perf_counter", lambda: next(clock))
+    timer = profiler.StepTimer(torch.device("cpu"))
+    timer.begin()
+    for site in (0, 1):
+        timer.packed(site)
+        timer.placed()
+    timer.forward_done()
+    windows = timer.windows()
+    assert {site: w[2] for site, w in windows.items()} == pytest.approx({0: 0.6, 1: 0.6})
+    assert {site: w[0] for site, w in windows.items()} == pytest.approx({0: 1.0, 1: 1.5})
+    assert timer.host_forward_s() == pytest.approx(3.5)  # the hooks in it
+
+
 @pytest.mark.gpu
 def test_the_step_peak_is_the_allocators_when_backward_ends():
     """A trainer that resets the allocator's peak between steps (as the benchmarks do) left
@@ -835,8 +858,8 @@ def test_measured_forward_times_are_scaled_to_a_step_timed_without_hooks(monkeyp
     medium's measured forward took 5x the plain one on an H100, and the plans moved what
     the link could not hide). With room, one step runs without hooks, its forward timed,
     and the measured steps' windows and block times the planner is given are scaled to it,
-    backward's to its backward, the host's windows to its host's time. The device's answers are injected (the CPU has no
-    allocator, and its hooks' time is the step's)."""
+    backward's to its backward. The device's answers are injected (the CPU has no allocator,
+    and its hooks' time is the step's)."""
     from cswap_lightning.core import learning
 
     monkeypatch.setattr(learning, "room_to_keep", lambda stats, device: True)
@@ -865,14 +888,39 @@ def test_measured_forward_times_are_scaled_to_a_step_timed_without_hooks(monkeyp
     assert plain is not None and plain > 0
     assert 0 < windows <= plain * (1 + 1e-9)  # the keeping step's, scaled to the plain one
     assert blocks and 0 < sum(blocks) <= plain * (1 + 1e-9)
-    # the host's windows too, to the plain step's host (what the replay's host clock runs on)
-    assert plain_host is not None and 0 < host_windows <= plain_host * (1 + 1e-9)
+    # the host's windows, what the replay's host clock runs on, measured with the hooks left
+    # out (not scaled); the plain step's host time kept beside them
+    assert plain_host is not None and host_windows > 0
     # and backward's, first unpack to its end, to the plain step's
     assert plain_back is not None and 0 < back_windows <= plain_back * (1 + 1e-9)
     off.new_epoch()  # measured again: timed again
     assert (off.learning.plain_forward_s, off.learning.plain_backward_s,
             off.learning.plain_host_forward_s) == (None, None, None)
     off.close()
+
+
+def test_without_room_for_a_step_without_hooks_the_hosts_windows_are_still_measured(
+        monkeypatch):
+    """Where the device has no room for every saved tensor (a large model's fine-tuning, the
+    case that matters), no step runs without hooks; the host's windows, which leave the hooks
+    out, still give the replay its host clock (they were 0 before: scaled to a plain step
+    that never ran). On the CPU, whose windows are the host's, they stay 0. The device's
+    answers are injected."""
+    from cswap_lightning.core import learning
+
+    monkeypatch.setattr(learning, "room_to_keep", lambda stats, device: False)
+    model, x, y = model_and_batch("transformer")
+    host = {}
+    for idle in (True, False):
+        monkeypatch.setattr(learning, "hooks_idle", lambda device, idle=idle: idle)
+        off = Offloader(CSwapConfig(budget=MIN_BUDGET, min_bytes=0, profile_steps=2))
+        for _ in range(3):
+            grads(model, x, y, off)
+            assert not off.last_step().hooks_off
+        assert off.learning.plain_forward_s is None  # no step ran without hooks
+        host[idle] = sum(p.host_s for p in off.learning.profiler.profile())
+        off.close()
+    assert host[True] > 0 and host[False] == 0
 
 
 @pytest.mark.parametrize("how", ["raises", "goes without backward"])

@@ -247,10 +247,13 @@ def _engine_summary(m: Method) -> dict:
             "recomputed_blocks": len(off.recomputed),
             "first_runs_without_autograd": sum(
                 why == "" for why in off.recomputer.verdicts.why.values())}
-    learned = off.learning  # its step timed without hooks (CUDA), what it scaled its own by
+    # its step timed without hooks (CUDA), what it scaled its own by; and the host's windows
+    # of its measured steps (hooks left out), which its plain forward's host time checks
+    learned = off.learning
     out |= {"engine_plain_forward_s": learned.plain_forward_s,
             "engine_plain_backward_s": learned.plain_backward_s,
-            "engine_plain_host_forward_s": learned.plain_host_forward_s}
+            "engine_plain_host_forward_s": learned.plain_host_forward_s,
+            "engine_host_windows_s": sum(p.host_s for p in learned.profiler.profile())}
     memory = off.transfer.host_memory
     arena = memory.report() if memory is not None else None  # None: no arena planned
     out["host_arena"] = None if arena is None else {

@@ -86,9 +86,10 @@ class Learning:
         # between kernels, so their windows and block times are the host's: one step with room
         # for every tensor runs without hooks, its forward timed (``plain_forward_s``), and
         # the measured times are scaled to it (``_scales``); its backward too, from the
-        # first unpack to the end (``plain_backward_s``); the host's own windows to its host's
-        # time in forward (``plain_host_forward_s``), what the replay's host clock runs on: a
-        # forward whose host falls behind the device sets the pace.
+        # first unpack to the end (``plain_backward_s``). The host's own windows (what the
+        # replay's host clock runs on: a forward whose host falls behind the device sets the
+        # pace) leave the hooks' time out as measured, with or without that step; its host's
+        # time in forward (``plain_host_forward_s``) is kept to check them against.
         self.plain_forward_s: float | None = None
         self.plain_backward_s: float | None = None
         self.plain_host_forward_s: float | None = None
@@ -292,8 +293,9 @@ class Learning:
 
     def _scales(self, step: Step) -> tuple[float, float, float]:
         """What a measured step's forward, backward and host's forward times are scaled by:
-        the plain step's seconds over its own, at most 1; where either was not timed, 1, and
-        0 for the host's (the CPU, whose windows are the host's already: the replay then
+        the plain step's seconds over its own, at most 1, where both were timed, else 1; the
+        host's windows, which leave the hooks out, 1 where the step's windows are the
+        device's, and 0 on the CPU, whose windows are the host's already (the replay then
         leaves the host out)."""
         timer = step.timer if step.measure else None
 
@@ -304,7 +306,7 @@ class Learning:
             return 1.0, 1.0, 0.0
         return (scale(self.plain_forward_s, timer.forward_s(), 1.0),
                 scale(self.plain_backward_s, timer.backward_s(), 1.0),
-                scale(self.plain_host_forward_s, timer.host_forward_s(), 0.0))
+                1.0 if hooks_idle(timer.clock.device) else 0.0)
 
     def near_budget(self) -> bool:
         """On CUDA, whether the allocator's peak since the last step came near the plan's

@@ -302,22 +302,26 @@ class Step:
         """Pack a site with its row in the step's table, and its storage counted in the
         residency ledger."""
         site = len(self.sizes)
+        if self.device is None:
+            self._first_pack(t.device)
+        if self.timer is not None:  # first: the row's making is the hook's time too
+            self.timer.packed(site)
         stats = SiteStats(site, tuple(t.shape), _DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype),
                           t.numel() * t.element_size(), "keep", packed_at=self.clock)
         self.clock += 1
         self.sizes.append(stats.nbytes)
         self.stats.sites.append(stats)
-        if self.device is None:
-            self._first_pack(t.device)
         if self.offloader.modules is not None:
             stats.module = self.offloader.modules.current()
-        if self.timer is not None:
-            self.timer.packed(site)
         if self.blocks is not None and self.blocks.observing:  # a measured step
             self.blocks.saw(t)
             # what placing it runs (a count of zeros, a copy) is not the observed blocks'
-            return self.blocks.outside(self._place, saved, t, stats, rebuild)
-        return self._place(saved, t, stats, rebuild)
+            packed = self.blocks.outside(self._place, saved, t, stats, rebuild)
+        else:
+            packed = self._place(saved, t, stats, rebuild)
+        if self.timer is not None:
+            self.timer.placed()
+        return packed
 
     def _place(self, saved: torch.Tensor, t: torch.Tensor, stats: SiteStats,
                rebuild: Callable | None) -> tuple | _Entry | _View:

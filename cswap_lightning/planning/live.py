@@ -4,7 +4,7 @@ The planner decides what to recompute by replaying the step under candidate plan
 (``mix.py``). For the H100 profiles a :class:`~.workload.Workload` comes from a profile file;
 here it comes from what the engine measured itself on its measured steps: each site's bytes,
 kind and storage (the profiler's rows), the compute around it (the forward and backward
-windows; on CUDA also the host's forward window, scaled to the host's plain forward:
+windows; on CUDA also the host's forward window, its time outside the pack hooks:
 ``Op.host_s``), and the blocks that can be recomputed with the sites each saved
 (``core/recompute.py``'s ``BlockCall``). Each site is one op of the replay. What the step
 holds beside its saved tensors (on CUDA the allocator's peak less theirs; nothing known on the

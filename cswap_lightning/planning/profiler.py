@@ -120,13 +120,16 @@ def median_seconds(fn: Callable[[], object], device: torch.device, warmup: int,
 class StepTimer:
     """Time stamps of one step's packs, end of forward and first unpacks, per site; and which
     first unpacks one autograd node asked for (``together``). The host's clock is read beside
-    them in forward (each pack's third element): on CUDA the stamps are the device's, and
-    where the host falls behind the device, the step waits for it."""
+    them in forward, as each pack hook begins and as it is done with its site (each pack's
+    third and fourth elements): on CUDA the stamps are the device's, and where the host falls
+    behind the device, the step waits for it; the host's time from one hook's end to the
+    next one's start is the forward's own, which a step without hooks takes too."""
 
     def __init__(self, device: torch.device) -> None:
         self.clock = Clock(device)
         self.began: object | None = None  # a step without hooks: when its forward began
-        self.packs: list[tuple[int, object, float]] = []  # site, stamp, the host's clock
+        # site, stamp, the host's clock as its hook began and as it was done with the site
+        self.packs: list[tuple[int, object, float, float]] = []
         self.unpacks: list[tuple[int, object]] = []
         self.forward_end: object | None = None
         self.groups: list[list[int]] = []  # first unpacks, by the node that asked for them
@@ -142,7 +145,14 @@ class StepTimer:
         self.host_began = time.perf_counter()
 
     def packed(self, site: int) -> None:
-        self.packs.append((site, self.clock.now(), time.perf_counter()))
+        stamp, now = self.clock.now(), time.perf_counter()
+        self.packs.append((site, stamp, now, now))
+
+    def placed(self) -> None:
+        """The pack hook is done with the latest site: the host's time from here to the next
+        pack is the forward's own."""
+        site, stamp, began, _ = self.packs[-1]
+        self.packs[-1] = (site, stamp, began, time.perf_counter())
 
     def forward_done(self) -> None:
         self.forward_end = self.clock.now()
@@ -197,15 +207,17 @@ class StepTimer:
         return [tuple(group) for group in self.groups if len(group) > 1]
 
     def windows(self) -> dict[int, tuple[float, float, float]]:
-        """site -> (forward window, backward window, the host's forward window) in seconds."""
+        """site -> (forward window, backward window, the host's forward window) in seconds;
+        the host's is its time outside the pack hooks, from this site's hook's end to the
+        next one's start."""
         if self.forward_end is None or not self.packs:
             return {}
         seconds = self.clock.seconds
         out = {}
-        ends = [(stamp, host) for _, stamp, host in self.packs[1:]]
+        ends = [(stamp, began) for _, stamp, began, _ in self.packs[1:]]
         ends.append((self.forward_end, self.host_forward_end))
-        for (site, start, issued), (end, next_issued) in zip(self.packs, ends, strict=True):
-            out[site] = (seconds(start, end), 0.0, next_issued - issued)
+        for (site, start, _, done), (end, next_began) in zip(self.packs, ends, strict=True):
+            out[site] = (seconds(start, end), 0.0, max(0.0, next_began - done))
         # The first site backward needs has nothing to hide behind: its prefetch starts late.
         for (_, before), (site, stamp) in zip(self.unpacks, self.unpacks[1:]):
             if site in out:

@@ -52,8 +52,8 @@ holds forward until its encoding is done. What the kernels take from compute's S
 modelled; until a GPU measurement says which is nearer, ``Engine.codec_kernels`` can put
 them in the copy's lane (as the replay did before) or on the compute stream's clock
 instead. Where a profile timed the host too (``Op.host_s``: captured CUDA profiles that
-hold ``forward_host_ms``, and the engine's own measured steps on CUDA, once a step without
-hooks timed the host's plain forward), the host clock also moves by each op's time to issue
+hold ``forward_host_ms``, and the engine's own measured steps on CUDA, their host's time
+outside the pack hooks), the host clock also moves by each op's time to issue
 its forward: an op cannot end before the host has issued it, so a forward the host sets the
 pace of waits for it, and the engine's host time per moved tensor adds to that; recomputing a
 block costs the longer of its kernels and the host's issuing them again. A profile without (the
