@@ -334,9 +334,12 @@ class _Replay:
         self.entries: dict[int, _Entry] = {}  # moved storage -> its entry
         self.copies = 0  # bytes of copies back alive
         self.grads = 0  # weight gradients made so far
-        self.peak, self.peak_at = 0, ""
+        self.peak, self.peak_at = 0, ("", None)  # the phase and op of the peak
         self.held_peak = 0
         self.last_forward_op = workload.last_forward_op
+        self.start_bytes = workload.start_bytes
+        self.min_bytes = max(engine.min_bytes, 1)
+        self.storage_bytes = workload.storage_bytes
         # backward's prefetching (set when backward begins)
         self.order: list[int] = []
         self.position: dict[int, int] = {}
@@ -353,7 +356,7 @@ class _Replay:
             step_s=backward_end + optimizer_s, forward_s=forward_end,
             backward_s=backward_end - forward_end, optimizer_s=optimizer_s,
             forward_stall_s=self.stall, backward_wait_s=self.wait,
-            recompute_s=self.recompute_s, peak_bytes=self.peak, peak_at=self.peak_at,
+            recompute_s=self.recompute_s, peak_bytes=self.peak, peak_at=self._peak_at(),
             forward_peak_bytes=forward_peak,
             held_peak_bytes=self.held_peak,
             d2h_bytes=self.d2h_bytes, h2d_bytes=self.h2d_bytes, timeline=tuple(self.timeline))
@@ -365,22 +368,29 @@ class _Replay:
 
     def _point(self, other: int, phase: str, op: Op) -> None:
         """The allocator's bytes now, with ``other`` beside the saved tensors (during ``op``'s
-        ``phase``)."""
-        now = self.w.start_bytes + self.device_bytes + self.copies + self.grads + other
+        ``phase``). (Run at every op of every replay: no ``max`` calls, which cost more than
+        the comparisons.)"""
+        now = self.start_bytes + self.device_bytes + self.copies + self.grads + other
         if now > self.peak:
-            self.peak, self.peak_at = now, f"{phase} {op.module or '(functions)'}"
+            self.peak, self.peak_at = now, (phase, op)
         ends, compute = self.out_ends, self.compute
-        k = max(self.running_head, self.out_head)
+        k = self.running_head if self.running_head > self.out_head else self.out_head
         while k < len(ends) and ends[k] <= compute:  # the compute clock only goes on
             k += 1
         self.running_head = k
         held = now + self.out_before[-1] - self.out_before[k]  # and the copies running
-        self.held_peak = max(self.held_peak, held)
+        if held > self.held_peak:
+            self.held_peak = held
+
+    def _peak_at(self) -> str:
+        phase, op = self.peak_at
+        return f"{phase} {op.module or '(functions)'}" if op is not None else ""
 
     def _allocate(self, storage: int) -> None:
-        if storage not in self.device:
-            self.device[storage] = self.w.saved[storage].storage_nbytes
-            self.device_bytes += self.device[storage]
+        device = self.device
+        if storage not in device:
+            nbytes = device[storage] = self.storage_bytes[storage]
+            self.device_bytes += nbytes
 
     def _free(self, storage: int) -> None:
         self.device_bytes -= self.device.pop(storage, 0)
@@ -390,17 +400,20 @@ class _Replay:
         if i not in self.holding:
             storage = self.storage_of[i]
             self.holding.add(i)
-            self.holders[storage] = self.holders.get(storage, 0) + 1
+            holders = self.holders
+            holders[storage] = holders.get(storage, 0) + 1
             self._allocate(storage)
 
     def _release(self, i: int) -> None:
         if i in self.holding:
             storage = self.storage_of[i]
             self.holding.remove(i)
-            self.holders[storage] -= 1
-            if not self.holders[storage]:
-                del self.holders[storage]
-                self._free(storage)
+            holders = self.holders
+            if holders[storage] == 1:
+                del holders[storage]
+                self.device_bytes -= self.device.pop(storage, 0)  # ``_free``
+            else:
+                holders[storage] -= 1
 
     def _moved(self, i: int) -> bool:
         """Whether save ``i``'s storage was moved off the device and backward asks for it
@@ -411,33 +424,38 @@ class _Replay:
     def _movable(self, i: int) -> bool:
         """Whether the engine moves saved tensor ``i`` (``core/tensors.py``'s skip_reason)."""
         s = self.w.saved[i]
-        return (s.activation and s.nbytes >= max(self.engine.min_bytes, 1)
+        return (s.activation and s.nbytes >= self.min_bytes
                 and s.storage_nbytes <= MAX_STORAGE_TO_VIEW_RATIO * s.nbytes)
 
     # -- forward ------------------------------------------------------------------------------
     def _forward(self) -> None:
         storage_of, activation, absent = self.storage_of, self.activation, self.absent
+        entries, holders, last_forward_op = self.entries, self.holders, self.last_forward_op
+        device, storage_bytes = self.device, self.storage_bytes
         for k, op in enumerate(self.w.ops):
             decision, inputs = self.decisions[op.block], self.inputs[op.block]
-            begin = max(self.compute, self.host)
-            self.host += op.host_s  # issuing its kernels: it cannot end before they are issued
+            compute, host = self.compute, self.host
+            begin = compute if compute > host else host
+            # issuing its kernels: it cannot end before they are issued
+            self.host = host = host + op.host_s
             done = begin + op.forward_s
-            end = max(done, self.host)
-            self.stall += begin - self.compute + (end - done)
+            end = done if done > host else host
+            self.stall += begin - compute + (end - done)
             self.compute = end
             if self.record:
                 self._mark("compute", f"forward {op.module}", begin, self.compute)
             saves = [i for i in op.saves if i not in absent] if absent else op.saves
-            for i in saves:
-                if storage_of[i] == i and activation[i]:
-                    self._allocate(i)
+            for i in saves:  # (``_allocate``, inline: at every save of every replay)
+                if storage_of[i] == i and activation[i] and i not in device:
+                    device[i] = nbytes = storage_bytes[i]
+                    self.device_bytes += nbytes
             self._point(op.forward_other, "forward", op)
             if not saves:
                 continue
             swap = decision.action == "swap" or decision.swap_input
             for i in saves:
                 storage = storage_of[i]
-                if not activation[i] or storage in self.entries:  # moved already: shared
+                if not activation[i] or storage in entries:  # moved already: shared
                     continue
                 if inputs is not None and storage not in inputs:
                     continue  # recomputed in backward
@@ -445,9 +463,11 @@ class _Replay:
                     self._move_out(storage, decision.codec, i)
                 else:
                     self._hold(i)
-            for storage in {storage_of[i] for i in saves}:
-                if self.last_forward_op[storage] == k and storage not in self.holders:
-                    self._free(storage)  # forward lets go of it
+            for i in saves:
+                storage = storage_of[i]
+                if last_forward_op[storage] == k and storage not in holders:
+                    # forward lets go of it (``_free``: once, it pops)
+                    self.device_bytes -= device.pop(storage, 0)
 
     def _move_out(self, storage: int, codec: Codec, save: int) -> None:
         """Queue a storage's copy out after the op that saved it (``save``); the host waits
@@ -491,39 +511,47 @@ class _Replay:
         self.position = {storage: n for n, storage in enumerate(self.order)}
         input_copy: dict[int, set[int]] = {}  # recomputed block -> its input's copy back
         storage_of, activation, kept_below = self.storage_of, self.activation, self.kept_below
-        holding = self.holding
+        holding, entries, asked = self.holding, self.entries, self.asked
+        recomputes_at, asked_at, blocks = self.recomputes_at, self.asked_at, w.blocks
         for k in range(len(w.ops) - 1, -1, -1):
             op = w.ops[k]
-            if k in self.recomputes_at:
+            if k in recomputes_at:
                 self._recompute(op.block, input_copy)
             ready = self.host
-            for i in self.asked_at.get(k, ()) if self.entries else ():
+            for i in asked_at.get(k, ()) if entries else ():
                 if self._moved(i):
-                    ready = max(ready, self._unpack(storage_of[i]))
+                    back = self._unpack(storage_of[i])
+                    ready = back if back > ready else ready
             used: set[int] = set()
-            for i in op.saves if self.entries else ():
+            for i in op.saves if entries else ():
                 storage = storage_of[i]
-                if not activation[i] or kept_below[i] or storage not in self.entries:
+                if not activation[i] or kept_below[i] or storage not in entries:
                     continue  # (what a recomputation below the layer kept is done with)
                 if storage in input_copy.get(op.block, ()):  # back for the recompute
-                    ready = max(ready, self.entries[storage].back_end)
-                elif i in self.asked:  # back since its node asked for it
-                    ready = max(ready, self.entries[storage].back_end)
+                    back = entries[storage].back_end
+                elif i in asked:  # back since its node asked for it
+                    back = entries[storage].back_end
                     used.add(storage)
                 elif storage not in used:
-                    ready = max(ready, self._unpack(storage))
+                    back = self._unpack(storage)
                     used.add(storage)
-            begin = max(self.compute, self.host, ready)
-            self.wait += begin - max(self.compute, self.host)
+                else:
+                    continue
+                ready = back if back > ready else ready
+            compute, host = self.compute, self.host
+            issued = compute if compute > host else host
+            begin = ready if ready > issued else issued
+            self.wait += begin - issued
             self.compute = begin + self.decoding + op.backward_s
             self.decoding = 0.0
             if self.record:
                 self._mark("compute", f"backward {op.module}", begin, self.compute)
             self._point(op.backward_grads, "backward", op)
             self.grads += op.weight_grads
-            if w.blocks[op.block].ops.start == k and op.block in input_copy:
+            if blocks[op.block].ops.start == k and op.block in input_copy:
                 used |= input_copy.pop(op.block)  # the block is done with its input
-            self._drop_copies(used)
+            if used:
+                self._drop_copies(used)
             for i in op.saves:
                 if i in holding:
                     self._release(i)
@@ -531,19 +559,21 @@ class _Replay:
     def _prefetch_order(self) -> list[int]:
         """Moved storages in the order backward first asks for them (the order the engine
         learns from the step before)."""
-        if not self.entries:
+        entries = self.entries
+        if not entries:
             return []
         order: dict[int, None] = {}
-        storage_of = self.storage_of
+        storage_of, asked_at, recomputes_at = self.storage_of, self.asked_at, self.recomputes_at
         for k in range(len(self.w.ops) - 1, -1, -1):
             op = self.w.ops[k]
-            if k in self.recomputes_at:
+            if k in recomputes_at:
                 for storage in self.inputs[op.block]:
-                    if storage in self.entries:
+                    if storage in entries:
                         order.setdefault(storage)
-            for i in (*self.asked_at.get(k, ()), *op.saves):
-                if storage_of[i] in self.entries:
-                    order.setdefault(storage_of[i])
+            for saves in (asked_at.get(k, ()), op.saves):
+                for i in saves:
+                    if storage_of[i] in entries:
+                        order.setdefault(storage_of[i])
         return list(order)
 
     def _recompute(self, block: int, input_copy: dict[int, set[int]]) -> None:

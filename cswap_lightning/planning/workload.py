@@ -176,6 +176,11 @@ class Workload:
                 [s.below for s in self.saved])
 
     @cached_property
+    def storage_bytes(self) -> list[int]:
+        """Each save's ``storage_nbytes``: made once, for the replay."""
+        return [s.storage_nbytes for s in self.saved]
+
+    @cached_property
     def below_saves(self) -> dict[int, tuple[int, ...]]:
         """Each block's saves that only a recomputation below the layer keeps (``Saved.below``),
         where it has any: made once, for the replay."""
