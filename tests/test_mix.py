@@ -9,7 +9,7 @@ from test_replay import ENGINE, LINK, MB, step
 from cswap_lightning.config import AUTO_INFLIGHT_BYTES, INFLIGHT_CHOICES
 from cswap_lightning.planning import mix
 from cswap_lightning.planning import profiled as evidence
-from cswap_lightning.planning.replay import Codec, checkpoint_all, predict, swap_all
+from cswap_lightning.planning.replay import Codec, Engine, Link, checkpoint_all, predict, swap_all
 
 
 def test_a_budget_the_step_fits_changes_nothing():
@@ -199,7 +199,8 @@ def test_gpt2_recomputes_activation_modules_and_layers_where_that_is_faster():
 def test_replays_kept_across_budgets_give_the_same_mixes_with_fewer_replays(monkeypatch):
     """``mix.Replays``: the mixes chosen at three budgets with predictions kept across them
     are those chosen afresh at each, with fewer replays: the same workload and mix replayed
-    with another engine (a wider bound in flight) or link is not taken for a repeat."""
+    with another engine or link is not taken for a repeat (but for a bound in flight forward
+    would not wait at: ``test_a_step_that_never_waited_at_its_bound_is_not_replayed_again``)."""
     layers, finer = evidence.candidates("gpt2-medium")
     keep = predict(layers).peak_bytes
     budgets = [int(level * keep) for level in (0.8, 0.6, 0.5)]
@@ -218,6 +219,25 @@ def test_replays_kept_across_budgets_give_the_same_mixes_with_fewer_replays(monk
                                                               fresh.engine)
     assert choices[False, "replays"] < 0.8 * choices[True, "replays"]
     assert any(c.inflight_bytes == 4 << 30 for c in choices[True])  # the wider bound was tried
+
+
+def test_a_step_that_never_waited_at_its_bound_is_not_replayed_again(monkeypatch):
+    """``mix.Replays`` gives a step replayed under one bound on bytes in flight for another
+    bound where forward would not wait at either: the same prediction, no replay; under a
+    bound it would wait at, a replay of its own."""
+    layers, _ = evidence.candidates("gpt2-medium")
+    plan = swap_all()
+    replays, real = [], mix.predict
+    monkeypatch.setattr(mix, "predict", lambda *a, **k: replays.append(1) or real(*a, **k))
+    kept = mix.Replays()
+    wide = kept.predict(layers, plan, Link(), Engine(inflight_bytes=1 << 40))
+    needed = wide.inflight_needed_bytes
+    assert 0 < needed < 1 << 40 and len(replays) == 1
+    assert kept.predict(layers, plan, Link(), Engine(inflight_bytes=needed)) is wide
+    assert len(replays) == 1
+    tight = kept.predict(layers, plan, Link(), Engine(inflight_bytes=needed // 2))
+    assert len(replays) == 2 and tight.forward_stall_s > wide.forward_stall_s
+    assert tight == real(layers, plan, Link(), Engine(inflight_bytes=needed // 2))
 
 
 def test_recomputing_more_blocks_never_makes_a_step_faster():

@@ -103,6 +103,19 @@ def test_forward_waits_at_the_in_flight_bound_for_the_oldest_copy():
     assert predict(w, swap_all(), LINK, ENGINE).forward_stall_s == 0
 
 
+def test_from_the_least_bound_forward_never_waits_at_every_bound_replays_the_same():
+    # the second 60 MB copy starts while the first is in flight: 120 MB is the least bound
+    # forward never waits at; from there up the step is the same, below it forward stalls
+    w = step([(0.001, 0.0, [60 * MB]), (0.001, 0.0, [60 * MB]), (0.001, 0.0, [])])
+    unbounded = predict(w, swap_all(), LINK, ENGINE)
+    assert unbounded.inflight_needed_bytes == 120 * MB
+    for bound in (120 * MB, 500 * MB):
+        assert predict(w, swap_all(), LINK, replace(ENGINE, inflight_bytes=bound)) == unbounded
+    below = predict(w, swap_all(), LINK, replace(ENGINE, inflight_bytes=120 * MB - 1))
+    assert below.forward_stall_s > 0 and unbounded.forward_stall_s == 0
+    assert predict(w, Mix(), LINK, ENGINE).inflight_needed_bytes == 0  # nothing moved
+
+
 def test_recompute_adds_the_blocks_forward_and_frees_its_bytes_until_its_backward():
     ops = [(0.001, 0.002, [8 * MB]), (0.003, 0.004, [30 * MB, 30 * MB]), (0.005, 0.006, [])]
     w = step(ops, blocks=[("stem", 1, False), ("layer", 1, True), ("head", 1, False)])

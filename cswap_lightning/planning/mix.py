@@ -54,7 +54,7 @@ class Replays:
     def __init__(self) -> None:
         self._merged: dict[tuple[int, frozenset[str]], Workload] = {}
         self._below: dict[tuple[int, tuple[int, ...]], Workload] = {}
-        self._predictions: dict[tuple, Prediction] = {}
+        self._predictions: dict[tuple, dict[int, Prediction]] = {}  # by bound in flight
         self._known: dict[int, Workload] = {}
 
     def merged(self, workload: Workload, parents: frozenset[str]) -> Workload:
@@ -72,11 +72,21 @@ class Replays:
         return self._below[key]
 
     def predict(self, workload: Workload, plan: Mix, link: Link, engine: Engine) -> Prediction:
-        """``replay.predict``, run once per workload, mix, link and engine."""
-        key = (self._know(workload), plan.default, frozenset(plan.blocks.items()), link, engine)
-        if key not in self._predictions:
-            self._predictions[key] = predict(workload, plan, link, engine)
-        return self._predictions[key]
+        """``replay.predict``, run once per workload, mix, link and engine, and once for every
+        bound on bytes in flight that forward would not wait at (the planner tries several):
+        a step replayed under a bound it never waited at replays the same under any bound
+        from its ``inflight_needed_bytes`` up."""
+        key = (self._know(workload), plan.default, frozenset(plan.blocks.items()), link,
+               replace(engine, inflight_bytes=0))
+        known = self._predictions.setdefault(key, {})
+        bound = engine.inflight_bytes
+        found = known.get(bound)
+        if found is None:
+            found = next((p for b, p in known.items()
+                          if p.inflight_needed_bytes <= min(b, bound)), None)
+        if found is None:
+            found = known[bound] = predict(workload, plan, link, engine)
+        return found
 
     def _know(self, workload: Workload) -> int:
         self._known.setdefault(id(workload), workload)

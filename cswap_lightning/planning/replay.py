@@ -266,6 +266,9 @@ class Prediction:
     held_peak_bytes: int
     d2h_bytes: int
     h2d_bytes: int
+    # the least bound on bytes in flight under which forward never waits at it: under any
+    # bound from there up, the step replays the same
+    inflight_needed_bytes: int = 0
     timeline: tuple[Interval, ...] = ()
 
 
@@ -318,6 +321,8 @@ class _Replay:
         # clocks (seconds) and what they add up
         self.host = self.compute = self.d2h_free = self.h2d_free = self.encode_free = 0.0
         self.stall = self.wait = self.recompute_s = 0.0
+        # the least bound on bytes in flight under which forward never waits at it
+        self.inflight_needed = 0
         self.decoding = 0.0  # decode seconds the next op in backward runs first
         self.d2h_bytes = self.h2d_bytes = 0
         # copies out, oldest first (one lane: they end in order): when each ends, and the bytes
@@ -358,7 +363,7 @@ class _Replay:
             forward_stall_s=self.stall, backward_wait_s=self.wait,
             recompute_s=self.recompute_s, peak_bytes=self.peak, peak_at=self._peak_at(),
             forward_peak_bytes=forward_peak,
-            held_peak_bytes=self.held_peak,
+            held_peak_bytes=self.held_peak, inflight_needed_bytes=self.inflight_needed,
             d2h_bytes=self.d2h_bytes, h2d_bytes=self.h2d_bytes, timeline=tuple(self.timeline))
 
     # -- bookkeeping ----------------------------------------------------------------------------
@@ -368,8 +373,7 @@ class _Replay:
 
     def _point(self, other: int, phase: str, op: Op) -> None:
         """The allocator's bytes now, with ``other`` beside the saved tensors (during ``op``'s
-        ``phase``). (Run at every op of every replay: no ``max`` calls, which cost more than
-        the comparisons.)"""
+        ``phase``)."""
         now = self.start_bytes + self.device_bytes + self.copies + self.grads + other
         if now > self.peak:
             self.peak, self.peak_at = now, (phase, op)
@@ -477,6 +481,8 @@ class _Replay:
         ends, before, k = self.out_ends, self.out_before, self.out_head
         while k < len(ends) and ends[k] <= self.host:  # seen ended
             k += 1
+        if k < len(ends) and before[-1] - before[k] + nbytes > self.inflight_needed:
+            self.inflight_needed = before[-1] - before[k] + nbytes
         while k < len(ends) and before[-1] - before[k] + nbytes > self.engine.inflight_bytes:
             self.host = max(self.host, ends[k])  # waits for the oldest
             k += 1
