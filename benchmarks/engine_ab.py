@@ -35,6 +35,7 @@ writes ``OUT.md`` and ``OUT.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib
 import io
@@ -48,6 +49,7 @@ import tarfile
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -175,25 +177,40 @@ def one_step(base: str, side: str, name: str, tensors: int) -> None:
         engine = None if name == "no engine" else engine_for(packages[side], name, x, tensors)
         step(engine, x, tensors)
         gc.collect()
-        toggle = ["callgrind_control", "--instr=on", str(os.getpid())]
-        subprocess.run(toggle, capture_output=True, check=True)
-        grad = step(engine, x, tensors, collect=False)[1]
-        subprocess.run(toggle[:1] + ["--instr=off"] + toggle[2:], capture_output=True,
-                       check=True)
+        with instrumented():
+            grad = step(engine, x, tensors, collect=False)[1]
         check(grad, expected, side, name)
 
 
-def instructions(base: str, side: str, name: str, tensors: int) -> int:
+@contextlib.contextmanager
+def instrumented() -> Iterator[None]:
+    """Callgrind's instrumentation on for the block alone (this process runs under
+    ``callgrind``'s ``--instr-atstart=no``)."""
+    toggle = ["callgrind_control", "--instr=on", str(os.getpid())]
+    subprocess.run(toggle, capture_output=True, check=True)
+    try:
+        yield
+    finally:
+        subprocess.run([toggle[0], "--instr=off", toggle[2]], capture_output=True, check=True)
+
+
+def callgrind(script: str, args: list[str], what: str) -> int:
+    """The instructions ``script`` run with ``args`` under callgrind counts where it turns
+    the instrumentation on (``instrumented``); ``what`` names the run in an error."""
     with tempfile.TemporaryDirectory() as folder:
         done = subprocess.run(
             ["valgrind", "--tool=callgrind", "--instr-atstart=no",
-             f"--callgrind-out-file={folder}/out", sys.executable, __file__, "--one-step",
-             json.dumps([side, name]), "--base", base, "--tensors", str(tensors)],
+             f"--callgrind-out-file={folder}/out", sys.executable, script, *args],
             check=False, capture_output=True, text=True)
     found = re.search(r"Collected : (\d+)", done.stderr)
     if done.returncode or found is None:
-        raise SystemExit(f"callgrind run of {side} {name} failed:\n{done.stderr[-3000:]}")
+        raise SystemExit(f"callgrind run of {what} failed:\n{done.stderr[-3000:]}")
     return int(found.group(1))
+
+
+def instructions(base: str, side: str, name: str, tensors: int) -> int:
+    return callgrind(__file__, ["--one-step", json.dumps([side, name]), "--base", base,
+                                "--tensors", str(tensors)], f"{side} {name}")
 
 
 def by_instructions(base: str, tensors: int) -> dict:

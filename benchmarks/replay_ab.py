@@ -30,10 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import pickle
-import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,7 +41,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_ab import git, package_at
+from engine_ab import callgrind, git, instrumented, package_at
 from planner_speed import engine_calls
 
 from cswap_lightning.commands.bench_step import result_meta, write_results
@@ -137,11 +134,8 @@ def one_side(base: str, side: str, calls_file: str, out_file: str) -> None:
     with tempfile.TemporaryDirectory() as folder:
         module = package_at(base, folder).planning.replay if side == "base" else replay
         replayed(module, calls[:1])  # what runs once (imports, cached properties) left out
-        toggle = ["callgrind_control", "--instr=on", str(os.getpid())]
-        subprocess.run(toggle, capture_output=True, check=True)
-        got = replayed(module, calls)
-        subprocess.run(toggle[:1] + ["--instr=off"] + toggle[2:], capture_output=True,
-                       check=True)
+        with instrumented():
+            got = replayed(module, calls)
     with open(out_file, "wb") as f:
         pickle.dump(got, f)
 
@@ -155,16 +149,9 @@ def by_instructions(case: str, calls: list[tuple], base: str, every: int) -> dic
             pickle.dump(subset, f)
 
         def run(side: str) -> None:
-            done = subprocess.run(
-                ["valgrind", "--tool=callgrind", "--instr-atstart=no",
-                 f"--callgrind-out-file={folder}/{side}.out", sys.executable, __file__,
-                 "--one-side", side, "--base", base, "--calls", f"{folder}/calls",
-                 "--fields", f"{folder}/{side}.fields"],
-                check=False, capture_output=True, text=True)
-            found = re.search(r"Collected : (\d+)", done.stderr)
-            if done.returncode or found is None:
-                raise SystemExit(f"callgrind run of {side} failed:\n{done.stderr[-3000:]}")
-            counts[side] = int(found.group(1))
+            counts[side] = callgrind(__file__, ["--one-side", side, "--base", base, "--calls",
+                                                f"{folder}/calls", "--fields",
+                                                f"{folder}/{side}.fields"], side)
             with open(f"{folder}/{side}.fields", "rb") as f:
                 got[side] = pickle.load(f)
 

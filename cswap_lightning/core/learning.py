@@ -299,13 +299,13 @@ class Learning:
         leaves the host out)."""
         timer = step.timer if step.measure else None
 
-        def scale(plain: float | None, measured: float, untimed: float) -> float:
-            return min(1.0, plain / measured) if plain and measured > 0 else untimed
+        def scale(plain: float | None, measured: float) -> float:
+            return min(1.0, plain / measured) if plain and measured > 0 else 1.0
 
         if timer is None:
             return 1.0, 1.0, 0.0
-        return (scale(self.plain_forward_s, timer.forward_s(), 1.0),
-                scale(self.plain_backward_s, timer.backward_s(), 1.0),
+        return (scale(self.plain_forward_s, timer.forward_s()),
+                scale(self.plain_backward_s, timer.backward_s()),
                 1.0 if hooks_idle(timer.clock.device) else 0.0)
 
     def near_budget(self) -> bool:

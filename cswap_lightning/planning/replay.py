@@ -415,7 +415,7 @@ class _Replay:
             holders = self.holders
             if holders[storage] == 1:
                 del holders[storage]
-                self.device_bytes -= self.device.pop(storage, 0)  # ``_free``
+                self._free(storage)
             else:
                 holders[storage] -= 1
 
