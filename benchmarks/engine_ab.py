@@ -4,7 +4,8 @@
 unpack, the transfer, the arena) is a few microseconds per tensor, less than this machine's
 drift between two runs. Here the other commit's whole package is exported (``git archive``)
 and imported under another name (``cswap_base``) beside this one, and the two run the same
-chain of ``sin`` ops (each saves its 16 KiB input):
+chain of ``sin`` ops (each saves its 16 KiB input, 64 x 64: an activation has dimensions,
+and a payload that comes back 1-D costs a view):
 
 - ``raw``: ``plan="raw"``, every tensor moved (the steps after the one that checks the plan,
   which move without tracking each tensor);
@@ -129,7 +130,7 @@ def engine_for(package: object, name: str, x: torch.Tensor, tensors: int) -> obj
 def setup() -> torch.Tensor:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", "cswap: budget", RuntimeWarning)  # no model to recompute
-    return torch.randn(4096, requires_grad=True, generator=torch.Generator().manual_seed(0))
+    return torch.randn(64, 64, requires_grad=True, generator=torch.Generator().manual_seed(0))
 
 
 def by_time(base: str, tensors: int, rounds: int) -> dict:

@@ -146,6 +146,24 @@ def test_payloads_live_in_their_region_and_get_it_back_once_dropped():
     transfer.close()
 
 
+def test_a_raw_payload_takes_its_region_in_its_own_shape_and_strides():
+    """An activation has dimensions: its region is viewed in them, so that neither the copy
+    into it nor the tensor restored from it needs a view of its own."""
+    transfer = Transfer(arena="always")
+    site = SiteStats(0, (8, 125), "float32", 4000, "raw", stored_bytes=4000, unpacked_at=1)
+    transfer.step_closed(StepStats(0, [site]))
+    assert transfer.arena_report().arena_bytes == 4096  # planned (in the background)
+    buffer = transfer.host_memory.arena.buffer
+    t = torch.randn(8, 125)
+    stored = transfer.offload(Stored(t.device), t, get_codec("raw"), site=0)
+    assert stored.lease is not None and stored.payload.data_ptr() == buffer.data_ptr()
+    assert (stored.payload.shape, stored.payload.stride()) == (t.shape, t.stride())
+    restored = transfer.restore(stored)[0]
+    assert (restored.shape, restored.stride()) == (t.shape, t.stride())
+    assert torch.equal(restored, t)
+    transfer.close()
+
+
 def raw_step(index, nbytes):
     site = SiteStats(0, (nbytes // 4,), "float32", nbytes, "raw", stored_bytes=nbytes,
                      unpacked_at=1)

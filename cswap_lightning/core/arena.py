@@ -64,11 +64,12 @@ class HostArena:
                                      device)
         self._typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer viewed as each dtype
 
-    def acquire(self, key: int, nbytes: int, dtype: torch.dtype = torch.uint8
-                ) -> tuple[torch.Tensor, Lease] | str:
-        """A view (as ``dtype``: the region goes back when this very view is collected) of
-        ``nbytes`` at the start of buffer ``key``'s region and its lease, or the
-        reason it cannot be had."""
+    def acquire(self, key: int, nbytes: int, dtype: torch.dtype = torch.uint8,
+                like: torch.Tensor | None = None) -> tuple[torch.Tensor, Lease] | str:
+        """A view (as ``dtype``, 1-D or in the shape and strides of ``like``, a dense tensor of
+        ``nbytes``: the region goes back when this very view is collected) of ``nbytes`` at
+        the start of buffer ``key``'s region and its lease, or the reason it cannot be
+        had."""
         released = self._released
         while released:
             lease = released.popleft()
@@ -91,7 +92,10 @@ class HostArena:
         if typed is None:
             typed = self._typed[dtype] = self.buffer.view(dtype)
         itemsize = dtype.itemsize  # regions start at multiples of ALIGNMENT: whole elements
-        view = typed[at // itemsize : (at + nbytes) // itemsize]
+        if like is None:
+            view = typed.as_strided((nbytes // itemsize,), (1,), at // itemsize)
+        else:
+            view = typed.as_strided(like.shape, like.stride(), at // itemsize)
         held = weakref.ref(view, partial(_region_free, self, lease))
         _HELD[id(held)] = held
         return view, lease
@@ -274,12 +278,14 @@ class HostMemory:
         self._warned = False
         self._report: ArenaReport | None = None
 
-    def acquire(self, site: int, nbytes: int, dtype: torch.dtype = torch.uint8
-                ) -> tuple[torch.Tensor, Lease] | None:
-        """The planned region for ``site`` (as ``dtype``), or None: allocate one."""
+    def acquire(self, site: int, nbytes: int, dtype: torch.dtype = torch.uint8,
+                like: torch.Tensor | None = None) -> tuple[torch.Tensor, Lease] | None:
+        """The planned region for ``site`` (as ``dtype``, 1-D or in ``like``'s shape and
+        strides), or None: allocate one."""
         with self._lock:  # the planning thread takes the counts
             arena = self.arena
-            taken = arena.acquire(site, nbytes, dtype) if arena is not None else "no arena"
+            taken = (arena.acquire(site, nbytes, dtype, like) if arena is not None
+                     else "no arena")
             if isinstance(taken, str):
                 self._fallbacks[taken] += 1
                 return None

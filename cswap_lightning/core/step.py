@@ -391,8 +391,8 @@ class Step:
                  nbytes: int, codec: Codec) -> None:
         """Start moving ``t``'s whole storage (``nbytes``): every view of it comes back
         exactly. A tensor that is all of its storage, in order (most activations), moves as
-        it is, and a raw copy of it outside the arena comes back in its shape and strides; any
-        other view moves its storage as a 1-D tensor, viewed again at unpack.
+        it is, and a raw copy of it comes back in its shape and strides; any other view moves
+        its storage as a 1-D tensor, viewed again at unpack.
 
         A lossy codec compresses a view of a larger storage on its own elements instead
         (q, k and v split from one projection): each block's scale is then its own values',
@@ -413,7 +413,7 @@ class Step:
         self.transfer.offload(entry, flat, codec, entry.id, self.measure,
                               self._record if entry.stats is not None else None, seed)
         # A view moved on its own elements comes back as decoded: contiguous, in its shape.
-        if not own and (not whole or entry.header is not None or entry.lease is not None):
+        if not own and (not whole or entry.header is not None):
             entry.shape, entry.stride, entry.offset = t.shape, t.stride(), t.storage_offset()
         # A failed offload keeps ``flat``, which may be ``data``: then it is the probe as it is.
         entry.probe = data if entry.kept is data else version_probe(data)

@@ -128,9 +128,8 @@ class Transfer:
                 count_nonzero: bool = False,
                 on_done: Callable[[Stored], None] | None = None, seed: int = 0) -> Stored:
         """Start moving ``flat`` (contiguous: the tensor's whole storage, or a view's own
-        elements for a lossy codec) off its device into ``stored``; never raises. It comes
-        back in the same shape, or 1-D; a raw payload outside the arena in the same strides
-        too.
+        elements for a lossy codec) off its device into ``stored``; never raises. A raw
+        payload comes back in its shape and strides, an encoded one as decoded.
 
         ``site`` lets the payload use its arena region, and sizes a compressed payload's first
         copy; ``count_nonzero`` measures its sparsity (compressed payloads always do);
@@ -198,22 +197,20 @@ class Transfer:
     def _place(self, stored: Stored, flat: torch.Tensor, payload: torch.Tensor,
                codec: Codec, stream: torch.cuda.Stream | None = None) -> None:
         """Copy ``payload`` (on CUDA: queued on ``stream``, the current one) into host
-        memory: its site's arena region, or memory of its own, where a raw one keeps
-        ``flat``'s shape and strides. Of a payload whose length is not known yet, the first
-        part only."""
-        exact = stored.header is None or codec.exact_size
-        capacity = payload.nbytes if exact else codec.capacity(stored.header.numel,
-                                                                stored.header.dtype.itemsize)
-        slot, stored.lease = self._slot(capacity, payload.dtype, stored.site, flat, stream)
-        stored.payload = slot
-        if not exact:
-            stored.pending = payload
-            self._copy_head(stored, payload)
+        memory of its shape and strides: its site's arena region, or memory of its own. Of a
+        payload whose length is not known yet, the first part only, into a slot of the
+        codec's capacity."""
+        if stored.header is None or codec.exact_size:
+            slot, stored.lease = self._slot(payload.nbytes, payload.dtype, stored.site, flat,
+                                            stream, payload)
+            stored.payload = slot
+            slot.copy_(payload, non_blocking=True)
             return
-        if stored.lease is None and payload is flat:
-            stored.payload = slot = slot.as_strided(flat.shape, flat.stride())
-        slot.copy_(payload if slot.dim() == payload.dim() else payload.view(-1),
-                   non_blocking=True)
+        capacity = codec.capacity(stored.header.numel, stored.header.dtype.itemsize)
+        stored.payload, stored.lease = self._slot(capacity, payload.dtype, stored.site, flat,
+                                                  stream)
+        stored.pending = payload
+        self._copy_head(stored, payload)
 
     def _copy_head(self, stored: Stored, payload: torch.Tensor) -> None:
         """Copy what the site's payload needed last time (and some headroom), or all of it."""
@@ -314,33 +311,41 @@ class Transfer:
         return packed.payload
 
     def _slot(self, nbytes: int, dtype: torch.dtype, site: int | None, source: torch.Tensor,
-              stream: torch.cuda.Stream | None) -> tuple[torch.Tensor, Lease | None]:
-        """``nbytes`` of host memory for a payload (as a 1-D ``dtype`` tensor): its site's
-        arena region if it can have it (the copy into it, on ``stream``, first waits for the
-        region's earlier holders), else pinned memory of its own."""
+              stream: torch.cuda.Stream | None, like: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, Lease | None]:
+        """``nbytes`` of host memory for a payload, in the shape and strides of ``like`` (a
+        dense tensor of ``nbytes``), else 1-D ``dtype``: its site's arena region if it can
+        have it (the copy into it, on ``stream``, first waits for the region's earlier
+        holders), else pinned memory of its own."""
         if site is not None and self.host_memory is not None:
-            taken = self.host_memory.acquire(site, nbytes, dtype)
+            taken = self.host_memory.acquire(site, nbytes, dtype, like)
             if taken is not None:
                 region, lease = taken
                 if source.is_cuda:
                     for event in lease.wait_for:  # earlier holders' copies out of the region
                         stream.wait_event(event)
                 return region, lease
-        return self._host_empty(nbytes // dtype.itemsize, dtype, source.is_cuda), None
+        if like is None:
+            return self._host_empty((nbytes // dtype.itemsize,), dtype, source.is_cuda), None
+        return self._host_empty(like.shape, dtype, source.is_cuda, like.stride()), None
 
-    def _host_empty(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-        """Host memory of its own: pinned where ``pin`` (and the config allows)."""
+    def _host_empty(self, shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
+                    stride: tuple[int, ...] | None = None) -> torch.Tensor:
+        """Host memory of its own (contiguous, or in ``stride``): pinned where ``pin`` (and
+        the config allows)."""
+        new, size = (torch.empty, (shape,)) if stride is None else (torch.empty_strided,
+                                                                     (shape, stride))
         if not (pin and self.pin_memory):
-            return torch.empty(numel, dtype=dtype)
+            return new(*size, dtype=dtype)
         try:
-            return torch.empty(numel, dtype=dtype, pin_memory=True)
+            return new(*size, dtype=dtype, pin_memory=True)
         except RuntimeError as err:
             self._warn_once(
                 "pin",
                 f"cswap: pinned host memory is exhausted ({err}); using pageable memory, "
                 "whose copies are slower and synchronous.",
             )
-            return torch.empty(numel, dtype=dtype)
+            return new(*size, dtype=dtype)
 
     def nonzero(self, t: torch.Tensor) -> torch.Tensor:
         """``t``'s count of non-zero elements, in host memory once the current stream is past
@@ -354,7 +359,7 @@ class Transfer:
             shares = payload is source or (
                 payload.untyped_storage().data_ptr() == source.untyped_storage().data_ptr())
             return payload.clone() if shares else payload
-        host = self._host_empty(payload.numel(), payload.dtype, pin=True).view(payload.shape)
+        host = self._host_empty(payload.shape, payload.dtype, pin=True)
         host.copy_(payload, non_blocking=True)
         return host
 
