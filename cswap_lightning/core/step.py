@@ -492,7 +492,7 @@ class Step:
         finally:
             self._lock.release()
         if ready is not None:  # every unpack: backward may run this op on another stream
-            stream = current_stream(base.device.index)
+            stream = current_stream(entry.source.index)  # a device made once, at the pack
             stream.wait_event(ready)
             base.record_stream(stream)
         if stride is not None and (offset or base.shape != size or base.stride() != stride):
