@@ -3,6 +3,8 @@ and on the first H100 run's four profiles (every figure a prediction of the repl
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from test_replay import ENGINE, LINK, MB, step
 
@@ -238,6 +240,21 @@ def test_a_step_that_never_waited_at_its_bound_is_not_replayed_again(monkeypatch
     tight = kept.predict(layers, plan, Link(), Engine(inflight_bytes=needed // 2))
     assert len(replays) == 2 and tight.forward_stall_s > wide.forward_stall_s
     assert tight == real(layers, plan, Link(), Engine(inflight_bytes=needed // 2))
+
+
+def test_a_budget_nothing_fits_costs_one_replay_per_count_of_blocks_swapped(monkeypatch):
+    """Where recomputing every unit does not fit with the earliest blocks swapped, fewer
+    recomputations do not either: one replay says so, not a bisection of the counts (a budget
+    nothing fits tries every count of blocks swapped)."""
+    w = evidence.workload("gpt2-medium")
+    keep = predict(w, link=LINK, engine=ENGINE).peak_bytes
+    replays, real = [], mix.predict
+    monkeypatch.setattr(mix, "predict", lambda *a, **k: replays.append(1) or real(*a, **k))
+    chosen = mix.choose(w, keep // 5, LINK, ENGINE)
+    assert chosen.how == "does not fit" and not chosen.fits
+    counts = len(w.blocks) + 1  # of blocks swapped: none to all
+    # keeping everything; one per count; then inputs moved too (bisected) and the closest plan
+    assert len(replays) <= 1 + counts + math.ceil(math.log2(counts + 1)) + 1
 
 
 def test_recomputing_more_blocks_never_makes_a_step_faster():

@@ -305,9 +305,15 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
                 raise _Beaten
             return False
 
-        if prune and fastest < math.inf and ok(0):  # none at all (or beaten already)
-            return 0
-        return _first(len(eligible(ranked, swapped)) + 1, ok)
+        n = len(eligible(ranked, swapped)) + 1
+        if prune and fastest < math.inf:
+            if ok(0):  # none at all (or beaten already)
+                return 0
+        elif not fits(mixed(ranked, swapped, n - 1, below, whole_first)):
+            # Nothing to beat yet: where recomputing every unit does not fit, no count does,
+            # and one replay says so (a budget that does not fit probes every count).
+            return None
+        return _first(n, ok)
 
     # For each count of earliest blocks swapped (raw or compressed; where blocks can be
     # recomputed below the layer, also so with what they keep swapped), the fewest
