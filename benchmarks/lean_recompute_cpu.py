@@ -11,7 +11,8 @@ warm-up. Methods run interleaved, one step of each per round, timed in CPU time 
 medians of forward, backward and the step. Each round's gradients of every method are
 compared with plain training's, bit for bit (all seeded alike).
 
-    .venv/bin/python benchmarks/lean_recompute_cpu.py --out benchmarks/results/lean-recompute-cpu-...
+    .venv/bin/python benchmarks/lean_recompute_cpu.py \\
+        --out benchmarks/results/lean-recompute-cpu-...
 
 writes ``OUT.md`` and ``OUT.json``.
 """

@@ -49,10 +49,12 @@ def main(out: str) -> None:
         offloader.close()
     a, b = statistics.median(unwatched), statistics.median(watched)
     table = ("| forward outside the engine | median time | ratio |\n|---|---:|---:|\n"
-             f"| unwatched | {a * 1e3:.3f} ms | 1.00x |\n| watched | {b * 1e3:.3f} ms | {b / a:.2f}x |\n\n"
+             f"| unwatched | {a * 1e3:.3f} ms | 1.00x |\n"
+             f"| watched | {b * 1e3:.3f} ms | {b / a:.2f}x |\n\n"
              f"{len(calls)} module calls per forward: {(b - a) / len(calls) * 1e6:.1f} us each.")
     print(table)
-    write_results(out, "Offloader.watch overhead", result_meta(torch.device("cpu"), command=" ".join(["python", *sys.argv])),
+    meta = result_meta(torch.device("cpu"), command=" ".join(["python", *sys.argv]))
+    write_results(out, "Offloader.watch overhead", meta,
                   {"unwatched_s": unwatched, "watched_s": watched, "module_calls": len(calls)},
                   table)
 

@@ -165,7 +165,8 @@ class CSwapConfig:
             value, allowed = getattr(self, f.name), _TYPES[f.name]
             if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
                 raise TypeError(
-                    f"CSwapConfig.{f.name} must be of type {' or '.join(t.__name__ for t in allowed)}, "
+                    f"CSwapConfig.{f.name} must be of type "
+                    f"{' or '.join(t.__name__ for t in allowed)}, "
                     f"got {value!r} "
                     f"({type(value).__name__})"
                 )
@@ -176,7 +177,8 @@ class CSwapConfig:
         _check_choice("lossy", self.lossy, get_args(Lossy))
         _check_choice("recompute", self.recompute, get_args(RecomputeMode))
         if not all(isinstance(p, str) for p in self.lossy_exclude):
-            raise TypeError(f"CSwapConfig.lossy_exclude must hold strings, got {self.lossy_exclude!r}")
+            raise TypeError("CSwapConfig.lossy_exclude must hold strings, got "
+                            f"{self.lossy_exclude!r}")
         if self.guard_every < 0:
             raise ValueError(f"CSwapConfig.guard_every must be >= 0, got {self.guard_every!r}")
         if not 0.0 < self.guard_tolerance:

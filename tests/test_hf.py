@@ -340,7 +340,8 @@ def test_the_trainers_checkpointing_arguments_are_read_under_either_name(tmp_pat
     assert trainer_checkpointing(TrainingArguments(output_dir=str(tmp_path), use_cpu=True,
                                                    report_to=[])) is None
     # The fields of transformers 5.17-5.22's TrainingArguments (no activation_checkpointing):
-    older = SimpleNamespace(gradient_checkpointing=True, gradient_checkpointing_kwargs=checkpointing)
+    older = SimpleNamespace(gradient_checkpointing=True,
+                            gradient_checkpointing_kwargs=checkpointing)
     assert trainer_checkpointing(older) == checkpointing
 
 
@@ -387,7 +388,8 @@ def test_torch_compile_is_done_per_block_so_offloading_lowers_the_peak(tmp_path,
     assert len(told) == 1 and "compile" in told[0]
     assert not [w for w in caught if "at once" in str(w.message)]
     layers = per_block.model.model.layers
-    assert all(is_compiled(layer) for layer in layers) and per_block.model_wrapped is per_block.model
+    assert all(is_compiled(layer) for layer in layers)
+    assert per_block.model_wrapped is per_block.model
 
     late = CSwapCallback(raw)
     whole = llama_trainer(tmp_path / "whole", [], **compiled)

@@ -356,8 +356,9 @@ def test_a_block_of_a_sharded_model_stays_under_checkpoint(monkeypatch):
         distributed.destroy_process_group()
 
 
-LEAN_THROUGHOUT = {"bert", "roberta", "albert", "gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3",
-                   "gemma", "gemma2", "mixtral", "mamba2", "vit", "swin", "resnet", "wav2vec2"}
+LEAN_THROUGHOUT = {"bert", "roberta", "albert", "gpt2", "llama", "mistral", "qwen2", "qwen3",
+                   "phi3", "gemma", "gemma2", "mixtral", "mamba2", "vit", "swin", "resnet",
+                   "wav2vec2"}
 
 
 def under_autocast(built: conformance.Built) -> conformance.Built:

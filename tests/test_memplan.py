@@ -20,7 +20,8 @@ def buffer_sets(draw):
     buffers = []
     for key in range(n):
         start = draw(st.integers(0, 60))
-        buffers.append(Buffer(key, draw(st.integers(0, 5000)), start, start + draw(st.integers(0, 30))))
+        buffers.append(Buffer(key, draw(st.integers(0, 5000)), start,
+                              start + draw(st.integers(0, 30))))
     return buffers
 
 

@@ -139,7 +139,8 @@ def test_the_plan_bench_writes_predictions_for_every_model_and_budget(tmp_path):
     from cswap_lightning.commands.bench_plan import LEVELS, run_plan_bench
 
     rows = run_plan_bench(["bert-large"], out=str(tmp_path / "plan"))
-    assert [r["budget"] for r in rows][-1] == "checkpointing's peak" and len(rows) == len(LEVELS) + 1
+    assert [r["budget"] for r in rows][-1] == "checkpointing's peak"
+    assert len(rows) == len(LEVELS) + 1
     assert all(r["fits"] and r["peak_bytes"] <= r["budget_bytes"] for r in rows)
     assert all(r["throughput_vs_checkpointing"] >= 0.999 for r in rows)
     raised = [r for r in rows if r["inflight_bytes"] > AUTO_INFLIGHT_BYTES]

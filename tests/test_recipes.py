@@ -183,7 +183,8 @@ def test_cswap_options_have_a_short_alias(capsys):
     ("        budjet: null", f"{CSWAP_CONFIG}: Option 'budjet' is not accepted",
      "  did you mean 'budget'?"),
     ("        plan: zcv", (f"{CSWAP_CONFIG}.plan: Expected a typing.Literal['auto', 'keep', "
-                          "'raw', 'zvc', 'rle', 'exponent', 'int8', 'fp8', 'int4']. Got value: zcv"),
+                          "'raw', 'zvc', 'rle', 'exponent', 'int8', 'fp8', 'int4']. "
+                          "Got value: zcv"),
      "jsonargparse's full report:"),
 ])
 def test_a_refused_yaml_value_is_said_first(yaml_line, first_line, hint, tmp_path, capsys):
@@ -320,7 +321,8 @@ def test_token_sequences_carry_a_learnable_pattern():
     assert torch.equal(steps, steps[:, :1].expand_as(steps))  # one step per sequence
     assert torch.equal(data.labels, data.input_ids[:, 0] // 25)  # which quarter it starts in
     by_step = TokenSequences("step_classification", 64, 12, vocab_size=100, num_labels=7, seed=0)
-    assert torch.equal(by_step.labels, (by_step.input_ids[:, 1] - by_step.input_ids[:, 0]) % 100 - 1)
+    assert torch.equal(by_step.labels,
+                       (by_step.input_ids[:, 1] - by_step.input_ids[:, 0]) % 100 - 1)
     lm = TokenSequences("causal_lm", 64, 12, vocab_size=100, num_labels=4, seed=0)
     assert lm.labels is lm.input_ids  # the model shifts them
 

@@ -30,8 +30,8 @@ LINK = Link(d2h=1000 * MB, h2d=1000 * MB)  # 1 MB per millisecond each way
 ENGINE = Engine(min_bytes=1, prefetch_bytes=10**12, inflight_bytes=10**12, host_s_per_move=0.0)
 
 
-def step(ops: list[tuple[float, float, list[int]]], blocks: list[tuple[str, int, bool]] | None = None,
-         start: int = 0) -> Workload:
+def step(ops: list[tuple[float, float, list[int]]],
+         blocks: list[tuple[str, int, bool]] | None = None, start: int = 0) -> Workload:
     """A step of ops ``(forward s, backward s, [bytes of each activation it saves])``, each
     storage its own, no other allocator bytes; ``blocks``: (name, how many ops, recomputable),
     default one block per op, each recomputable."""
@@ -329,7 +329,8 @@ def test_a_profile_of_another_schema_is_refused(tmp_path):
 COMPARISONS = evidence.comparisons()
 
 
-@pytest.mark.parametrize("c", COMPARISONS, ids=lambda c: f"{c.model}-{c.method}-{c.quantity}-{c.source}")
+@pytest.mark.parametrize("c", COMPARISONS,
+                         ids=lambda c: f"{c.model}-{c.method}-{c.quantity}-{c.source}")
 def test_the_replay_lands_within_tolerance_or_the_miss_is_explained(c):
     if c.known_miss:
         assert abs(c.error) > evidence.TOLERANCE, "no longer a miss: drop it from KNOWN_MISSES"

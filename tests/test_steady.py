@@ -51,8 +51,8 @@ def steps_beside_plain(off: Offloader, model: nn.Module, inputs: list[torch.Tens
     return stats
 
 
-def steps_with_plain_gradients(off: Offloader,
-                               steps: list[tuple[Callable[[], torch.Tensor], torch.Tensor]]) -> None:
+def steps_with_plain_gradients(
+        off: Offloader, steps: list[tuple[Callable[[], torch.Tensor], torch.Tensor]]) -> None:
     """One step per (loss function, leaf) under ``off``; the leaf's gradient bitwise equal to
     plain autograd's."""
     for loss_of, leaf in steps:

@@ -620,7 +620,8 @@ def run_measure_bench(models: list[str], out: str, rounds: int = 12,
             print(f"{key}: FAILED: {type(err).__name__}: {err}", flush=True)
             results.append({"model": key, "failed": f"{type(err).__name__}: {err}"})
         table = markdown([r for r in results if "rows" in r], dev)
-        table += "".join(f"\n\nProfile {r['profile']}: plain forward {r['plain_forward_ms']:.1f} ms, "
+        table += "".join(f"\n\nProfile {r['profile']}: plain forward "
+                         f"{r['plain_forward_ms']:.1f} ms, "
                          f"backward {r['plain_backward_ms']:.1f} ms, peak "
                          f"{r['peak_bytes'] / 2**30:.2f} GiB, saved "
                          f"{r['saved_bytes'] / 2**30:.2f} GiB"

@@ -169,7 +169,8 @@ def run_overhead_bench(tensors: int = 2000, numel: int = 4096, rounds: int = 7,
     wall: dict[str, list[float]] = {name: [] for name in methods}
     steady: dict[str, list[float]] = {name: [] for name in methods}
     print(f"cswap bench overhead on {dev}: {tensors} saved tensors of {numel * 4 // 1024} KiB "
-          f"per step, {rounds} interleaved rounds (+1 warm-up), then {rounds} rounds of {steady_steps} "
+          f"per step, {rounds} interleaved rounds (+1 warm-up), then {rounds} rounds of "
+          f"{steady_steps} "
           "steps in a row; torch on 1 thread")
     progress = Progress("cswap bench overhead")
     progress("each engine's measured steps and the step that checks its plan")
@@ -239,7 +240,8 @@ def run_overhead_bench(tensors: int = 2000, numel: int = 4096, rounds: int = 7,
         meta = result_meta(dev, tensors=tensors, tensor_bytes=numel * 4,
                            rounds=rounds, steady_steps=steady_steps,
                            python_objects=len(gc.get_objects()))
-        results = {"rows": rows, "raw_profile": profile, "moved_bytes": moved, "default_hooks_off": hooks_off,
+        results = {"rows": rows, "raw_profile": profile, "moved_bytes": moved,
+                   "default_hooks_off": hooks_off,
                    "budget_moved_tensors": budgeted.offloaded_tensors,
                    "budget_counted_tensors": budgeted.untracked_tensors,
                    "allocator_read_us": reads}

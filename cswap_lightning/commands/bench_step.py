@@ -41,7 +41,8 @@ def build_model(name: str, device: torch.device, batch_size: int | None):
         batch = batch_size or (256 if gpu else 32)
         side = 64 if gpu else 32
         width = 64 if gpu else 32
-        model = nn.Sequential(*list(build_cnn(width))[:-1], nn.Linear(4 * width * (side // 2) ** 2, 10))
+        model = nn.Sequential(*list(build_cnn(width))[:-1],
+                              nn.Linear(4 * width * (side // 2) ** 2, 10))
         x = torch.randn(batch, 1, side, side)
         y = torch.randint(0, 10, (batch,))
         return model.to(device), x.to(device), y.to(device)

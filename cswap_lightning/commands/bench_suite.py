@@ -7,8 +7,9 @@ whose saved inputs go through a synchronous ``save_on_cpu``), ``torch.autograd.g
 save_on_cpu(pin_memory=True)``, torchtune's ``OffloadActivations``, and cswap raw, auto and
 auto with ``lossy="int8"``; the two auto ones at a device-memory budget of 100%, 50% and 35%
 of no offload's measured peak (the engine's ``budget`` applies to ``plan="auto"``; every
-other method runs once and is placed by its own measured peak). Then, per model, the largest batch that fits (no offload, activation
-checkpointing, cswap auto), goals computed from the figures, and a verdict per memory level.
+other method runs once and is placed by its own measured peak). Then, per model, the largest
+batch that fits (no offload, activation checkpointing, cswap auto), goals computed from the
+figures, and a verdict per memory level.
 
 ``--small`` runs the same code at CPU sizes. Peak memory is measured, never modelled: on CUDA
 the allocator's peak (``max_memory_allocated``) over each step; on the CPU, where there is no

@@ -39,8 +39,10 @@ def load_digits(device: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]
     return x[:n_train], y[:n_train], x[n_train:], y[n_train:]
 
 
-def gradients_match(model: nn.Module, offloader: Offloader, x: torch.Tensor, y: torch.Tensor) -> bool:
-    """One step with and without the engine from the same weights: are all gradients bitwise equal?"""
+def gradients_match(model: nn.Module, offloader: Offloader, x: torch.Tensor,
+                    y: torch.Tensor) -> bool:
+    """One step with and without the engine from the same weights: are all gradients bitwise
+    equal?"""
     plain, swapped = copy.deepcopy(model), copy.deepcopy(model)
     F.cross_entropy(plain(x), y).backward()
     with offloader:

@@ -2,13 +2,13 @@
 
 Each strategy is its Lightning base (one device, DDP, FSDP, model parallel) plus one change:
 ``training_step`` runs inside ``with offloader:``, so the tensors autograd saves during forward
-are offloaded, and the backward Lightning runs afterwards brings them back. Everything else (precision
-plugins, ``no_sync`` under gradient accumulation, distributed samplers, manual optimisation,
-checkpointing) is the base's own code. With lossy sites, every ``guard_every`` steps the
-accuracy guard first checks the step's batch through the module's own ``training_step``
-(logging muted, metric states restored); with ``guard_shadow`` a lossless shadow of the
-weights trains on every batch the same way, and is evaluated beside the module on the
-validation data at each check. Importing this module registers the names ``"cswap"``,
+are offloaded, and the backward Lightning runs afterwards brings them back. Everything else
+(precision plugins, ``no_sync`` under gradient accumulation, distributed samplers, manual
+optimisation, checkpointing) is the base's own code. With lossy sites, every ``guard_every``
+steps the accuracy guard first checks the step's batch through the module's own
+``training_step`` (logging muted, metric states restored); with ``guard_shadow`` a lossless
+shadow of the weights trains on every batch the same way, and is evaluated beside the module
+on the validation data at each check. Importing this module registers the names ``"cswap"``,
 ``"cswap_ddp"``, ``"cswap_fsdp"`` and ``"cswap_model_parallel"``, so ``Trainer(strategy="cswap")``
 and YAML configs work::
 

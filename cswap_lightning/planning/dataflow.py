@@ -14,9 +14,9 @@ weight (autocast may cast one again in a recomputation that found it cached in f
 their count can differ; ``ops.uncounted``); they need what they read only where their output
 is needed. Other casts are operators like any other: a bfloat16 model's norm that takes its
 input to float32 may keep its bfloat16 output and run the cast again, or keep the cast's
-output. Some are needed whatever reads them (roots): those that draw random numbers (the generator must advance as it did),
-change a tensor in place, give no tensor back, or move one to another device (the host may
-read it without an operator).
+output. Some are needed whatever reads them (roots): those that draw random numbers (the
+generator must advance as it did), change a tensor in place, give no tensor back, or move one
+to another device (the host may read it without an operator).
 
 What to keep is a minimum cut (``Dataflow.cut``): the matrix products may not run again, what
 autograd saved must be made, and each call in between may be kept at the price of its

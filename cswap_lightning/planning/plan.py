@@ -126,7 +126,8 @@ class Plan:
         if self.measured_allocated is not None:
             measured += f" (the allocator's peak {fmt_bytes(self.measured_allocated)})"
         rows.append(f"prefetch window {fmt_bytes(self.prefetch_bytes)}; "
-                    f"saved tensors on the device at once: predicted {fmt_bytes(self.predicted_peak)}"
+                    "saved tensors on the device at once: predicted "
+                    f"{fmt_bytes(self.predicted_peak)}"
                     f", measured {measured} (budget {budget})"
                     f"{'' if self.fits else ' DOES NOT FIT'}")
         return "\n".join(rows)
