@@ -292,14 +292,14 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
     fastest, skipped = faster_than, False
 
     def least(ranked: list[_Unit], swapped: int, below: bool,
-              whole_first: int = 0, probe: bool = False) -> int | None:
+              whole_first: int = 0) -> int | None:
         """The fewest recomputations that fit with ``swapped`` blocks swapped (None: none),
         by bisection. Recomputing more only adds work, so once a count that does not fit
         is no faster than the fastest plan so far, neither is the least that fits: with
-        ``prune``, the search stops there (``_Beaten``); and with ``probe``, while there is no
-        plan to beat yet, recomputing every unit is tried first: where that does not fit, no
-        count does, and one replay says so (while no count of blocks swapped has fit, the
-        next one most likely does not either: a budget nothing fits tries every count)."""
+        ``prune``, the search stops there (``_Beaten``); while there is no plan to beat yet
+        (no count of blocks swapped has fit), recomputing every unit is tried first: where
+        that does not fit, no count does, and one replay says so (a budget nothing fits
+        tries every count)."""
         def ok(k: int) -> bool:
             chosen = mixed(ranked, swapped, k, below, whole_first)
             if fits(chosen):
@@ -312,7 +312,7 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
         if prune and fastest < math.inf:
             if ok(0):  # none at all (or beaten already)
                 return 0
-        elif prune and probe and not fits(mixed(ranked, swapped, n - 1, below, whole_first)):
+        elif prune and not fits(mixed(ranked, swapped, n - 1, below, whole_first)):
             return None
         return _first(n, ok)
 
@@ -340,16 +340,14 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
         return candidates[how][1]
 
     for (n, ranked), below in product(enumerate(rankings), ways):
-        fit_yet = False  # whether a count of blocks swapped has fit
         for swapped in range(len(names) + 1):
             try:
-                k = least(ranked, swapped, below, probe=not fit_yet)
+                k = least(ranked, swapped, below)
             except _Beaten:
                 skipped = True
                 continue
             if k is None:
                 continue
-            fit_yet = True
             step_s = add(n, ranked, swapped, k, below).step_s
             if below and swapped and (below_best is None or step_s < below_best[0]):
                 below_best = (step_s, n, swapped)
