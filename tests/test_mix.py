@@ -287,6 +287,42 @@ def test_recomputing_more_blocks_never_makes_a_step_faster():
                         assert step_s((*names, more)) >= fewer, (case, swapped, names, more)
 
 
+def test_swapping_one_more_block_never_makes_a_step_faster():
+    """What the sweep over counts of blocks swapped stops by (``mix._Beaten.later``): with
+    nothing recomputed, swapping the next block too, whole or below the layer, never makes
+    the step faster (it only adds link time), on every profile and on a Llama's estimate."""
+    from cswap_lightning.planning.devices import device
+    from cswap_lightning.planning.estimate import Setup, estimate
+    from cswap_lightning.planning.replay import KEEP, RAW, BlockDecision, Mix
+
+    llama = estimate(Setup("llama-3-8b", 1024, 1, layers=4), device("h100-pcie")).workload()
+    steps = [evidence.workload(m) for m in ("gpt2-medium", "bert-large", "resnet50", "vgg16")]
+    for case, w in enumerate([*steps, *evidence.unit_candidates(llama)]):
+        for below in (False, True):
+            way = [BlockDecision("recompute", RAW, swap_input=True)
+                   if below and b.selective else BlockDecision("swap") for b in w.blocks]
+            steps_s = [predict(w, Mix(KEEP, {b.name: d for b, d in zip(
+                w.blocks[:swapped], way, strict=False)}), LINK, ENGINE).step_s
+                for swapped in range(len(w.blocks) + 1)]
+            assert steps_s == sorted(steps_s), (case, below)
+
+
+def test_once_swapping_alone_is_beaten_no_larger_count_of_blocks_swapped_is_searched(
+        monkeypatch):
+    """Where recomputing nothing with the earliest blocks swapped is already no faster than a
+    mix found, the sweep stops: GPT-2 medium's and BERT-large's profiles at 45% of keeping
+    everything (133 and 135 replays when every count was tried)."""
+    replays, real = [], mix.predict
+    monkeypatch.setattr(mix, "predict", lambda *a, **k: replays.append(1) or real(*a, **k))
+    for model in ("gpt2-medium", "bert-large"):
+        workloads = evidence.candidates(model)
+        keep = predict(workloads[0], link=LINK, engine=ENGINE).peak_bytes
+        replays.clear()
+        _, chosen = mix.choose_among(workloads, int(0.45 * keep), LINK, ENGINE,
+                                     inflight_choices=INFLIGHT_CHOICES)
+        assert chosen.fits and len(replays) <= 60, model
+
+
 def test_a_search_told_of_a_faster_plan_finds_it_only_where_it_is_beaten():
     """``faster_than``: the same plan where it is faster than that, none that fits and is
     faster otherwise; the searches skipped run fewer replays."""

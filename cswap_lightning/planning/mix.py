@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import product
 
@@ -296,7 +296,9 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
         """The fewest recomputations that fit with ``swapped`` blocks swapped (None: none),
         by bisection. Recomputing more only adds work, so once a count that does not fit
         is no faster than the fastest plan so far, neither is the least that fits: with
-        ``prune``, the search stops there (``_Beaten``); while there is no plan to beat yet
+        ``prune``, the search stops there (``_Beaten``; where that count is none, swapping
+        more blocks only adds link time, so no later count of blocks swapped is faster
+        either: ``_Beaten(True)``); while there is no plan to beat yet
         (no count of blocks swapped has fit), recomputing every unit is tried first: where
         that does not fit, no count does, and one replay says so (a budget nothing fits
         tries every count)."""
@@ -305,7 +307,7 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
             if fits(chosen):
                 return True
             if prune and run(chosen).step_s >= fastest:
-                raise _Beaten
+                raise _Beaten(k == 0)
             return False
 
         n = len(eligible(ranked, swapped)) + 1
@@ -339,20 +341,36 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
         fastest = min(fastest, candidates[how][1].step_s)
         return candidates[how][1]
 
-    for (n, ranked), below in product(enumerate(rankings), ways):
+    def sweep(ranked: list[_Unit], below: bool) -> Iterator[tuple[int, int]]:
+        """Each count of blocks swapped with its fewest recomputations, up to the first that
+        needs none (swapping more would only add link time). Once recomputing nothing is
+        beaten, so is every larger count (``_Beaten.later``); below the layer, the first of
+        them that fits recomputing nothing is still weighed (found by bisection): the
+        fastest mix below the layer seeds the search for its earliest blocks whole."""
+        nonlocal skipped
         for swapped in range(len(names) + 1):
             try:
                 k = least(ranked, swapped, below)
-            except _Beaten:
+            except _Beaten as beaten:
                 skipped = True
-                continue
-            if k is None:
-                continue
+                if not beaten.later:
+                    continue
+                if below:
+                    first = _first(len(names) - swapped, lambda i, after=swapped + 1: fits(
+                        mixed(ranked, after + i, 0, below)))
+                    if first is not None:
+                        yield swapped + 1 + first, 0
+                return
+            if k is not None:
+                yield swapped, k
+                if k == 0:
+                    return
+
+    for (n, ranked), below in product(enumerate(rankings), ways):
+        for swapped, k in sweep(ranked, below):
             step_s = add(n, ranked, swapped, k, below).step_s
             if below and swapped and (below_best is None or step_s < below_best[0]):
                 below_best = (step_s, n, swapped)
-            if k == 0:  # swapping more would only add link time
-                break
     # The fastest mix swapping below the layer, its earliest blocks swapped whole instead,
     # the first one, two, ... while that gets faster: they put more on the link, which has
     # the longest of forward to carry the earliest blocks' bytes, and run nothing again.
@@ -406,7 +424,12 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
 
 
 class _Beaten(Exception):
-    """A search for the fewest recomputations found no faster plan than one found before."""
+    """A search for the fewest recomputations found no faster plan than one found before;
+    ``later``: nor can one swapping more blocks (recomputing nothing was no faster)."""
+
+    def __init__(self, later: bool = False) -> None:
+        super().__init__(later)
+        self.later = later
 
 
 def _through(plan: Mix) -> str:
