@@ -103,10 +103,12 @@ def _take_over_compile(trainer: Trainer, model: nn.Module) -> dict[str, Any] | N
 
 def _loss_scale(trainer: Trainer, kwargs: dict[str, Any]) -> int:
     """What the Trainer divides a micro-batch's loss by before backward (its
-    ``training_step``): the accumulation steps, unless the loss was normalised already."""
-    scaled = trainer.loss_is_scaled_for_ga
+    ``training_step``): the accumulation steps, unless the loss was normalised already (a
+    Trainer before transformers 5.x has no ``loss_is_scaled_for_ga``: its rule, as below)."""
+    scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
     if scaled is None:
-        scaled = ((trainer.model_accepts_loss_kwargs and "num_items_in_batch" in kwargs)
+        scaled = ((trainer.model_accepts_loss_kwargs
+                   and kwargs.get("num_items_in_batch") is not None)
                   or trainer.compute_loss_func is not None)
     return 1 if scaled else trainer.current_gradient_accumulation_steps
 
