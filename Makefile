@@ -2,7 +2,7 @@
 VENV ?= .venv
 BENCH_VENV ?= .venv-bench
 
-.PHONY: setup demo test test-fast bench lint
+.PHONY: setup demo test test-fast test-oldest bench lint
 
 setup:
 	@VENV=$(VENV) bash scripts/setup.sh
@@ -16,6 +16,11 @@ test: setup
 # While developing: the suite without the tests marked slow (`make test` runs everything).
 test-fast: setup
 	$(VENV)/bin/python -m pytest -q -m "not slow"
+
+# The suite on the oldest release of each dependency pyproject.toml allows (.venv-oldest;
+# downloads torch's CUDA build, about 3 GB).
+test-oldest:
+	bash scripts/oldest.sh
 
 # The benchmarks' own environment: torchtune's torchao pin would break peft in .venv.
 bench:

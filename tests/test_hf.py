@@ -430,3 +430,20 @@ def test_the_global_module_hooks_of_lossy_exclude_go_when_training_ends(tmp_path
     bert_trainer(tmp_path, [cswap]).train()
     assert cswap.offloader.modules is not None  # it named sites by module
     assert (dict(hooks._global_forward_pre_hooks), dict(hooks._global_forward_hooks)) == before
+
+
+def test_the_shadows_loss_scale_follows_a_trainer_without_loss_is_scaled_for_ga():
+    """transformers 5.17 (the floor) has no ``Trainer.loss_is_scaled_for_ga``: the shadow's
+    loss is divided by the accumulation steps unless the model got ``num_items_in_batch`` or
+    a ``compute_loss_func`` normalised it, as that Trainer's ``training_step`` does."""
+    from types import SimpleNamespace
+
+    from cswap_lightning.integrations.hf import _loss_scale
+
+    trainer = SimpleNamespace(model_accepts_loss_kwargs=True, compute_loss_func=None,
+                              current_gradient_accumulation_steps=4)
+    assert _loss_scale(trainer, {"num_items_in_batch": torch.tensor(8)}) == 1
+    assert _loss_scale(trainer, {"num_items_in_batch": None}) == 4
+    assert _loss_scale(trainer, {}) == 4
+    trainer.compute_loss_func = lambda *args, **kwargs: None
+    assert _loss_scale(trainer, {}) == 1

@@ -104,7 +104,7 @@ def _take_over_compile(trainer: Trainer, model: nn.Module) -> dict[str, Any] | N
 def _loss_scale(trainer: Trainer, kwargs: dict[str, Any]) -> int:
     """What the Trainer divides a micro-batch's loss by before backward (its
     ``training_step``): the accumulation steps, unless the loss was normalised already (a
-    Trainer before transformers 5.x has no ``loss_is_scaled_for_ga``: its rule, as below)."""
+    Trainer without ``loss_is_scaled_for_ga``, as transformers 5.17's: its rule, as below)."""
     scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
     if scaled is None:
         scaled = ((trainer.model_accepts_loss_kwargs
