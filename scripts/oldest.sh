@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds .venv-oldest with the oldest release of each dependency that pyproject.toml allows
-# (each `>=` floor pinned exactly; the dev, hf and dali extras too) and runs the suite without the
-# slow tests there: what the floors promise, checked. Not part of CI: torch's floor has no CPU
+# (each `>=` floor pinned exactly; the dev, hf and dali extras too) and runs the suite without
+# the slow tests there: what the floors promise, checked. Not part of CI: torch's floor has no CPU
 # wheel on PyPI, so this downloads its CUDA build (about 3 GB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
