@@ -118,6 +118,46 @@ def test_a_fixed_plans_table_shows_what_its_tracked_step_did():
     off.close()
 
 
+class Squared(torch.autograd.Function):
+    """x * x, saving its input; with ``empty``, an empty tensor first, as torch < 2.13's
+    checkpoint does at each call (``_NoopSaveInputs``)."""
+
+    @staticmethod
+    def forward(ctx, x, empty: bool):
+        extra = (torch.empty((0,)),) if empty else ()
+        ctx.save_for_backward(*extra, x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        *extra, x = ctx.saved_tensors
+        assert all(t.shape == (0,) for t in extra)
+        return 2 * x * grad, None
+
+
+@pytest.mark.parametrize("plan", ["raw", "auto"])
+def test_an_empty_saved_tensor_is_no_site_so_each_step_numbers_its_sites_alike(plan):
+    """The checked step runs a recomputed block under checkpoint, later steps without it: on
+    torch < 2.13 only the first saved an empty tensor, which numbered every later site one
+    off the plan's (the plan then no longer followed)."""
+    torch.manual_seed(0)
+    w, x = torch.randn(16, 16, requires_grad=True), torch.randn(8, 16)
+    shapes, got = {}, {}
+    for empty in (False, True):
+        off = Offloader(CSwapConfig(plan=plan, min_bytes=0, profile_steps=1))
+        for n in range(4):
+            with off:
+                loss = Squared.apply(x @ w, empty).tanh().sum()
+            loss.backward()
+            got[empty, n], w.grad = w.grad, None
+            shapes[empty, n] = [s.shape for s in off.last_step().sites]
+        off.close()
+    for n in range(4):
+        assert torch.equal(got[False, n], got[True, n])
+        assert shapes[False, n] == shapes[True, n]
+    assert shapes[False, 0] == [(8, 16), (8, 16), (8, 16)]  # x, x @ w, tanh's output
+
+
 def test_auto_plan_swaps_raw_while_profiling_then_follows_the_advisor():
     model, x, y = model_and_batch("mlp")
     off = Offloader(CSwapConfig(plan="auto", min_bytes=0, profile_steps=2, budget=None))

@@ -247,6 +247,8 @@ class Step:
 
     # forward ----------------------------------------------------------------------------
     def pack(self, saved: torch.Tensor) -> tuple | _Entry | _View:
+        if saved.numel() == 0:  # no site: torch < 2.13's checkpoint saves one at each call
+            return saved, saved._version, -1
         plain = type(saved) is torch.Tensor
         if self.idle and plain:
             counted = self._count(saved, saved)
@@ -464,7 +466,7 @@ class Step:
             t, version, site = saved
             if t._version != version:
                 version_error(t._version, version, t.dtype, tuple(t.shape))
-            if self.timer is not None:
+            if self.timer is not None and site >= 0:
                 with self._lock:
                     self._time_unpack(site)
             return t
