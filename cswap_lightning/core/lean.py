@@ -131,8 +131,10 @@ class Watch(TorchFunctionMode):
         inputs = [t for t in read if id(t) in self.edges]
         if inputs:  # where the inputs' gradients come from (no view of a leaf made to ask:
             # the block's operators, seen below the layer, would not be those of its runs)
-            before = {id(self.edges[id(a)].node if id(a) in self.edges else a.grad_fn)
-                      for a in read}
+            # held, as the nodes walked are (``_edges_within``): on torch 2.11 a node's
+            # Python object goes with its last reference, and its id may name the next one
+            before = {id(n): n for a in read
+                      for n in (self.edges[id(a)].node if id(a) in self.edges else a.grad_fn,)}
             for t in inputs:
                 self.uses[id(t)] += 1
                 found = _edges_within(nodes, self.edges[id(t)], before)
@@ -201,16 +203,20 @@ class Watch(TorchFunctionMode):
         return ""
 
 
-def _edges_within(nodes: list, edge: Any, before: set[int]) -> list[tuple[Any, list[int]]]:
+def _edges_within(nodes: list, edge: Any, before: dict[int, Any]
+                  ) -> list[tuple[Any, list[int]]]:
     """The nodes an operation made (from its results' ``nodes`` back to those of what it
-    read, ids ``before``) with inputs that are the gradient edge ``edge``, and which: a
-    composite operation (a linear layer on a 3-D input) reaches its input through a few."""
-    found, todo, seen = [], list(nodes), set()
+    read, ``before`` by id) with inputs that are the gradient edge ``edge``, and which: a
+    composite operation (a linear layer on a 3-D input) reaches its input through a few.
+    The nodes seen are held while it walks: on torch 2.11 a node's Python object goes with
+    its last reference (2.13 keeps it as long as the node), and a node made next may take
+    its id, to be skipped as seen (BERT's input, cast by autocast for its projections)."""
+    found, todo, seen = [], list(nodes), {}
     while todo:
         node = todo.pop()
         if id(node) in seen or id(node) in before:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         hit = [i for i, (n, nr) in enumerate(node.next_functions)
                if n is edge.node and nr == edge.output_nr]
         if hit:
