@@ -142,8 +142,11 @@ def test_the_peers_run_on_the_same_model_after_cswap(tmp_path):
     assert list(rows) == [bench_finetune.NO_OFFLOAD, bench_finetune.CHECKPOINTING, *ENGINES,
                           bench_finetune.HF_OFFLOAD, bench_finetune.SELECTIVE,
                           bench_finetune.NO_OFFLOAD_AGAIN]
-    # transformers' offload pins host memory, which needs a GPU: the one failure here
-    assert rows[bench_finetune.HF_OFFLOAD]["failed"].startswith("RuntimeError: pin_memory")
+    # transformers' offload pins host memory: without a GPU, torch's CPU build fails to (the
+    # one failure here), its CUDA build skips pinning and the row completes
+    offload = rows[bench_finetune.HF_OFFLOAD]
+    assert offload["failed"].startswith("RuntimeError: pin_memory") if "failed" in offload else (
+        torch.version.cuda is not None and "step_s" in offload), offload
     assert all("failed" not in row for name, row in rows.items()
                if name != bench_finetune.HF_OFFLOAD)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import replace
+from dataclasses import fields, replace
 from types import SimpleNamespace
 
 import pytest
@@ -315,11 +315,14 @@ CHECKPOINTING_NAMES = {
     "activation_checkpointing": LlamaForCausalLM,
     "gradient_checkpointing": with_checkpointing_of_5_17(LlamaForCausalLM),
 }
+if "activation_checkpointing" not in {f.name for f in fields(TrainingArguments)}:
+    del CHECKPOINTING_NAMES["activation_checkpointing"]  # transformers 5.17-5.22
+INSTALLED_NAMES = next(iter(CHECKPOINTING_NAMES))
 
 
 def checkpointed_llama_trainer(tmp_path, callbacks: list[TrainerCallback],
                                checkpointing: dict | None,
-                               names: str = "activation_checkpointing") -> Trainer:
+                               names: str = INSTALLED_NAMES) -> Trainer:
     """The tiny Llama with activation checkpointing (``checkpointing``: its kwargs), under the
     names of ``CHECKPOINTING_NAMES[names]``."""
     return llama_trainer(tmp_path, callbacks, CHECKPOINTING_NAMES[names],

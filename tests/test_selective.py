@@ -18,6 +18,7 @@ import pytest
 import test_conformance as conformance
 import test_recompute
 import torch
+from conftest import model_shapes
 from test_conformance import LLAMAISH, Built, causal_lm, differences, train
 from test_dataflow import below as below_through
 from test_lean import under_autocast
@@ -634,7 +635,7 @@ def grads_of(f, keep=None, hooks=None) -> tuple[list[torch.Tensor], list[tuple[i
     out = [t.grad.clone() for t in (W1, W2, X)]
     for t in (W1, W2, X):
         t.grad = None
-    return out, shapes
+    return out, model_shapes(shapes)
 
 
 def dropout_between(x: torch.Tensor) -> torch.Tensor:
