@@ -158,6 +158,27 @@ def test_an_empty_saved_tensor_is_no_site_so_each_step_numbers_its_sites_alike(p
     assert shapes[False, 0] == [(8, 16), (8, 16), (8, 16)]  # x, x @ w, tanh's output
 
 
+def test_a_kept_tensor_at_a_dead_ones_address_is_no_dedup_of_it():
+    """Half the loop's results die in forward, their saved tensors with them; the allocator
+    gives their addresses to later ones (and Python their version counters' ids): a kept site
+    shares a site's bytes only while that site's storage lives, not after."""
+    torch.manual_seed(0)
+    x, w = torch.randn(256, requires_grad=True), torch.randn(256, 256, requires_grad=True)
+    off, live = Offloader(CSwapConfig()), []
+    with off:
+        for i in range(1500):
+            y = F.linear(x.view(1, 1, 256) + i, w).sin()  # saves 3 tensors
+            if i % 2:
+                live.append(y)
+            del y
+        loss = sum(t.sum() for t in live)
+    loss.backward()
+    shared = [(s.site, int(s.reason.split()[-1])) for s in off.last_step().sites
+              if s.decision == "dedup"]
+    assert not [(site, of) for site, of in shared if site - of > 2]  # another loop step's
+    off.close()
+
+
 def test_auto_plan_swaps_raw_while_profiling_then_follows_the_advisor():
     model, x, y = model_and_batch("mlp")
     off = Offloader(CSwapConfig(plan="auto", min_bytes=0, profile_steps=2, budget=None))

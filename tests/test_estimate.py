@@ -59,6 +59,42 @@ def test_the_meta_trace_saves_what_a_cpu_step_saves():
     assert _rows(traced.saved) == _rows(measured["saved"])
 
 
+class DeadBranches(nn.Module):
+    """Each step of its loop saves a new tensor for ``sin`` and lets every other one die in
+    forward: a new storage may take a dead one's address."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.aux, self.head = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, kept = self.first(x).relu(), []
+        for i in range(12):
+            dead = (self.aux(h) * (i + 1.0)).sin()  # saves its input; dies every other time
+            if i % 2:
+                kept.append(dead)
+            del dead
+            kept.append((self.head(h) * (i + 1.0)).sin())
+        return sum(k.sum() for k in kept)
+
+
+def test_a_storage_at_a_dead_ones_address_is_its_own_first_save():
+    """Every tensor ``sin`` saves here is new: neither the meta trace nor the captured step
+    takes one for a save of a storage freed before it (the allocator gives the address, and
+    the storage's ``_cdata``, to the next)."""
+    torch.manual_seed(0)
+    real, x = DeadBranches(), torch.randn(8, 64)
+    measured = capture.capture(real, lambda: real(x), "dead", warmup=1, steps=1,
+                               log=lambda _: None)
+    with torch.device("meta"):
+        meta, meta_x = DeadBranches(), torch.randn(8, 64)
+    traced = trace.trace(meta, lambda: meta(meta_x), [meta_x])
+    for rows in (traced.saved, measured["saved"]):
+        by_sin = [r for r in rows if r["module"] == "" and r["shape"] in ([8, 64], [8, 32])]
+        assert len(by_sin) == 1 + 24 and all(r["first_of_storage"] for r in by_sin)  # relu's
+    assert _rows(traced.saved) == _rows(measured["saved"])
+
+
 @pytest.mark.parametrize("attention, logsumexp, seeds", [
     ("cudnn", [2, 4, 32, 1], [([], "int64"), ([], "int64")]),
     ("flash", [2, 4, 32], [([2], "uint64"), ([], "uint64")])])

@@ -138,10 +138,6 @@ class Watch(TorchFunctionMode):
             for t in inputs:
                 self.uses[id(t)] += 1
                 found = _edges_within(nodes, self.edges[id(t)], before)
-                # a node once (its hook gives its whole gradient): two operations may reach
-                # the same node (torch 2.11: the pow in Llama's RMSNorm, found twice)
-                seen = {id(node) for node, _ in self.reads[id(t)]}
-                found = [(node, hit) for node, hit in found if id(node) not in seen]
                 self.reads[id(t)] += found
                 if id(t) in self.weights:  # what the operation made of it on the way
                     for node, _ in found:

@@ -228,7 +228,7 @@ class Step:
         self._originals: dict[int, torch.Tensor] = {}  # lossy sites' originals, on lossy probes
         self._by_storage: dict[int, _Entry] = {}  # storage address -> entry, during forward
         # the bytes of a kept tensor (``_same_bytes``) -> its site, during forward
-        self._kept: dict[tuple, int] = {}
+        self._kept: dict[tuple, tuple[int, weakref.ref]] = {}
         self.same_bytes: set[int] = set()  # tracked kept sites whose bytes an earlier one holds
         self.shared: set[int] = set()  # sites whose storage later sites shared
         self._entries: dict[int, weakref.ref] = {}  # site -> its entry, while autograd has it
@@ -363,10 +363,11 @@ class Step:
         saved twice: a log-softmax by itself and by the loss), at the same version; then the
         row shares that site's, and the step counts the bytes once."""
         key = (t.data_ptr(), stats.nbytes, t.dtype, id(counter_owner(t)), t._version)
-        first = self._kept.setdefault(key, stats.site)
-        if first == stats.site:
+        storage, first = t.untyped_storage(), self._kept.get(key)
+        if first is None or first[1]() is not storage:  # a freed site's address, taken again
+            self._kept[key] = stats.site, weakref.ref(storage)
             return False
-        stats.decision, stats.reason = "dedup", f"shares storage with site {first}"
+        stats.decision, stats.reason = "dedup", f"shares storage with site {first[0]}"
         self.same_bytes.add(stats.site)
         return True
 

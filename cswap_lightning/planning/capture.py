@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from ..allocator import allocated_bytes, peak_allocated_bytes
+from .storages import FirstSaves
 
 StepFn = Callable[[], torch.Tensor]  # runs forward, returns the loss
 At = tuple[object, float]  # a moment: the clock's mark, and the host's perf_counter then
@@ -200,7 +201,7 @@ def _hooked_step(model: nn.Module, step: StepFn, cuda: bool, backward_hooks: boo
     running: list[str] = []  # the leaf modules inside one another's forward (rarely nested)
     forward, backward = _Between(backward=False), _Between(backward=True)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: set[int] = set()
+    firsts = FirstSaves()
     rows: list[dict] = []
     handles = []
 
@@ -242,11 +243,10 @@ def _hooked_step(model: nn.Module, step: StepFn, cuda: bool, backward_hooks: boo
                "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
                "nbytes": t.numel() * t.element_size(), "storage_nbytes": storage.nbytes(),
                "parameter": ptr in params, "allocated": _allocated(cuda),
-               "first_of_storage": ptr not in seen}
+               "first_of_storage": firsts.first(storage)}
         if not running and (after := forward.after()) is not None:
             row["after"] = after  # a function's save: the leaf whose output it works on
         rows.append(row)
-        seen.add(ptr)
         return t
 
     model.zero_grad(set_to_none=True)

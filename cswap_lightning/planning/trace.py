@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import ops
 from .dataflow import WEIGHTS, Dataflow
+from .storages import FirstSaves
 from .workload import layer_of
 
 ALLOCATOR_ROUND = 512  # CUDA's caching allocator hands out multiples of 512 bytes
@@ -308,7 +309,7 @@ def trace(model: nn.Module, step: Callable[[], torch.Tensor], batch: Sequence[to
     leaves = [(name, m) for name, m in model.named_modules() if name and not any(m.children())]
     out.modules = [name for name, _ in leaves]
     params = {p.untyped_storage()._cdata for p in model.parameters()}
-    seen: set[int] = set()
+    firsts = FirstSaves()
     running: list[str] = []  # leaf modules inside one another's forward (rarely nested)
     backward = _Backward()
 
@@ -334,8 +335,7 @@ def trace(model: nn.Module, step: Callable[[], torch.Tensor], batch: Sequence[to
             "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
             "nbytes": t.numel() * t.element_size(), "storage_nbytes": storage.nbytes(),
             "parameter": key in params, "requires_grad": t.requires_grad,
-            "allocated": ledger.now, "first_of_storage": key not in seen})
-        seen.add(key)
+            "allocated": ledger.now, "first_of_storage": firsts.first(storage)})
         ledger.saved(t)
         return len(out.saved) - 1, t
 
