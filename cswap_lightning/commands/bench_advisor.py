@@ -23,6 +23,7 @@ from ..core.transfer import Stored, Transfer
 from ..planning.advisor import Advisor
 from ..planning.predictor import CodecTimeModel, calibrate
 from ..planning.profiler import Link, SiteProfile, measure_link
+from ..planning.storages import FirstSaves
 from ..recipes.nets import build_cnn
 from ..records import fmt_bytes
 from .progress import Progress
@@ -68,12 +69,10 @@ def collect_activations(device: torch.device, min_bytes: int = 256 << 10
     """The distinct tensors autograd saves in each model's forward that could be offloaded."""
     out: list[tuple[str, torch.Tensor]] = []
     for name, (model, x) in _models(device).items():
-        model, seen = model.to(device), set()
+        model, firsts = model.to(device), FirstSaves()
 
-        def pack(t: torch.Tensor, name=name, seen=seen) -> torch.Tensor:
-            key = t.untyped_storage().data_ptr()
-            if not skip_reason(t, min_bytes) and key not in seen:
-                seen.add(key)
+        def pack(t: torch.Tensor, name=name, firsts=firsts) -> torch.Tensor:
+            if not skip_reason(t, min_bytes) and firsts.first(t.untyped_storage()):
                 out.append((f"{name} {list(t.shape)}", t.detach().clone()))
             return t
 

@@ -46,6 +46,7 @@ from ..config import LOSSY_CODECS, CSwapConfig
 from ..core.engine import Offloader
 from ..hf_checkpointing import checkpointing_off
 from ..planning import models
+from ..planning.storages import FirstSaves
 from ..records import fmt_bytes
 from .args import whole
 from .bench_measure import Method, _engine_summary, _settle, _step
@@ -247,12 +248,12 @@ def _saved_bytes(model: nn.Module, batch: dict) -> int | None:
     """The bytes autograd saves in one forward, each storage once, the parameters apart (the
     activations a budget frees a share of); None where the step runs out of memory."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    sizes: dict[int, int] = {}
+    firsts, sizes = FirstSaves(), []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            sizes[storage.data_ptr()] = storage.nbytes()
+        if storage.data_ptr() not in params and firsts.first(storage):
+            sizes.append(storage.nbytes())
         return t
 
     try:
@@ -263,7 +264,7 @@ def _saved_bytes(model: nn.Module, batch: dict) -> int | None:
         return None
     finally:
         model.zero_grad(set_to_none=True)
-    return sum(sizes.values())
+    return sum(sizes)
 
 
 def _row(m: Method) -> dict:
