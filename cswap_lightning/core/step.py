@@ -227,7 +227,7 @@ class Step:
         self._lock = threading.Lock()
         self._originals: dict[int, torch.Tensor] = {}  # lossy sites' originals, on lossy probes
         self._by_storage: dict[int, _Entry] = {}  # storage address -> entry, during forward
-        # the bytes of a kept tensor (``_same_bytes``) -> its site, during forward
+        # the bytes of a kept tensor (``_same_bytes``) -> its site and storage, during forward
         self._kept: dict[tuple, tuple[int, weakref.ref]] = {}
         self.same_bytes: set[int] = set()  # tracked kept sites whose bytes an earlier one holds
         self.shared: set[int] = set()  # sites whose storage later sites shared
