@@ -247,8 +247,6 @@ class Step:
 
     # forward ----------------------------------------------------------------------------
     def pack(self, saved: torch.Tensor) -> tuple | _Entry | _View:
-        if saved.numel() == 0:  # no site: torch < 2.13's checkpoint saves one at each call
-            return saved, saved._version, -1
         plain = type(saved) is torch.Tensor
         if self.idle and plain:
             counted = self._count(saved, saved)
@@ -257,6 +255,8 @@ class Step:
         if _dynamo_callback() is not None:  # in a compiled module's eager fallback
             return torch.compiler.disable(self.pack)(saved)
         t, rebuild = (saved, None) if plain else unwrap(saved)
+        if t.numel() == 0:  # no site, as in ``_count``
+            return saved, saved._version, -1
         site = len(self.sizes)
         if self.idle or site in self.untracked:  # a DTensor counts by its local shard
             counted = self._count(saved, t)
@@ -277,6 +277,8 @@ class Step:
         """Pack an untracked site: keep ``saved``, count ``t`` (its plain tensor); None
         where ``t`` is larger than the plan's site (then it is tracked: its row plans for it)."""
         nbytes = t.numel() * t.element_size()  # a sparse tensor has no nbytes
+        if not nbytes:  # holds nothing, so no site: torch < 2.13's checkpoint saves one per call
+            return saved, saved._version, -1
         site = len(self.sizes)
         limits = self.limits
         if limits is not None and (site >= len(limits) or nbytes > limits[site]):
