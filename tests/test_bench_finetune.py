@@ -145,8 +145,10 @@ def test_the_peers_run_on_the_same_model_after_cswap(tmp_path):
     # transformers' offload pins host memory: without a GPU, torch's CPU build fails to (the
     # one failure here), its CUDA build skips pinning and the row completes
     offload = rows[bench_finetune.HF_OFFLOAD]
-    assert offload["failed"].startswith("RuntimeError: pin_memory") if "failed" in offload else (
-        torch.version.cuda is not None and "step_s" in offload), offload
+    if "failed" in offload:
+        assert offload["failed"].startswith("RuntimeError: pin_memory"), offload
+    else:
+        assert torch.version.cuda is not None and "step_s" in offload, offload
     assert all("failed" not in row for name, row in rows.items()
                if name != bench_finetune.HF_OFFLOAD)
 

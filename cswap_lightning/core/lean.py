@@ -133,8 +133,9 @@ class Watch(TorchFunctionMode):
             # the block's operators, seen below the layer, would not be those of its runs)
             # held, as the nodes walked are (``_edges_within``): on torch 2.11 a node's
             # Python object goes with its last reference, and its id may name the next one
-            before = {id(n): n for a in read
-                      for n in (self.edges[id(a)].node if id(a) in self.edges else a.grad_fn,)}
+            made_before = [self.edges[id(a)].node if id(a) in self.edges else a.grad_fn
+                           for a in read]
+            before = {id(n): n for n in made_before}
             for t in inputs:
                 self.uses[id(t)] += 1
                 found = _edges_within(nodes, self.edges[id(t)], before)
