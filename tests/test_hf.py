@@ -25,7 +25,7 @@ from transformers import (
 from cswap_lightning import CSwapConfig
 from cswap_lightning.core.compile import is_compiled
 from cswap_lightning.hf_checkpointing import trainer_checkpointing
-from cswap_lightning.integrations.hf import CSwapCallback
+from cswap_lightning.integrations.hf import CSwapCallback, _loss_scale
 from cswap_lightning.integrations.metrics import run_summary
 
 LOSSLESS = CSwapConfig(plan="zvc", min_bytes=0)
@@ -439,10 +439,6 @@ def test_the_shadows_loss_scale_follows_a_trainer_without_loss_is_scaled_for_ga(
     """transformers 5.17 (the floor) has no ``Trainer.loss_is_scaled_for_ga``: the shadow's
     loss is divided by the accumulation steps unless the model got ``num_items_in_batch`` or
     a ``compute_loss_func`` normalised it, as that Trainer's ``training_step`` does."""
-    from types import SimpleNamespace
-
-    from cswap_lightning.integrations.hf import _loss_scale
-
     trainer = SimpleNamespace(model_accepts_loss_kwargs=True, compute_loss_func=None,
                               current_gradient_accumulation_steps=4)
     assert _loss_scale(trainer, {"num_items_in_batch": torch.tensor(8)}) == 1
