@@ -4,6 +4,8 @@ names the flag and what it accepts, never a traceback from deep in the run."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -108,6 +110,15 @@ def test_a_flag_the_config_refuses_is_a_usage_error(capsys):
         cli.main(["demo", "--budget", "1e21"])
     assert failure.value.code == 2
     assert "error: CSwapConfig.budget=1000000000000000000000 bytes" in capsys.readouterr().err
+
+
+def test_output_into_a_closed_pipe_ends_quietly():
+    # `cswap recipes | head -1`: the reader goes away before the command writes
+    run = subprocess.Popen([sys.executable, "-m", "cswap_lightning", "recipes"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    run.stdout.close()
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 1 and err == b"", err.decode()[-3000:]
 
 
 def test_env_reports_what_a_bug_report_needs(capsys):

@@ -106,11 +106,12 @@ def test_config_names_resolve_to_shipped_recipes(tmp_path, monkeypatch):
 def test_cswap_recipes_lists_each_with_what_it_trains(capsys):
     assert main(["recipes"]) == 0
     out = capsys.readouterr().out
+    width = len("gpt2_checkpointed")  # the longest name: every description in one column
     for name, path in shipped().items():
-        assert f"{name:10} {describe(path)}" in out and str(path) in out
+        assert f"{name:{width}} {describe(path)}" in out and f"\n{'':{width}} {path}" in out
         size = ("CPU-sized: cswap fit --config cnn" if name == "cnn" else
                 f"GPU-sized; on a CPU: cswap fit --config {name} --size cpu")
-        assert f"\n{'':10} {size}\n" in out
+        assert f"\n{'':{width}} {size}\n" in out
     assert describe(shipped()["bert"]).startswith("BERT-base sequence classification")
     assert describe(shipped()["bert"]).endswith("on generated token sequences.")
 
@@ -288,17 +289,40 @@ def test_cnn_recipe_as_shipped_learns_through_the_console_entry(tmp_path):
     assert (log_dir / "cswap_summary.txt").is_file()
 
 
+def without_dali(root: Path) -> dict[str, str]:
+    """An environment whose Python finds no DALI: an empty nvidia package under ``root``
+    hides the installed one's."""
+    (root / "nvidia").mkdir()
+    (root / "nvidia" / "__init__.py").touch()
+    return {**os.environ, "PYTHONPATH": str(root)}
+
+
 def test_dali_tests_skip_cleanly_without_dali(tmp_path):
-    (tmp_path / "nvidia").mkdir()  # an empty nvidia package hides the installed one's dali
-    (tmp_path / "nvidia" / "__init__.py").touch()
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_dali.py"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True,
-        text=True, timeout=300, check=False,
+        cwd=ROOT, env=without_dali(tmp_path), capture_output=True, text=True, timeout=300,
+        check=False,
     )
     # 5: the module skipped as a whole, so nothing was collected (a collection error is 2).
     assert run.returncode == 5 and "1 skipped" in run.stdout, run.stdout[-3000:]
     assert "NVIDIA DALI is not installed" in run.stdout
+
+
+def test_an_image_recipe_without_dali_is_a_short_usage_error(tmp_path):
+    # The data module's import fails: the error said is its own, not a traceback of the
+    # report's condensing (which looked the class up to place its arguments).
+    run = subprocess.run(
+        [sys.executable, "-m", "cswap_lightning", "fit", "--config", "cnn",
+         "--trainer.default_root_dir", str(tmp_path)],
+        cwd=tmp_path, env=without_dali(tmp_path), capture_output=True, text=True, timeout=300,
+        check=False,
+    )
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert run.stderr.splitlines()[0] == (
+        "cswap fit: error: data: the image recipes load data with NVIDIA DALI, which is not "
+        "installed: pip install 'cswap-lightning[dali]' (nvidia-dali-cuda130; Linux x86_64 or "
+        "aarch64)")
+    assert "Traceback" not in run.stderr
 
 
 @pytest.mark.parametrize("build, params", [(vgg16, 138_357_544), (resnet50, 25_557_032)])

@@ -4,6 +4,7 @@ tune."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .. import __version__
@@ -42,6 +43,14 @@ def _config(args: argparse.Namespace) -> CSwapConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # the reader went away (`cswap plan ... | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush
+        return 1
+
+
+def _main(argv: list[str] | None) -> int:
     if (sys.argv[1:] if argv is None else argv)[:1] == ["fit"]:  # LightningCLI parses the rest
         from .fit import main as fit
 
@@ -183,8 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "recipes":
         from ..recipes import describe, shipped, sizing
 
-        for name, path in shipped().items():
-            print(f"{name:10} {describe(path)}\n{'':10} {sizing(name)}\n{'':10} {path}")
+        recipes = shipped()
+        width = max(map(len, recipes))  # the descriptions in one column
+        for name, path in recipes.items():
+            print(f"{name:{width}} {describe(path)}\n{'':{width}} {sizing(name)}\n"
+                  f"{'':{width}} {path}")
         return 0
     if args.command == "plan":
         from .plan import run_plan

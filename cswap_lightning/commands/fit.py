@@ -87,12 +87,22 @@ def innermost_error(report: str) -> str:
         key, cls = _KEY.fullmatch(text), _CLASS.fullmatch(text)
         if key:
             path.append((indent, key[1]))
-        elif cls:  # a class's arguments are under init_args; a dataclass's fields are not
-            path.append((indent, "" if is_dataclass(locate(cls[1])) else "init_args"))
+        elif cls:
+            path.append((indent, _arguments_key(cls[1])))
         elif text and not _STRUCTURE.fullmatch(text) and (best is None or indent > best[0]):
             where = ".".join(part for _, part in path if part)
             best = (indent, f"{where}: {text}" if where else text)
     return report if best is None else best[1]
+
+
+def _arguments_key(class_path: str) -> str:
+    """Where a class's arguments sit under its key: ``init_args``, but a dataclass's fields
+    sit at the key itself; "" where the class cannot be imported (a recipe's data module
+    without DALI), which is then what is wrong, as the report's next line says."""
+    try:
+        return "" if is_dataclass(locate(class_path)) else "init_args"
+    except Exception:  # noqa: BLE001 - pydoc wraps whatever the import raised
+        return ""
 
 
 class _Parser(LightningArgumentParser):
