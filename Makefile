@@ -24,7 +24,7 @@ test-oldest:
 
 # The benchmarks' own environment: torchtune's torchao pin would break peft in .venv.
 bench:
-	@VENV=$(BENCH_VENV) EXTRAS=bench,hf,dali bash scripts/setup.sh
+	@VENV=$(BENCH_VENV) EXTRAS=bench,dali bash scripts/setup.sh
 	$(BENCH_VENV)/bin/cswap bench step --out benchmarks/results/step-$$(date +%F)-$$(hostname)
 
 lint: setup

@@ -24,7 +24,13 @@ def __getattr__(name: str):
     if name in _LAZY:
         from importlib import import_module
 
-        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
+        from .extras import missing
+
+        try:
+            module = import_module(f".{_LAZY[name]}", __name__)
+        except ModuleNotFoundError as err:  # CSwapCallback without transformers
+            raise missing(err, f"cswap_lightning.{name}") from err
+        return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

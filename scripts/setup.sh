@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Builds a virtual environment once: by default .venv, with everything the demo, the examples
 # and the tests need (the dev, hf and dali extras). `make bench` builds .venv-bench with the
-# bench extra instead (VENV=.venv-bench EXTRAS=bench,hf,dali): torchtune, the peer the
-# benchmarks compare with, pins torchao below 0.10, which peft (LoRA) refuses to import with,
-# so it stays out of the environment people train in.
+# bench extra instead (VENV=.venv-bench EXTRAS=bench,dali): torchtune, the peer the
+# benchmarks compare with, pins torchao below 0.10, which peft (LoRA, in the hf extra) refuses
+# to import with, so it stays out of the environment people train in, and peft out of that one.
 # A torch already on the machine (a CUDA build, say) is used as it is; with none, the CPU
 # build 2.13.0 is installed first, so that no dependency pulls a multi-GB CUDA torch.
 set -euo pipefail

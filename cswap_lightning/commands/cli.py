@@ -9,6 +9,7 @@ import sys
 
 from .. import __version__
 from ..config import LOSSY_CODECS, PLANS, CSwapConfig
+from ..extras import MissingExtra
 from .args import budget as _budget
 from .args import device as _device
 from .args import fraction as _fraction
@@ -45,6 +46,9 @@ def _config(args: argparse.Namespace) -> CSwapConfig:
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
+    except MissingExtra as err:  # `cswap plan llama-3-8b` without transformers: say which extra
+        print(f"cswap: {err}", file=sys.stderr)
+        return 1
     except BrokenPipeError:  # the reader went away (`cswap plan ... | head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush
         return 1

@@ -18,6 +18,7 @@ import textwrap
 import time
 from collections.abc import Callable
 
+from ..extras import require
 from ..planning import calibration, models, sizing
 from ..planning.devices import DEVICES, device
 from ..planning.estimate import DTYPES, OPTIMIZERS, Estimate, Setup, estimate
@@ -85,6 +86,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # the calibration's profiles include transformers models, a CNN's plan too
+    require("transformers", "cswap plan")
     dev = device(args.device)
     lora = models.LoRA(rank=args.lora_rank, dropout=args.lora_dropout) if args.lora else None
     spec = models.model(args.model, lora=lora, layers=args.layers)

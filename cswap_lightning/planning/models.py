@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..extras import require
+
 # Published configs (shapes only: what the estimate needs), by name.
 KNOWN: dict[str, dict] = {
     "llama-3-8b": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
@@ -111,7 +113,8 @@ def model(name_or_path: str, dropout: bool = True, lora: LoRA | None = None,
 
 
 def _transformer(name: str, data: dict, dropout: bool, lora: LoRA | None) -> Model:
-    import transformers
+    transformers = require("transformers", f"the transformers model {name}")
+    peft = require("peft", "LoRA") if lora is not None else None  # said before any work
 
     data = {k: v for k, v in data.items() if k not in ("torch_dtype", "dtype",
                                                          "transformers_version")}
@@ -133,14 +136,12 @@ def _transformer(name: str, data: dict, dropout: bool, lora: LoRA | None) -> Mod
     def build() -> nn.Module:
         net = cls(config)
         if lora is not None:
-            from peft import LoraConfig, get_peft_model
-
             with warnings.catch_warnings():  # peft reads transformers' deprecated spelling
                 warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated",
                                         FutureWarning)
-                net = get_peft_model(net, LoraConfig(r=lora.rank, lora_alpha=lora.alpha,
-                                                     lora_dropout=lora.dropout,
-                                                     target_modules="all-linear"))
+                net = peft.get_peft_model(net, peft.LoraConfig(
+                    r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                    target_modules="all-linear"))
         return net
 
     def batch(size: int, sequence: int, _dtype: torch.dtype) -> dict[str, torch.Tensor]:

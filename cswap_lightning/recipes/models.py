@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torchmetrics.classification import MulticlassAccuracy
 
+from ..extras import require
 from ..hf_checkpointing import checkpointing_switch
 from .nets import build_cnn, resnet50, vgg16
 
@@ -126,15 +127,14 @@ class BertClassifier(HFModule):
         num_labels: PositiveInt = 2,
         optimizer: OptimizerCallable = torch.optim.AdamW,
     ) -> None:
-        from transformers import BertConfig, BertForSequenceClassification
-
+        transformers = require("transformers", "the BERT recipe")
         super().__init__(optimizer)
-        config = BertConfig(
+        config = transformers.BertConfig(
             vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
             num_attention_heads=num_heads, intermediate_size=4 * hidden_size,
             max_position_embeddings=max_positions, num_labels=num_labels,
         )
-        self.model = BertForSequenceClassification(config)
+        self.model = transformers.BertForSequenceClassification(config)
         self.val_accuracy = MulticlassAccuracy(num_labels)
 
     def score(self, logits: Tensor, labels: Tensor) -> None:
@@ -161,13 +161,12 @@ class GPT2LM(HFModule):
         activation_checkpointing: bool = False,
         optimizer: OptimizerCallable = torch.optim.AdamW,
     ) -> None:
-        from transformers import GPT2Config, GPT2LMHeadModel
-
+        transformers = require("transformers", "the GPT-2 recipes")
         super().__init__(optimizer)
-        config = GPT2Config(
+        config = transformers.GPT2Config(
             vocab_size=vocab_size, n_embd=hidden_size, n_layer=num_layers, n_head=num_heads,
             n_positions=max_positions, bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1,
         )
-        self.model = GPT2LMHeadModel(config)
+        self.model = transformers.GPT2LMHeadModel(config)
         if activation_checkpointing:
             checkpointing_switch(self.model)({"use_reentrant": False})
