@@ -3,7 +3,7 @@ by cswap: one callback.
 
 A 2-layer Llama built from a config (random weights: nothing is downloaded) learns token
 sequences generated in code; it runs on the CPU in seconds, and on a GPU if there is one.
-``--lora`` trains LoRA adapters instead of every weight (needs ``pip install peft``)::
+``--lora`` trains LoRA adapters instead of every weight (peft, in the ``hf`` extra)::
 
     python examples/hf_trainer.py [--steps 30] [--lora] [--output-dir hf-example]
 

@@ -59,6 +59,15 @@ def test_cswap_plan_with_lora_without_peft_says_which_extra(config_file, monkeyp
     assert printed.out == ""  # said before any work
 
 
+def test_cswap_bench_finetune_with_lora_without_peft(tmp_path, monkeypatch, capsys):
+    hide(monkeypatch, "peft")
+    assert cli.main(["bench", "finetune", "llama-3-8b", "--lora", "--small", "--device", "cpu",
+                     "--seq", "32", "--steps", "1", "--out", str(tmp_path / "ft")]) == 1
+    assert capsys.readouterr().err.endswith("cswap: LoRA needs peft, which is not installed: "
+                                            "pip install 'cswap-lightning[hf]'\n")
+    assert not (tmp_path / "ft.md").exists()  # said before any work
+
+
 @pytest.mark.parametrize("model", ["gpt2-medium", "resnet50"])
 def test_cswap_plan_without_transformers(model, monkeypatch, capsys):
     # a CNN's plan too: the calibration it is printed with was fitted on transformers models

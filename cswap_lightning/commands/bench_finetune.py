@@ -236,9 +236,6 @@ def _build(args: argparse.Namespace, dev: torch.device) -> tuple[nn.Module, mode
         with torch.device(dev):
             torch.manual_seed(0)
             model = spec.build()
-    except ModuleNotFoundError as err:
-        raise SystemExit(f"cswap bench finetune: {err}; --lora needs peft (pip install peft)"
-                         ) from None
     finally:
         torch.set_default_dtype(default)
     return model.to(dtype).train(), spec
