@@ -110,6 +110,7 @@ def causal_lm(config_cls: str, **kw) -> Callable[[str], Built]:
         ids = token_ids()
         return Built(model, {"input_ids": ids, "labels": ids})
 
+    build.config = lambda: hf_class(config_cls)(**kw)  # for `cswap plan`'s tests
     return build
 
 
@@ -123,6 +124,7 @@ def masked_lm(config_cls: str, **kw) -> Callable[[str], Built]:
         return Built(model, {"input_ids": ids, "attention_mask": mask,
                              "labels": token_ids(seed=1)})
 
+    build.config = lambda: hf_class(config_cls)(**kw)  # for `cswap plan`'s tests
     return build
 
 
@@ -133,6 +135,7 @@ def seq_classifier(config_cls: str, **kw) -> Callable[[str], Built]:
             cfg, attn_implementation=attn)
         return Built(model, {"input_ids": token_ids(), "labels": torch.tensor([0, 2])})
 
+    build.config = lambda: hf_class(config_cls)(**kw)  # for `cswap plan`'s tests
     return build
 
 
@@ -142,6 +145,7 @@ def seq2seq_lm(config_cls: str, **kw) -> Callable[[str], Built]:
         model = transformers.AutoModelForSeq2SeqLM.from_config(cfg, attn_implementation=attn)
         return Built(model, {"input_ids": token_ids(), "labels": token_ids(8, seed=1)})
 
+    build.config = lambda: hf_class(config_cls)(**kw)  # for `cswap plan`'s tests
     return build
 
 

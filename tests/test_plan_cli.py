@@ -14,7 +14,8 @@ from cswap_lightning.commands import cli
 from cswap_lightning.planning import calibration, models, sizing
 from cswap_lightning.planning.devices import DEVICES
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 TINY = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -110,6 +111,72 @@ def test_plan_of_a_cnn_searches_the_batch(capsys):
     assert "the longest batch that fits (estimated): without help" in out
 
 
+# The README's list: the conformance suite's tiny transformers configs (``test_conformance.HF``),
+# written without ``architectures``, as a config class writes them: the model class is then
+# transformers' causal LM of their model_type, or an encoder's sequence classifier.
+PLANNED = {"llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral", "qwen2": "Qwen2",
+           "qwen2_moe": "Qwen2-MoE", "qwen3": "Qwen3", "gemma": "Gemma", "gemma2": "Gemma-2",
+           "phi": "Phi", "phi3": "Phi-3", "opt": "OPT", "falcon": "Falcon", "gpt2": "GPT-2",
+           "gptj": "GPT-J", "gpt_neox": "GPT-NeoX", "gpt_neo": "GPT-Neo", "bloom": "BLOOM",
+           "mamba": "Mamba", "mamba2": "Mamba-2", "bert": "BERT", "roberta": "RoBERTa",
+           "albert": "ALBERT", "distilbert": "DistilBERT", "electra": "ELECTRA",
+           "mpnet": "MPNet"}
+UNTRACEABLE = {"bart": "BART", "t5": "T5", "deberta_v2": "DeBERTa-v2"}
+EAGER = "; eager attention (transformers has no SDPA for it)"
+
+
+def test_the_readme_names_the_families_planned():
+    text = " ".join(README.read_text().split())
+    names = list(PLANNED.values())
+    assert f"Checked on tiny configs of {', '.join(names[:-1])} and {names[-1]};" in text
+    assert f"({', '.join(name + chr(39) + 's' for name in UNTRACEABLE.values())})" in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", [*PLANNED, *UNTRACEABLE])
+def test_each_family_plans_or_says_why_it_cannot(kind, config_file, capsys):
+    from test_conformance import HF  # the suite that trains each under the engine
+
+    data = HF[kind][0].config().to_dict()
+    assert "architectures" not in data or not data["architectures"]
+    path = config_file(kind, data)
+    status = cli.main(["plan", path, "--seq", "32", "--no-search"])
+    printed = capsys.readouterr()
+    if kind in UNTRACEABLE:
+        assert status == 1
+        assert printed.err.startswith("cswap plan: the model's step reads a tensor's values (")
+        return
+    assert status == 0, printed.err[-2000:]
+    out = " ".join(printed.out.split())
+    head = models._head(data["model_type"])
+    assert getattr(transformers, head)._supports_sdpa == (EAGER not in out)
+    assert out.startswith(f"cswap plan: {kind}, sequence 32, batch 1, bfloat16, full fine-tuning")
+    assert "without help: FITS" in out
+
+
+def test_learned_positions_cap_the_longest_sequence(config_file, capsys):
+    # OPT's positions are a table, as GPT-2's and BERT's: no longer sequence than it holds
+    path = config_file("opt", {"model_type": "opt", "hidden_size": 32, "ffn_dim": 64,
+                               "num_hidden_layers": 2, "num_attention_heads": 2,
+                               "word_embed_proj_dim": 32, "vocab_size": 128,
+                               "max_position_embeddings": 128})
+    assert cli.main(["plan", path, "--seq", "64"]) == 0
+    assert capsys.readouterr().out.splitlines()[-2] == (
+        "the longest sequence that fits (estimated): without help 128 (the search's ceiling), "
+        "checkpointing 128 (the search's ceiling), the planner 128 (the search's ceiling)")
+
+
+def test_a_model_whose_step_reads_values_says_so_in_one_line(config_file, capsys):
+    path = config_file("t5", {"model_type": "t5", "d_model": 32, "d_kv": 8, "d_ff": 64,
+                              "num_layers": 2, "num_heads": 2, "vocab_size": 128,
+                              "decoder_start_token_id": 0, "pad_token_id": 0})
+    assert cli.main(["plan", path, "--seq", "64", "--no-search"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("cswap plan: the model's step reads a tensor's values (")
+    assert err.endswith("a trace without data cannot: estimate a model whose forward branches "
+                        "on shapes only\n") and err.count("\n") == 1
+
+
 @pytest.mark.parametrize("argv, says", [
     (["plan", "gpt-5"], "unknown model 'gpt-5'"),
     (["plan", "resnet50", "--lora"], "LoRA and a number of layers are for the transformers"),
@@ -128,7 +195,7 @@ def test_an_unknown_device_is_a_usage_error_naming_the_choices(capsys):
 
 
 def _readme_section() -> str:
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = README.read_text()
     return readme.split("## Will it fit? `cswap plan`")[1].split("\n## ")[0]
 
 

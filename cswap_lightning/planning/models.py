@@ -43,8 +43,6 @@ KNOWN: dict[str, dict] = {
                    "architectures": ["BertForSequenceClassification"]},
 }
 CNNS = ("resnet50", "vgg16")
-_CAUSAL_LM = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-              "mistral": "MistralForCausalLM", "gpt2": "GPT2LMHeadModel"}
 _DROPOUT_KEYS = ("dropout", "pdrop", "dropout_prob")
 IMAGE_SIDE = 224
 
@@ -61,6 +59,7 @@ class Model:
     loss: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
     sequence: bool  # whether the sequence length means anything (not for a CNN)
     max_sequence: int | None = None  # the config's positions, where it has a limit
+    attention: str = ""  # a transformer's attention: "sdpa", or "eager" where it has none
 
 
 @dataclass(frozen=True)
@@ -112,10 +111,18 @@ def model(name_or_path: str, dropout: bool = True, lora: LoRA | None = None,
     return _transformer(name, data, dropout, lora)
 
 
+def _head(kind: str) -> str:
+    """The model class for a config without ``architectures``: transformers' causal LM of
+    ``model_type`` ``kind``, else its sequence classifier (an encoder's); "" for neither."""
+    from transformers.models.auto import modeling_auto
+
+    return (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(kind)
+            or modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(kind, ""))
+
+
 def _transformer(name: str, data: dict, dropout: bool, lora: LoRA | None) -> Model:
     transformers = require("transformers", f"the transformers model {name}")
     peft = require("peft", "LoRA") if lora is not None else None  # said before any work
-
     data = {k: v for k, v in data.items() if k not in ("torch_dtype", "dtype",
                                                          "transformers_version")}
     kind = data.pop("model_type")
@@ -125,13 +132,16 @@ def _transformer(name: str, data: dict, dropout: bool, lora: LoRA | None) -> Mod
             if k.endswith(_DROPOUT_KEYS) and isinstance(v, float):
                 setattr(config, k, 0.0)
     config.use_cache = False
-    config._attn_implementation = "sdpa"
-    architecture = (data.get("architectures") or [_CAUSAL_LM.get(kind, "")])[0]
+    architecture = (data.get("architectures") or [_head(kind)])[0]
     cls = getattr(transformers, architecture, None)
     if cls is None:
         raise ValueError(f"{name}: transformers {transformers.__version__} has no "
-                         f"{architecture or 'causal LM for model_type ' + repr(kind)}")
+                         f"{architecture or 'causal LM nor sequence classifier for model_type '}"
+                         f"{'' if architecture else repr(kind)}")
     classify = architecture.endswith("ForSequenceClassification")
+    # SDPA, as the GPU runs it, where the model has it (Gemma-2 and Mamba have not)
+    attention = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+    config._attn_implementation = attention
 
     def build() -> nn.Module:
         net = cls(config)
@@ -154,9 +164,9 @@ def _transformer(name: str, data: dict, dropout: bool, lora: LoRA | None) -> Mod
 
     limit = getattr(config, "max_position_embeddings", None) or getattr(
         config, "n_positions", None)
-    # rotary positions extend past the table's length; learned ones (GPT-2, BERT) cannot
-    learned = kind in ("gpt2", "bert")
-    return Model(name, build, batch, loss, True, limit if learned else None)
+    # rotary positions extend past the table's length; learned ones (GPT-2, BERT, OPT) cannot
+    rotary = any("rope" in key or "rotary" in key for key in config.to_dict())
+    return Model(name, build, batch, loss, True, None if rotary else limit, attention)
 
 
 def _cnn(name: str) -> Model:

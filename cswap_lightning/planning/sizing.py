@@ -230,7 +230,8 @@ def largest(est: Estimate, how: str, ceiling: int) -> int | None:
     fit."""
     setup = est.setup
     sequence = models.model(setup.model, setup.dropout, setup.lora, setup.layers).sequence
-    step, size = (GRANULE, setup.sequence) if sequence else (1, setup.batch)
+    # (a tiny model's table of positions may hold fewer than a granule)
+    step, size = (min(GRANULE, ceiling), setup.sequence) if sequence else (1, setup.batch)
     base = replace(est.workload(), batch=size)
 
     def traced_fits(n: int) -> bool:

@@ -158,7 +158,9 @@ class _CudaRoutes(TorchFunctionMode):
                 attn_mask.logical_not(), float("-inf"))
         logsumexp = torch.is_grad_enabled() and any(
             t.requires_grad for t in (query, key, value))
-        if self.attention == "cudnn":
+        # cuDNN's kernel takes no gradient for its mask (T5's learned position bias): there
+        # the GPU's dispatcher takes the efficient kernel, which does
+        if self.attention == "cudnn" and not (attn_mask is not None and attn_mask.requires_grad):
             return aten._scaled_dot_product_cudnn_attention(
                 query, key, value, attn_mask, logsumexp, dropout_p, is_causal, False,
                 scale=scale)[0]
@@ -379,11 +381,13 @@ def trace(model: nn.Module, step: Callable[[], torch.Tensor], batch: Sequence[to
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 loss = step()
             loss.backward()
-        except RuntimeError as err:
-            if "meta" not in str(err):
+        # a ValueError: the model given cannot be estimated (NotImplementedError: an operator
+        # whose output's shape follows from the data, T5's unique_consecutive)
+        except (RuntimeError, NotImplementedError) as err:
+            if "meta" not in str(err).lower():
                 raise
-            raise RuntimeError(f"the model's step reads a tensor's values ({err}); a trace "
-                               "without data cannot: estimate a model whose forward branches "
-                               "on shapes only") from err
+            raise ValueError(f"the model's step reads a tensor's values ({err}); a trace "
+                             "without data cannot: estimate a model whose forward branches "
+                             "on shapes only") from err
         del loss
     return out
