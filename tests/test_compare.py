@@ -2,6 +2,7 @@
 
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,17 @@ def test_cli_compare_metric_missing_is_a_usage_error(tmp_path, capsys):
         main(["compare", "--metric", "val_f1", *cnn_args(tmp_path)])
     assert failure.value.code == 2
     assert "error: the model logs no 'val_f1' in validation" in capsys.readouterr().err
+
+
+def test_compare_from_the_console_leaves_lightningcli_no_command_line_to_warn_of(tmp_path,
+                                                                                monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["cswap", "compare", "--metric", "val_f1",
+                                      *cnn_args(tmp_path)])
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(SystemExit):
+        warnings.simplefilter("always")
+        main()  # stops at the missing metric, after LightningCLI has parsed the recipe
+    assert not [w for w in caught if "args parameter" in str(w.message)]
+    assert sys.argv[1] == "compare"  # the process's command line as it was
 
 
 def test_compare_needs_a_cswap_strategy(tmp_path):

@@ -10,6 +10,7 @@ both runs, so the delta is the codec's own effect.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -92,7 +93,11 @@ def _record_step(result: RunResult, step: StepStats) -> None:
 def train_once(args: list[str], label: str, change: Callable[[CSwapConfig], CSwapConfig],
                metric: str) -> RunResult:
     """Build the recipe from LightningCLI ``args``, ``change`` its CSwap config, train, measure."""
-    cli = cswap_cli(args, "cswap compare", run=False, save_config_callback=None)
+    argv, sys.argv = sys.argv, sys.argv[:1]  # ``args`` are the command line's: LightningCLI
+    try:                                       # warns of a command line beside them
+        cli = cswap_cli(args, "cswap compare", run=False, save_config_callback=None)
+    finally:
+        sys.argv = argv
     strategy = cli.trainer.strategy
     if not isinstance(strategy, _CSwapMixin):
         raise TypeError(
