@@ -93,8 +93,9 @@ def _record_step(result: RunResult, step: StepStats) -> None:
 def train_once(args: list[str], label: str, change: Callable[[CSwapConfig], CSwapConfig],
                metric: str) -> RunResult:
     """Build the recipe from LightningCLI ``args``, ``change`` its CSwap config, train, measure."""
-    argv, sys.argv = sys.argv, sys.argv[:1]  # ``args`` are the command line's: LightningCLI
-    try:                                       # warns of a command line beside them
+    # ``args`` are the command line's: LightningCLI would warn of a command line beside them
+    argv, sys.argv = sys.argv, sys.argv[:1]
+    try:
         cli = cswap_cli(args, "cswap compare", run=False, save_config_callback=None)
     finally:
         sys.argv = argv
