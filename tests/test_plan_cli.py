@@ -125,6 +125,16 @@ UNTRACEABLE = {"bart": "BART", "t5": "T5", "deberta_v2": "DeBERTa-v2"}
 EAGER = "; eager attention (transformers has no SDPA for it)"
 
 
+@pytest.mark.parametrize("kind, head", [
+    ("llama", "LlamaForCausalLM"), ("mamba", "MambaForCausalLM"),
+    ("bert", "BertForSequenceClassification"),
+    ("distilbert", "DistilBertForSequenceClassification"),
+    ("t5", "T5ForSequenceClassification"), ("nothing-of-the-kind", "")])
+def test_a_config_without_architectures_trains_an_encoder_as_a_classifier_else_a_causal_lm(
+        kind, head):
+    assert models._head(kind) == head
+
+
 def test_the_readme_names_the_families_planned():
     text = " ".join(README.read_text().split())
     names = list(PLANNED.values())

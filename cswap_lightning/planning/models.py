@@ -112,12 +112,16 @@ def model(name_or_path: str, dropout: bool = True, lora: LoRA | None = None,
 
 
 def _head(kind: str) -> str:
-    """The model class for a config without ``architectures``: transformers' causal LM of
-    ``model_type`` ``kind``, else its sequence classifier (an encoder's); "" for neither."""
-    from transformers.models.auto import modeling_auto
+    """The model class for a config without ``architectures``, by transformers' own tables:
+    an encoder's (a ``model_type`` with a masked LM: BERT, RoBERTa) sequence classifier, as
+    ``bert-large`` trains here; the others' causal LM, else their sequence classifier; ""
+    for neither."""
+    from transformers.models.auto import modeling_auto as auto
 
-    return (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(kind)
-            or modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(kind, ""))
+    classifier = auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(kind, "")
+    if kind in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return classifier
+    return auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(kind) or classifier
 
 
 def _transformer(name: str, data: dict, dropout: bool, lora: LoRA | None) -> Model:
