@@ -1,6 +1,6 @@
 import pytest
 
-from cswap_lightning import CSwapConfig, offload
+from cswap_lightning import CSwapConfig, Offloader, offload
 from cswap_lightning.config import MAX_BYTES
 
 
@@ -82,3 +82,9 @@ def test_offload_names_what_it_takes():
         offload("raw")
     with pytest.raises(TypeError, match=r"offload\(\) takes a CSwapConfig .* got 5 \(int\)$"):
         offload(5)
+
+
+def test_watch_names_what_it_takes():
+    with pytest.raises(TypeError, match=r"^Offloader.watch takes the torch.nn.Module being "
+                       r"trained, got 'model' \(str\)$"):
+        Offloader().watch("model")

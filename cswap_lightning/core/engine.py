@@ -196,6 +196,9 @@ class Offloader:
         is named by the module that saved it. The global module hooks naming takes slow every
         module call in the process (1.2x on a small model's forward on the CPU) until
         :meth:`close`; without patterns none are taken."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"Offloader.watch takes the torch.nn.Module being trained, got "
+                            f"{model!r} ({type(model).__name__})")
         self.watched.watch(model)
         return self
 
