@@ -170,6 +170,8 @@ class Offloader:
         if self.backward_inside or step.dormant:
             return
         if step.backward_begun:
+            if len(step.sizes) > step.saved_before_backward:
+                return  # a gradient taken in forward (a gradient penalty) saved its graph
             what = "cswap: backward ran inside the Offloader's block"
         elif not step.sizes and torch.is_grad_enabled():
             what = "cswap: no tensor autograd saved passed through the Offloader's block"

@@ -220,6 +220,7 @@ class Step:
         # step closes (the optimizer, a trainer resetting the peak) does not count.
         self.backward_peak: int | None = None
         self.backward_begun = False
+        self.saved_before_backward = 0  # the saved tensors counted when backward began
         self.probe: Probe | None = None  # an accuracy-guard probe step
         self.seed = 0  # the lossy codecs' rounding seed of the step (each site mixes in its own)
         # Autograd runs backward on one thread per device: a model split over several GPUs in
@@ -518,6 +519,7 @@ class Step:
         """At backward's first unpack: have autograd, when this backward ends, read the
         allocator's peak (CUDA: ``backward_peak``) and stamp the end for a timed step."""
         self.backward_begun = True
+        self.saved_before_backward = len(self.sizes)
         device, timer = self.device, self.timer
         if timer is not None:
             timer.backward_begin()
