@@ -1138,6 +1138,12 @@ def test_an_offloader_around_backward_is_said_once():
     alone.close()
     forward = Offloader(CSwapConfig(plan="raw", min_bytes=0))
     assert _said(lambda: grads(model, x, y, forward)) == []  # around forward: nothing said
+
+    def evaluation():
+        with forward, torch.no_grad():
+            model(x)
+
+    assert _said(evaluation) == []  # a pass under no_grad after training steps saves nothing
     forward.close()
 
 

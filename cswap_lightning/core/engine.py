@@ -89,6 +89,7 @@ class Offloader:
         self._entered_from: tuple | None = None
         self._dormant = 0
         self._steps = 0
+        self._saved_any = False  # a step has saved a tensor through the hooks
         self._closed = False
         self._registry: dict[CSwapConfig, Offloader] | None = None  # offload()'s, if from it
 
@@ -155,6 +156,7 @@ class Offloader:
         self._step.failed = exc_type is not None
         if exc_type is None:
             self._say_misplaced(self._step)
+        self._saved_any = self._saved_any or bool(self._step.sizes)
 
     def _same_graph(self, entered_from: tuple | None) -> bool:
         """Whether a step without hooks would run the graph the plan was checked on, as far as
@@ -173,7 +175,8 @@ class Offloader:
             if len(step.sizes) > step.saved_before_backward:
                 return  # a gradient taken in forward (a gradient penalty) saved its graph
             what = "cswap: backward ran inside the Offloader's block"
-        elif not step.sizes and torch.is_grad_enabled():
+        elif not step.sizes and torch.is_grad_enabled() and not self._saved_any:
+            # (where earlier steps saved some, this one is an evaluation under no_grad)
             what = "cswap: no tensor autograd saved passed through the Offloader's block"
         else:
             return
