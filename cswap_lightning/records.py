@@ -33,6 +33,7 @@ class SiteStats:
 
     @property
     def ratio(self) -> float | None:
+        """Its compression ratio: bytes on the device over bytes stored (None: not stored)."""
         return self.nbytes / self.stored_bytes if self.stored_bytes else None
 
 
@@ -181,17 +182,22 @@ class StepStats:
 
     @property
     def kept_bytes(self) -> int:
+        """Bytes of the saved tensors kept where they were (each storage once; weights too)."""
         return int(self._sum("nbytes", lambda d: d == "keep")) + self.untracked_bytes
 
     @property
     def ratio(self) -> float | None:
+        """Compression ratio of what left the device: its bytes over the bytes stored for it
+        (None: nothing stored)."""
         return self.offloaded_bytes / self.stored_bytes if self.stored_bytes else None
 
     @property
     def wait_s(self) -> float:
+        """Seconds backward's unpacks waited for tensors coming back."""
         return float(self._sum("wait_s")) + self.untracked_wait_s
 
     def as_dict(self) -> dict:
+        """The step's totals (not its sites' rows), for logs and JSON."""
         return {
             "step": self.step,
             "saved_bytes": self.saved_bytes,
