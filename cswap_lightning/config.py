@@ -52,7 +52,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "guard_every": (int,),
     "guard_tolerance": (float, int),
     "guard_shadow": (bool,),
-    "min_bytes": (int,),
+    "min_bytes": (int, str),
     "prefetch_bytes": (int, str),
     "inflight_bytes": (int, str),
     "pin_memory": (bool,),
@@ -111,7 +111,8 @@ class CSwapConfig:
             again) and at each guard check log every validation metric of it
             (``cswap/shadow/NAME``) and the model's delta against it
             (``cswap/shadow_delta/NAME``).
-        min_bytes: saved tensors smaller than this stay where they are.
+        min_bytes: saved tensors smaller than this stay where they are. It, ``prefetch_bytes``
+            and ``inflight_bytes`` take a number of bytes or a size such as ``"64KiB"``.
         prefetch_bytes: how many bytes backward may bring back ahead of use; ``"auto"``: as few
             as hide the measured link (the largest tensors backward uses during the link's time
             for a tensor, at least two of the largest moved ones), since every byte brought
@@ -144,9 +145,10 @@ class CSwapConfig:
     guard_every: int = 100
     guard_tolerance: float = 0.1
     guard_shadow: bool = False
-    min_bytes: int = 256 * 1024
-    prefetch_bytes: int | Literal["auto"] = "auto"
-    inflight_bytes: int | Literal["auto"] = "auto"
+    # byte counts: an int, or a size written as people write one ("64KiB", "1.5GB")
+    min_bytes: int | str = 256 * 1024
+    prefetch_bytes: int | str = "auto"  # or "auto"
+    inflight_bytes: int | str = "auto"  # or "auto"
     pin_memory: bool = True
     recompute: RecomputeMode = "auto"
 
@@ -161,6 +163,11 @@ class CSwapConfig:
             object.__setattr__(self, "lossy_exclude", tuple(self.lossy_exclude))
         if isinstance(self.budget, str):  # "2GiB", "50%": kept as the bytes or share they mean
             object.__setattr__(self, "budget", parse_budget(self.budget))
+        for name in ("min_bytes", "prefetch_bytes", "inflight_bytes"):
+            value = getattr(self, name)
+            size = parse_size(value) if isinstance(value, str) else None
+            if size is not None:  # "64KiB": kept as the bytes it means
+                object.__setattr__(self, name, size)
         for f in fields(self):
             value, allowed = getattr(self, f.name), _TYPES[f.name]
             if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
@@ -187,11 +194,12 @@ class CSwapConfig:
             )
         if self.profile_steps < 1:
             raise ValueError(f"CSwapConfig.profile_steps must be >= 1, got {self.profile_steps!r}")
-        for name in ("prefetch_bytes", "inflight_bytes"):
+        for name in ("min_bytes", "prefetch_bytes", "inflight_bytes"):
             value = getattr(self, name)
-            if isinstance(value, str) and value != "auto":
-                raise ValueError(f"CSwapConfig.{name} must be 'auto' or a number of bytes "
-                                 f">= 0; got {value!r}")
+            if isinstance(value, str) and (value != "auto" or name == "min_bytes"):
+                auto = "" if name == "min_bytes" else "'auto' or "
+                raise ValueError(f"CSwapConfig.{name} must be {auto}a number of bytes >= 0 (an "
+                                 f"int, or a size such as '512MiB' or '1.5GB'); got {value!r}")
         for name in ("min_bytes", "prefetch_bytes", "inflight_bytes"):
             nbytes = getattr(self, name)
             if isinstance(nbytes, int) and nbytes < 0:
@@ -229,13 +237,20 @@ def _check_size(name: str, nbytes: int) -> None:
         )
 
 
+def parse_size(text: str) -> int | None:
+    """The bytes a size written as a string means ("2GiB", "512 MiB", "1.5GB"); None where
+    it is none."""
+    size = _SIZE.fullmatch(text)
+    return int(float(size[1]) * _UNIT[size[2].lower()]) if size else None
+
+
 def parse_budget(text: str) -> int | float | str:
     """A budget written as a string: ``"auto"``; a size (``"2GiB"``, ``"1.5GB"``: bytes, an
     int); a percentage of the device's memory (``"50%"``: the float ``0.5``). Anything else
     is given back as it is, for the check to refuse by name."""
-    size, percent = _SIZE.fullmatch(text), _PERCENT.fullmatch(text)
-    if size:
-        return int(float(size[1]) * _UNIT[size[2].lower()])
+    size, percent = parse_size(text), _PERCENT.fullmatch(text)
+    if size is not None:
+        return size
     if percent:
         return float(percent[1]) / 100
     return text

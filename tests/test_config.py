@@ -23,8 +23,11 @@ from cswap_lightning.config import MAX_BYTES
         ({"lossy_exclude": (1,)}, TypeError, r"lossy_exclude must hold strings, got \(1,\)"),
         ({"guard_every": -1}, ValueError, r"guard_every must be >= 0, got -1"),
         ({"guard_tolerance": 0.0}, ValueError, r"guard_tolerance must be > 0, got 0.0"),
-        ({"min_bytes": "1MB"}, TypeError, r"min_bytes must be of type int, got '1MB' \(str\)"),
-        ({"min_bytes": 1.5}, TypeError, r"min_bytes must be of type int"),
+        ({"min_bytes": "big"}, ValueError, (r"^CSwapConfig.min_bytes must be a number of bytes "
+                                            r">= 0 \(an int, or a size such as '512MiB' or "
+                                            r"'1.5GB'\); got 'big'$")),
+        ({"min_bytes": "auto"}, ValueError, r"min_bytes must be a number of bytes .*got 'auto'"),
+        ({"min_bytes": 1.5}, TypeError, r"min_bytes must be of type int or str"),
         ({"pin_memory": "yes"}, TypeError, r"pin_memory must be of type bool"),
         ({"prefetch_bytes": True}, TypeError,
          r"prefetch_bytes must be of type int or str, got True"),
@@ -70,6 +73,14 @@ def test_budgets_are_taken_in_the_forms_people_write(written, meant):
     config = CSwapConfig(budget=written)
     assert config.budget == meant and type(config.budget) is type(meant)
     assert config == CSwapConfig(budget=meant)
+
+
+@pytest.mark.parametrize("field", ["min_bytes", "prefetch_bytes", "inflight_bytes"])
+def test_byte_counts_are_taken_as_sizes_too(field):
+    # as the budget is: a YAML recipe's `prefetch_bytes: 1GiB` means what `budget: 1GiB` does
+    assert getattr(CSwapConfig(**{field: "64KiB"}), field) == 64 << 10
+    assert CSwapConfig(**{field: "1.5GB"}) == CSwapConfig(**{field: 1_500_000_000})
+    assert getattr(CSwapConfig(**{field: "0B"}), field) == 0
 
 
 def test_the_largest_sizes_are_accepted():
