@@ -37,13 +37,22 @@ def model_shapes(shapes: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
 SLOW_FIXTURES = {"built_library", "lossy_harness", "emulated_harness", "suite", "runs"}
 
 
+# DALI has wheels for Linux only: elsewhere the image recipes' tests skip, as CUDA's do
+DALI = importlib.util.find_spec("nvidia") is not None and (
+    importlib.util.find_spec("nvidia.dali") is not None)
+
+
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA device")
+    no_dali = pytest.mark.skip(reason="NVIDIA DALI is not installed (pip install "
+                               "'cswap-lightning[dali]'; Linux only)")
     for item in items:
         if SLOW_FIXTURES.intersection(item.fixturenames):
             item.add_marker(pytest.mark.slow)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip)
+        if "dali" in item.keywords and not DALI:
+            item.add_marker(no_dali)
 
 
 @pytest.fixture(autouse=True)

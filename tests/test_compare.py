@@ -33,6 +33,7 @@ def no_command_line(monkeypatch):
     monkeypatch.setattr(sys, "argv", sys.argv[:1])
 
 
+@pytest.mark.dali
 @pytest.mark.slow
 def test_compare_trains_both_plans_and_reports_the_lossy_savings(tmp_path, capsys):
     lossless, lossy = compare(cnn_args(tmp_path), lossy="int8", out=str(tmp_path / "result"))
@@ -51,6 +52,7 @@ def test_compare_trains_both_plans_and_reports_the_lossy_savings(tmp_path, capsy
     assert (tmp_path / "result.md").exists() and (tmp_path / "result.json").exists()
 
 
+@pytest.mark.dali
 def test_an_interrupted_lossy_run_keeps_the_lossless_results(tmp_path, monkeypatch):
     real = compare_module.train_once
 
@@ -68,6 +70,7 @@ def test_an_interrupted_lossy_run_keeps_the_lossless_results(tmp_path, monkeypat
     assert "did not finish" in Path(f"{out}.md").read_text()
 
 
+@pytest.mark.dali
 @pytest.mark.parametrize("sanity_steps", ["2", "0"])
 def test_compare_names_a_metric_the_model_does_not_log_before_training(tmp_path, monkeypatch,
                                                                         sanity_steps):
@@ -80,6 +83,7 @@ def test_compare_names_a_metric_the_model_does_not_log_before_training(tmp_path,
     assert not trained
 
 
+@pytest.mark.dali
 def test_cli_compare_metric_missing_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as failure:
         main(["compare", "--metric", "val_f1", *cnn_args(tmp_path)])
@@ -87,6 +91,7 @@ def test_cli_compare_metric_missing_is_a_usage_error(tmp_path, capsys):
     assert "error: the model logs no 'val_f1' in validation" in capsys.readouterr().err
 
 
+@pytest.mark.dali
 def test_compare_from_the_console_leaves_lightningcli_no_command_line_to_warn_of(tmp_path,
                                                                                 monkeypatch):
     monkeypatch.setattr(sys, "argv", ["cswap", "compare", "--metric", "val_f1",
@@ -98,6 +103,7 @@ def test_compare_from_the_console_leaves_lightningcli_no_command_line_to_warn_of
     assert sys.argv[1] == "compare"  # the process's command line as it was
 
 
+@pytest.mark.dali
 def test_compare_needs_a_cswap_strategy(tmp_path):
     with pytest.raises(TypeError, match="SingleDeviceStrategy, not a CSwap strategy"):
         compare(cnn_args(tmp_path, "--trainer.strategy", "auto", "--trainer.max_epochs", "1"))

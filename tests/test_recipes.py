@@ -26,7 +26,11 @@ from cswap_lightning.recipes.tokens import TokenSequences
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
-CNN = ROOT / "recipes" / "cnn.yaml"
+CNN = ROOT / "recipes" / "cnn.yaml"  # (its data is DALI's: the tests running it are marked)
+# each recipe, those whose data DALI loads marked so
+RECIPE_CASES = [pytest.param(path, marks=pytest.mark.dali, id=path.stem)
+                if "DALIImageDataModule" in path.read_text() else pytest.param(path, id=path.stem)
+                for path in RECIPES]
 
 # CI sizes: a recipe's value (or its class's default) is lowered to these, never raised.
 SMALL = {
@@ -116,7 +120,7 @@ def test_cswap_recipes_lists_each_with_what_it_trains(capsys):
     assert describe(shipped()["bert"]).endswith("on generated token sequences.")
 
 
-@pytest.mark.parametrize("path", RECIPES, ids=lambda path: path.stem)
+@pytest.mark.parametrize("path", RECIPE_CASES)
 def test_recipe_trains_two_steps_with_the_engine(path, tmp_path):
     cli = fit(small_args(path, tmp_path))
     trainer = cli.trainer
@@ -130,7 +134,7 @@ def test_recipe_trains_two_steps_with_the_engine(path, tmp_path):
     assert (log_dir / "config.yaml").is_file() and (log_dir / "metrics.csv").is_file()
 
 
-@pytest.mark.parametrize("path", RECIPES, ids=lambda path: path.stem)
+@pytest.mark.parametrize("path", RECIPE_CASES)
 def test_print_config_shows_every_cswap_option(path, capsys):
     with pytest.raises(SystemExit) as done:
         fit(["--config", str(path), "--print_config"])
@@ -143,6 +147,7 @@ def test_print_config_shows_every_cswap_option(path, capsys):
     assert config == {name: list(v) if isinstance(v, tuple) else v for name, v in expected.items()}
 
 
+@pytest.mark.dali
 @pytest.mark.parametrize(
     "key, value, named",  # keys inside a class_path are named relative to the class
     [("model.arch", "bogus", "arch"), ("data.image_size", "big", "image_size"),
@@ -157,6 +162,7 @@ def test_bad_value_fails_naming_the_key(key, value, named, capsys, tmp_path):
     assert not any(tmp_path.iterdir())  # failed before anything ran
 
 
+@pytest.mark.dali
 def test_bad_cswap_option_fails_at_parse_time_naming_it(tmp_path, capsys):
     key = "--trainer.strategy.init_args.config.plan"
     with pytest.raises(SystemExit) as failure:
@@ -170,6 +176,7 @@ def test_bad_cswap_option_fails_at_parse_time_naming_it(tmp_path, capsys):
 CSWAP_CONFIG = "trainer.strategy.init_args.config"
 
 
+@pytest.mark.dali
 def test_cswap_options_have_a_short_alias(capsys):
     assert cli_args(["--cswap.plan", "zvc", "--cswap.budget=0.5", "--trainer.max_steps", "2"]) == [
         f"--{CSWAP_CONFIG}.plan", "zvc", f"--{CSWAP_CONFIG}.budget=0.5", "--trainer.max_steps", "2"]
@@ -180,6 +187,7 @@ def test_cswap_options_have_a_short_alias(capsys):
     assert (config["plan"], config["budget"]) == ("zvc", 0.5)
 
 
+@pytest.mark.dali
 @pytest.mark.parametrize("yaml_line, first_line, hint", [
     ("        budjet: null", f"{CSWAP_CONFIG}: Option 'budjet' is not accepted",
      "  did you mean 'budget'?"),
@@ -199,6 +207,7 @@ def test_a_refused_yaml_value_is_said_first(yaml_line, first_line, hint, tmp_pat
     assert not any(line.startswith("usage:") for line in err)
 
 
+@pytest.mark.dali
 def test_a_misspelt_option_is_said_with_the_likely_one(capsys):
     with pytest.raises(SystemExit) as failure:
         fit(["--config", str(CNN), "--trainer.max_epohcs", "2"])
@@ -208,6 +217,7 @@ def test_a_misspelt_option_is_said_with_the_likely_one(capsys):
         "  did you mean 'trainer.max_epochs'?"]
 
 
+@pytest.mark.dali
 @pytest.mark.parametrize("key, value, error", [
     ("min_bytes", "-1", "CSwapConfig.min_bytes must be >= 0 bytes, got -1"),
     ("prefetch_bytes", "-1", "CSwapConfig.prefetch_bytes must be >= 0 bytes, got -1"),
@@ -223,6 +233,7 @@ def test_out_of_range_cswap_option_is_a_short_usage_error(key, value, error, tmp
     assert not any(tmp_path.iterdir())  # failed before anything ran
 
 
+@pytest.mark.dali
 def test_out_of_range_value_in_a_yaml_config_is_a_short_usage_error(tmp_path, capsys):
     override = tmp_path / "override.yaml"
     override.write_text("trainer:\n  strategy:\n    init_args:\n      config:\n"
@@ -234,6 +245,7 @@ def test_out_of_range_value_in_a_yaml_config_is_a_short_usage_error(tmp_path, ca
                                        "must be >= 0 bytes, got -4096\n")
 
 
+@pytest.mark.dali
 @pytest.mark.parametrize("key", ["model.width", "model.num_classes", "data.batch_size",
                                  "data.image_size", "data.num_threads"])
 def test_recipe_sizes_must_be_positive_at_parse_time(key, capsys, tmp_path):
@@ -245,6 +257,7 @@ def test_recipe_sizes_must_be_positive_at_parse_time(key, capsys, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.dali
 def test_recipe_argument_refused_when_built_is_a_short_usage_error(capsys, tmp_path):
     with pytest.raises(SystemExit) as failure:
         fit(["--config", str(CNN), "--data.channels", "2", "--trainer.default_root_dir",
@@ -254,6 +267,7 @@ def test_recipe_argument_refused_when_built_is_a_short_usage_error(capsys, tmp_p
                                        "(RGB), got 2\n")
 
 
+@pytest.mark.dali
 @pytest.mark.slow
 def test_console_entry_runs_without_lightningclis_args_warning_and_fails_cleanly(tmp_path):
     args = small_args(CNN, tmp_path)
@@ -273,6 +287,7 @@ def test_console_entry_runs_without_lightningclis_args_warning_and_fails_cleanly
                                                   "CSwapConfig.budget must be")
 
 
+@pytest.mark.dali
 @pytest.mark.slow
 def test_cnn_recipe_as_shipped_learns_through_the_console_entry(tmp_path):
     run = subprocess.run(  # by name, from a directory with no recipes/ in it
@@ -407,8 +422,10 @@ def test_size_cpu_lays_the_cpu_size_over_the_recipe_right_after_it(capsys):
         assert failure.value.code == 2 and error in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n == "gpt2" else pytest.mark.slow)
-                                  for n in GPU_SIZED])
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=[] if n == "gpt2" else [pytest.mark.slow, *(
+        [pytest.mark.dali] if "DALIImageDataModule" in shipped()[n].read_text() else [])])
+    for n in GPU_SIZED])
 def test_a_recipe_at_its_cpu_size_moves_its_larger_activations(name, tmp_path):
     """At the CPU size the YAML names, with the default min_bytes, the engine has work: it
     moves tensors, and the measured peak of saved tensors is below keeping them all."""
