@@ -164,9 +164,13 @@ def tpe_search(objective: Objective, max_evals: int = 30, startup: int = 6, seed
         return trials[-1][2]
 
     start = time.perf_counter()
-    fmin(loss, SEARCH_SPACE, algo=functools.partial(tpe.suggest, n_startup_jobs=startup),
-         max_evals=max_evals, rstate=np.random.default_rng(seed), verbose=False,
-         show_progressbar=False)
+    # hyperopt 0.3's TPE sets arrays' shapes, which NumPy 2.5 (Python 3.12 on) deprecates: a
+    # warning per evaluation, an error under -W error
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Setting the shape on a NumPy array", DeprecationWarning)
+        fmin(loss, SEARCH_SPACE, algo=functools.partial(tpe.suggest, n_startup_jobs=startup),
+             max_evals=max_evals, rstate=np.random.default_rng(seed), verbose=False,
+             show_progressbar=False)
     return Search(tuple(trials), time.perf_counter() - start)
 
 
