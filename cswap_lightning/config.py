@@ -165,8 +165,13 @@ class CSwapConfig:
             object.__setattr__(self, "budget", parse_budget(self.budget))
         for name in ("min_bytes", "prefetch_bytes", "inflight_bytes"):
             value = getattr(self, name)
-            size = parse_size(value) if isinstance(value, str) else None
-            if size is not None:  # "64KiB": kept as the bytes it means
+            if isinstance(value, str) and (value != "auto" or name == "min_bytes"):
+                size = parse_size(value)  # "64KiB": kept as the bytes it means
+                if size is None:
+                    auto = "" if name == "min_bytes" else "'auto' or "
+                    raise ValueError(f"CSwapConfig.{name} must be {auto}a number of bytes >= 0 "
+                                     f"(an int, or a size such as '512MiB' or '1.5GB'); got "
+                                     f"{value!r}")
                 object.__setattr__(self, name, size)
         for f in fields(self):
             value, allowed = getattr(self, f.name), _TYPES[f.name]
@@ -194,12 +199,6 @@ class CSwapConfig:
             )
         if self.profile_steps < 1:
             raise ValueError(f"CSwapConfig.profile_steps must be >= 1, got {self.profile_steps!r}")
-        for name in ("min_bytes", "prefetch_bytes", "inflight_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, str) and (value != "auto" or name == "min_bytes"):
-                auto = "" if name == "min_bytes" else "'auto' or "
-                raise ValueError(f"CSwapConfig.{name} must be {auto}a number of bytes >= 0 (an "
-                                 f"int, or a size such as '512MiB' or '1.5GB'); got {value!r}")
         for name in ("min_bytes", "prefetch_bytes", "inflight_bytes"):
             nbytes = getattr(self, name)
             if isinstance(nbytes, int) and nbytes < 0:
