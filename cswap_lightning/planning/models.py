@@ -139,9 +139,8 @@ def _transformer(name: str, data: dict, dropout: bool, lora: LoRA | None) -> Mod
     architecture = (data.get("architectures") or [_head(kind)])[0]
     cls = getattr(transformers, architecture, None)
     if cls is None:
-        raise ValueError(f"{name}: transformers {transformers.__version__} has no "
-                         f"{architecture or 'causal LM nor sequence classifier for model_type '}"
-                         f"{'' if architecture else repr(kind)}")
+        what = architecture or f"causal LM nor sequence classifier for model_type {kind!r}"
+        raise ValueError(f"{name}: transformers {transformers.__version__} has no {what}")
     classify = architecture.endswith("ForSequenceClassification")
     # SDPA, as the GPU runs it, where the model has it (Gemma-2 and Mamba have not)
     attention = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
