@@ -164,6 +164,17 @@ def test_each_family_plans_or_says_why_it_cannot(kind, config_file, capsys):
     assert "without help: FITS" in out
 
 
+def test_a_quantized_config_is_said_not_modelled(config_file, capsys):
+    # a QLoRA snapshot's 4-bit weights: counted in the step's dtype, and the first line says so
+    quantized = {**TINY, "quantization_config": {"quant_method": "bitsandbytes",
+                                                 "load_in_4bit": True}}
+    assert cli.main(["plan", config_file("q", quantized), "--seq", "64", "--lora",
+                     "--no-search"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("(mixed precision); its quantization_config (bitsandbytes) is NOT modelled: "
+            "weights counted in bfloat16 on H100 PCIe") in out
+
+
 def test_learned_positions_cap_the_longest_sequence(config_file, capsys):
     # OPT's positions are a table, as GPT-2's and BERT's: no longer sequence than it holds
     path = config_file("opt", {"model_type": "opt", "hidden_size": 32, "ffn_dim": 64,

@@ -129,7 +129,9 @@ def header(est: Estimate, spec: models.Model, lossy: str | None = None,
     title = (f"cswap plan: {spec.name}, {shape}, batch {s.batch}, "
              f"{str(s.dtype).removeprefix('torch.')}, {tuning}; {est.optimizer.describe}"
              + ("; eager attention (transformers has no SDPA for it)"
-                if spec.attention == "eager" else ""))
+                if spec.attention == "eager" else "")
+             + (f"; its quantization_config ({spec.quantization}) is NOT modelled: weights "
+                f"counted in {str(s.dtype).removeprefix('torch.')}" if spec.quantization else ""))
     where = (f"on {dev.name} ({dev.memory_bytes / GiB:.1f} GiB, "
              f"{sizing.CONTEXT_BYTES / GiB:.0f} GiB of it left to the CUDA context; link "
              f"{dev.link.d2h / 1e9:.0f} GB/s each way; measured by this project: "

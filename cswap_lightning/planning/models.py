@@ -60,6 +60,8 @@ class Model:
     sequence: bool  # whether the sequence length means anything (not for a CNN)
     max_sequence: int | None = None  # the config's positions, where it has a limit
     attention: str = ""  # a transformer's attention: "sdpa", or "eager" where it has none
+    # the config's quantization (its quant_method), which the estimate leaves out: "" if none
+    quantization: str = ""
 
 
 @dataclass(frozen=True)
@@ -127,8 +129,10 @@ def _head(kind: str) -> str:
 def _transformer(name: str, data: dict, dropout: bool, lora: LoRA | None) -> Model:
     transformers = require("transformers", f"the transformers model {name}")
     peft = require("peft", "LoRA") if lora is not None else None  # said before any work
+    quantization = (data.get("quantization_config") or {}).get("quant_method", "")
     data = {k: v for k, v in data.items() if k not in ("torch_dtype", "dtype",
-                                                         "transformers_version")}
+                                                         "transformers_version",
+                                                         "quantization_config")}
     kind = data.pop("model_type")
     config = transformers.AutoConfig.for_model(kind, **data)
     if not dropout:
@@ -169,7 +173,8 @@ def _transformer(name: str, data: dict, dropout: bool, lora: LoRA | None) -> Mod
         config, "n_positions", None)
     # rotary positions extend past the table's length; learned ones (GPT-2, BERT, OPT) cannot
     rotary = any("rope" in key or "rotary" in key for key in config.to_dict())
-    return Model(name, build, batch, loss, True, None if rotary else limit, attention)
+    return Model(name, build, batch, loss, True, None if rotary else limit, attention,
+                 str(quantization or ""))
 
 
 def _cnn(name: str) -> Model:
