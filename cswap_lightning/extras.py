@@ -7,9 +7,10 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-# an extra's top-level module -> (what pip installs, the extra that brings it)
+# an extra's top-level module -> (what pip installs, the extra that brings it); DALI's is said
+# by the image recipes' module itself (``recipes/images.py``)
 EXTRAS = {"transformers": ("transformers", "hf"), "accelerate": ("accelerate", "hf"),
-          "peft": ("peft", "hf"), "nvidia": ("nvidia-dali-cuda130", "dali")}
+          "peft": ("peft", "hf")}
 
 
 class MissingExtra(ModuleNotFoundError):
