@@ -27,10 +27,14 @@ from cswap_lightning.recipes.tokens import TokenSequences
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 CNN = ROOT / "recipes" / "cnn.yaml"  # (its data is DALI's: the tests running it are marked)
-# each recipe, those whose data DALI loads marked so
-RECIPE_CASES = [pytest.param(path, marks=pytest.mark.dali, id=path.stem)
-                if "DALIImageDataModule" in path.read_text() else pytest.param(path, id=path.stem)
-                for path in RECIPES]
+
+
+def on_dali(path: Path) -> list[pytest.MarkDecorator]:
+    """The ``dali`` marker for a recipe whose data DALI loads (its tests skip without DALI)."""
+    return [pytest.mark.dali] if "DALIImageDataModule" in path.read_text() else []
+
+
+RECIPE_CASES = [pytest.param(path, marks=on_dali(path), id=path.stem) for path in RECIPES]
 
 # CI sizes: a recipe's value (or its class's default) is lowered to these, never raised.
 SMALL = {
@@ -367,13 +371,9 @@ def test_token_sequences_carry_a_learnable_pattern():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["cnn", "bert"])
+@pytest.mark.parametrize("name", [pytest.param(name, marks=on_dali(
+    ROOT / "recipes" / f"{name}.yaml")) for name in ("cnn", "bert")])
 def test_recipe_on_gpu_moves_activations_off_the_device(name, tmp_path):
-    data = yaml.safe_load((ROOT / "recipes" / f"{name}.yaml").read_text())["data"]
-    if data["class_path"].endswith("DALIImageDataModule"):
-        pytest.importorskip("nvidia.dali", reason=f"the {name} recipe loads its images with "
-                            "NVIDIA DALI, which is not installed (pip install "
-                            "'cswap-lightning[dali]')")
     # On CUDA the step after the measured one runs without hooks, its time taken as plain
     # training's (``Learning._time_plain``): the plan runs from the third step on.
     cli = fit([*small_args(ROOT / "recipes" / f"{name}.yaml", tmp_path, accelerator="gpu"),
@@ -423,8 +423,7 @@ def test_size_cpu_lays_the_cpu_size_over_the_recipe_right_after_it(capsys):
 
 
 @pytest.mark.parametrize("name", [
-    pytest.param(n, marks=[] if n == "gpt2" else [pytest.mark.slow, *(
-        [pytest.mark.dali] if "DALIImageDataModule" in shipped()[n].read_text() else [])])
+    pytest.param(n, marks=[] if n == "gpt2" else [pytest.mark.slow, *on_dali(shipped()[n])])
     for n in GPU_SIZED])
 def test_a_recipe_at_its_cpu_size_moves_its_larger_activations(name, tmp_path):
     """At the CPU size the YAML names, with the default min_bytes, the engine has work: it
