@@ -162,6 +162,22 @@ def test_each_family_plans_or_says_why_it_cannot(kind, config_file, capsys):
     assert getattr(transformers, head)._supports_sdpa == (EAGER not in out)
     assert out.startswith(f"cswap plan: {kind}, sequence 32, batch 1, bfloat16, full fine-tuning")
     assert "without help: FITS" in out
+    assert "NOT run by its batch" not in out  # every weight read
+
+
+def test_a_multimodal_config_plans_its_text_path_and_says_what_did_not_run(config_file, capsys):
+    text = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "vocab_size": 256, "max_position_embeddings": 4096}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "image_size": 32, "patch_size": 16}
+    gemma3 = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+              "text_config": text, "vision_config": vision, "mm_tokens_per_image": 4}
+    assert cli.main(["plan", config_file("g3", gemma3), "--seq", "64", "--no-search"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("NOT run by its batch of text (their weights are counted, their activations are "
+            "not): model.vision_tower (0.0 M weights), model.multi_modal_projector (") in out
+    assert "without help: FITS" in out
 
 
 def test_a_quantized_config_is_said_not_modelled(config_file, capsys):

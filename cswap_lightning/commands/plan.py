@@ -131,7 +131,11 @@ def header(est: Estimate, spec: models.Model, lossy: str | None = None,
              + ("; eager attention (transformers has no SDPA for it)"
                 if spec.attention == "eager" else "")
              + (f"; its quantization_config ({spec.quantization}) is NOT modelled: weights "
-                f"counted in {str(s.dtype).removeprefix('torch.')}" if spec.quantization else ""))
+                f"counted in {str(s.dtype).removeprefix('torch.')}" if spec.quantization else "")
+             + (f"; NOT run by its batch of {'text' if spec.sequence else 'images'} (their "
+                "weights are counted, their activations are not): " + ", ".join(
+                    f"{name} ({n / 1e6:,.1f} M weights)" for name, n in est.unread.items())
+                if est.unread else ""))
     where = (f"on {dev.name} ({dev.memory_bytes / GiB:.1f} GiB, "
              f"{sizing.CONTEXT_BYTES / GiB:.0f} GiB of it left to the CUDA context; link "
              f"{dev.link.d2h / 1e9:.0f} GB/s each way; measured by this project: "

@@ -19,7 +19,7 @@ named "... (estimate)").
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cache
 
 import torch
@@ -90,6 +90,9 @@ class Estimate:
     optimizer: Optimizer
     profile: dict
     training: Training
+    # the outermost modules whose weights the step did not read (``trace.Trace.unread``):
+    # their activations are not in the estimate
+    unread: dict[str, int] = field(default_factory=dict)
 
     def workload(self) -> Workload:
         """The profile's workload with the optimizer's state and the gradients it cannot
@@ -145,7 +148,8 @@ def estimate(setup: Setup, device: Device, optimizer: Optimizer = OPTIMIZERS["ad
     seen = from_profile(profile).weight_bytes
     return Estimate(setup, device, optimizer, profile, Training(
         weights, elements, gradients, max(gradients - seen, 0),
-        round(elements * optimizer.state_bytes), round(elements * optimizer.update_bytes)))
+        round(elements * optimizer.state_bytes), round(elements * optimizer.update_bytes)),
+        traced_step.unread)
 
 
 def _unique(net: torch.nn.Module) -> list[torch.Tensor]:

@@ -107,6 +107,9 @@ class Trace:
     calls: dict[str, int] = field(default_factory=dict)  # forward calls per leaf module
     backward_allocated: dict[str, list[int]] = field(default_factory=dict)
     layers: dict[str, Layer] = field(default_factory=dict)
+    # the outermost modules with weights no op of the step read (a multimodal model's vision
+    # tower under a batch of text), and their weights' elements
+    unread: dict[str, int] = field(default_factory=dict)
     start_bytes: int = 0
     peak_bytes: int = 0
 
@@ -171,6 +174,22 @@ class _CudaRoutes(TorchFunctionMode):
             query, key, value, attn_mask, logsumexp, dropout_p, is_causal, scale=scale)[0]
 
 
+def _call(func, args: tuple, kwargs: dict):
+    """``func`` on meta tensors. torch's meta kernel of a grouped matrix product (a mixture
+    of experts' experts) takes bfloat16 only, where CUDA's and the CPU's kernels take any
+    float dtype: the product of other dtypes runs as bfloat16 and returns in its own."""
+    if func is not aten._grouped_mm.default:
+        return func(*args, **kwargs)
+    dtypes = {t.dtype for t in _tensors(list(args)) if t.is_floating_point()}
+    if dtypes <= {torch.bfloat16}:
+        return func(*args, **kwargs)
+    dtype = kwargs.get("out_dtype") or next(iter(dtypes))
+    as_bf16 = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point()
+               else a for a in args]
+    out = func(*as_bf16, **{**kwargs, "out_dtype": None})
+    return out.to(dtype)
+
+
 class _Ledger(TorchDispatchMode):
     """Below autograd: the storages ops create (freed when Python drops them: the storage
     object of a meta tensor lives as long as its memory would), and each kernel's work."""
@@ -186,10 +205,13 @@ class _Ledger(TorchDispatchMode):
         self.now = trace.start_bytes = trace.peak_bytes = sum(
             rounded(s.nbytes()) for s in storages.values())
         self.forwards: dict[str, _Forward] = {}  # the layers running their forward
+        self.read: set[int] = set()  # the storages ops read
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = _call(func, args, kwargs)
+        self.read.update(t.untyped_storage()._cdata
+                         for t in _tensors(list(args) + list(kwargs.values())))
         for t in _tensors(out):
             self._allocated(t.untyped_storage())
         kernel = None
@@ -390,4 +412,17 @@ def trace(model: nn.Module, step: Callable[[], torch.Tensor], batch: Sequence[to
                              "without data cannot: estimate a model whose forward branches "
                              "on shapes only") from err
         del loss
+    out.unread = _unread(model, ledger.read)
+    return out
+
+
+def _unread(model: nn.Module, read: set[int]) -> dict[str, int]:
+    """The outermost modules of ``model`` with weights none of whose storages is in ``read``,
+    and their weights' elements."""
+    out: dict[str, int] = {}
+    for name, module in model.named_modules():
+        params = list(module.parameters())
+        if (name and params and not any(name.startswith(f"{done}.") for done in out)
+                and not any(p.untyped_storage()._cdata in read for p in params)):
+            out[name] = sum(p.numel() for p in params)
     return out
