@@ -3,6 +3,7 @@
 from .config import CSwapConfig
 from .core.compile import compile_blocks
 from .core.engine import Offloader
+from .core.saved_hooks import no_offload
 from .core.shared import offload
 from .integrations.strategy_names import register_strategy_names
 from .records import SiteStats, StepStats
@@ -45,6 +46,7 @@ __all__ = [
     "SiteStats",
     "StepStats",
     "compile_blocks",
+    "no_offload",
     "offload",
 ]
 __version__ = "0.1.0"

@@ -86,7 +86,7 @@ from torch.autograd import Function
 from torch.utils.checkpoint import checkpoint
 
 from cswap_lightning import CSwapConfig, Offloader, offload
-from cswap_lightning.core.recompute import top_hooks
+from cswap_lightning.core.saved_hooks import top_hooks
 
 MiB = 1 << 20
 # prefetch_bytes only makes the config this module's own (offload() shares one per config)

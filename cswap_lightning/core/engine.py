@@ -30,7 +30,8 @@ from .closing import Closing
 from .learning import Learning
 from .lossy_sites import LossySites
 from .module_names import ModuleTracker
-from .recompute import BlockCall, Recompute, top_hooks
+from .recompute import BlockCall, Recompute
+from .saved_hooks import top_hooks
 from .step import Step, hide_from_dynamo
 from .transfer import Transfer
 from .watched import Watched

@@ -64,7 +64,8 @@ from .rerun import (
     rerun_hooks,
     reruns,
 )
-from .selective import Choice, Observer, Region, signature, top_hooks
+from .saved_hooks import in_transform, top_hooks
+from .selective import Choice, Observer, Region, signature
 from .tensors import of_a_leaf, version_probe
 
 _STAGE_ENDS = (_MaxPoolNd, _AdaptiveMaxPoolNd)  # as the replay cuts a Sequential's stages
@@ -352,9 +353,10 @@ class Recompute:
 
     def on(self) -> bool:
         """Whether a wrapped unit called now runs under checkpoint: not inside a region
-        ``torch.compile`` traces (a model compiled whole; Dynamo would break its graph here)."""
+        ``torch.compile`` traces (a model compiled whole; Dynamo would break its graph here),
+        nor inside a ``torch.func`` transform (``no_offload``)."""
         return (not torch.compiler.is_compiling() and self.armed and torch.is_grad_enabled()
-                and top_hooks() == self.hooks)
+                and top_hooks() == self.hooks and not in_transform())
 
     def changed_state(self, name: str, root: nn.Module) -> list[Buffer]:
         """The buffers and plain attributes unit ``name`` (its module, or its stage's
@@ -735,9 +737,10 @@ class BlockTimer:
                       for n, p in m._parameters.items() if p is not None]
 
         # Inside a region torch.compile traces (a model compiled whole) the hooks do nothing:
-        # its saves all come at its end, and Dynamo would break its graph here.
+        # its saves all come at its end, and Dynamo would break its graph here. Nor inside a
+        # torch.func transform (``no_offload``), where none of its saves come to the step.
         def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if torch.compiler.is_compiling():
+            if torch.compiler.is_compiling() or in_transform():
                 return
             inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
             if self.clock is None:
@@ -758,7 +761,7 @@ class BlockTimer:
                                self.clock.now(), observer, generators))
 
         def after(module: nn.Module, args: tuple, output: Any) -> None:
-            if torch.compiler.is_compiling() or not open_calls:
+            if torch.compiler.is_compiling() or in_transform() or not open_calls:
                 return
             first_site, versions, state, start, observer, generators = open_calls.pop()
             ways, timed, began = [], [], None

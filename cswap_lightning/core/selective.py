@@ -76,18 +76,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..planning import ops
 from ..planning.dataflow import WEIGHTS, Dataflow, storage_key
-
-Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
-
-# The innermost saved-tensor hooks (pack, unpack), or None.
-try:
-    from torch._C._autograd import _top_saved_tensors_default_hooks
-
-    def top_hooks() -> Hooks | None:
-        return _top_saved_tensors_default_hooks(False)
-except ImportError:  # a torch without it: every armed block is recomputed
-    def top_hooks() -> None:
-        return None
+from .saved_hooks import Hooks, top_hooks
 
 
 def _detached(x: Any) -> Any:
