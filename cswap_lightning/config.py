@@ -40,6 +40,9 @@ _UNIT = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 _PERCENT = re.compile(r"\s*(\d+(?:\.\d+)?)\s*%\s*")
 
+# byte fields without an "auto"
+_NO_AUTO = ("min_bytes", "host_budget")
+
 # The types each field accepts (bool is rejected where a number is expected).
 _TYPES: dict[str, tuple[type, ...]] = {
     "plan": (str,),
@@ -57,6 +60,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "inflight_bytes": (int, str),
     "pin_memory": (bool,),
     "recompute": (str,),
+    "host_budget": (int, str, type(None)),
 }
 
 
@@ -133,6 +137,11 @@ class CSwapConfig:
             what the next operators read, or from more where that spares more work;
             ``Offloader.recompute``);
             ``"off"`` never does.
+        host_budget: host memory the payloads of one step may hold at once (per process:
+            several GPUs of one machine each hold their own), bytes or a size ("32GiB");
+            ``None`` (the default): what they need. The planner (``plan="auto"``) swaps no
+            more than that and recomputes instead: the host's memory ends training harder
+            than the device's (the kernel kills the process) and is shared by every process.
     """
 
     plan: PlanName = "auto"
@@ -151,6 +160,7 @@ class CSwapConfig:
     inflight_bytes: int | str = "auto"  # or "auto"
     pin_memory: bool = True
     recompute: RecomputeMode = "auto"
+    host_budget: int | str | None = None
 
     @property
     def lossy_possible(self) -> bool:
@@ -163,12 +173,12 @@ class CSwapConfig:
             object.__setattr__(self, "lossy_exclude", tuple(self.lossy_exclude))
         if isinstance(self.budget, str):  # "2GiB", "50%": kept as the bytes or share they mean
             object.__setattr__(self, "budget", parse_budget(self.budget))
-        for name in ("min_bytes", "prefetch_bytes", "inflight_bytes"):
+        for name in ("min_bytes", "prefetch_bytes", "inflight_bytes", "host_budget"):
             value = getattr(self, name)
-            if isinstance(value, str) and (value != "auto" or name == "min_bytes"):
+            if isinstance(value, str) and (value != "auto" or name in _NO_AUTO):
                 size = parse_size(value)  # "64KiB": kept as the bytes it means
                 if size is None:
-                    auto = "" if name == "min_bytes" else "'auto' or "
+                    auto = "" if name in _NO_AUTO else "'auto' or "
                     raise ValueError(f"CSwapConfig.{name} must be {auto}a number of bytes >= 0 "
                                      f"(an int, or a size such as '512MiB' or '1.5GB'); got "
                                      f"{value!r}")
@@ -199,7 +209,7 @@ class CSwapConfig:
             )
         if self.profile_steps < 1:
             raise ValueError(f"CSwapConfig.profile_steps must be >= 1, got {self.profile_steps!r}")
-        for name in ("min_bytes", "prefetch_bytes", "inflight_bytes"):
+        for name in ("min_bytes", "prefetch_bytes", "inflight_bytes", "host_budget"):
             nbytes = getattr(self, name)
             if isinstance(nbytes, int) and nbytes < 0:
                 raise ValueError(f"CSwapConfig.{name} must be >= 0 bytes, got {nbytes!r}")

@@ -549,3 +549,52 @@ def test_a_step_whose_graph_goes_without_backward_neither_measures_nor_checks_a_
     assert [m for m in caplog.messages if "backward had not begun" in m] == [
         f"cswap: step {i}'s backward had not begun when the next step did: it neither "
         "measures nor checks a plan" for i in (0, 2)]
+
+
+def test_a_host_budget_caps_what_the_plan_moves():
+    """No device budget moves every site; a host budget of 5 MiB, two of the 2 MiB
+    activations (raw: a payload is its tensor's bytes), the earliest: the rest are kept and
+    say why."""
+    off, stats = train(CSwapConfig(budget=None, profile_steps=1, host_budget="5MiB"), steps=3)
+    assert 0 < stats[-1].stored_bytes <= 5 * MiB
+    assert stats[-1].stored_bytes == 2 * 2 * MiB
+    kept = [d for d in off.plan.decisions.values() if d.reason == "the host budget"]
+    assert kept and all(d.decision == "keep" for d in kept)
+    assert "the host budget" in off.plan.table()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("host", [0, "1MiB"])
+def test_under_a_host_budget_the_planner_recomputes_instead_of_swapping(host):
+    """Half of Llama's peak: without a host budget the planner swaps about 20 MiB; with
+    none or 1 MiB of host memory it recomputes layers instead, and still meets the budget."""
+    model, ids = _transformer("llama")
+
+    def run(config: CSwapConfig, steps: int, watch: bool = True
+            ) -> tuple[Offloader, list, frozenset[str]]:
+        m = copy.deepcopy(model)
+        off, stats = Offloader(config), []
+        if watch:
+            off.watch(m)
+        for _ in range(steps):
+            with off:
+                loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            del loss
+            stats.append(off.last_step())
+        with off:  # closes the last step
+            pass
+        recomputed = off.recomputed
+        off.close()
+        return off, stats, recomputed
+
+    _, kept, _ = run(CSwapConfig(plan="keep", min_bytes=0), 1, watch=False)
+    budget = int(0.5 * kept[-1].peak_resident_bytes)
+    _, free, _ = run(CSwapConfig(budget=budget, profile_steps=1, min_bytes=0), 4)
+    assert free[-1].stored_bytes > 8 * MiB
+    off, stats, recomputed = run(CSwapConfig(budget=budget, profile_steps=1, min_bytes=0,
+                                             host_budget=host), 4)
+    limit = CSwapConfig(host_budget=host).host_budget
+    assert off.plan.fits and recomputed
+    assert stats[-1].stored_bytes <= limit
+    assert stats[-1].peak_resident_bytes <= 1.15 * budget, off.plan.table()

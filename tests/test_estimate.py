@@ -285,6 +285,35 @@ def test_ways_compare_the_mix_with_checkpointing(tiny_llama):
     assert chosen.step_s <= base[1].step_s * 1.001  # never slower than checkpointing
 
 
+def test_a_host_budget_bounds_what_the_mixes_swap(tiny_llama):
+    """At checkpointing's peak the mix swaps about 6 MiB to beat checkpointing; half of that
+    on the host swaps less, for a slower step; none, checkpointing itself."""
+    est = estimate(Setup(tiny_llama, 2048, 1, layers=8), DEVICES["h100-pcie"])
+    _, checkpointing = sizing.baselines(est)
+    budget = [("checkpointing's peak", checkpointing.prediction.peak_bytes)]
+    (free,) = sizing.mixes(est, budget)
+    host = free.prediction.d2h_bytes // 2
+    (held,) = sizing.mixes(est, budget, host=host)
+    (none,) = sizing.mixes(est, budget, host=0)
+    assert free.prediction.d2h_bytes > 4 << 20
+    assert 0 < held.prediction.d2h_bytes <= host and none.prediction.d2h_bytes == 0
+    assert all(w.fits for w in (free, held, none))
+    assert free.step_s < held.step_s < none.step_s == pytest.approx(checkpointing.step_s)
+
+
+def test_with_no_host_memory_the_longest_sequence_is_checkpointings(tiny_llama):
+    dev = DEVICES["h100-sxm"]
+    setup = Setup(tiny_llama, 2048, 1, layers=24)
+    est = estimate(setup, dev)
+    small = replace(dev, memory_bytes=sizing.CONTEXT_BYTES + est.optimizer_peak + (40 << 20))
+    est = estimate(setup, small)
+    found = {host: sizing.largest(est, "planner", 1 << 16, host=host)
+             for host in (4 << 20, 0)}
+    assert found[0] == sizing.largest(est, "checkpointing", 1 << 16) < found[4 << 20]
+    assert sizing.fits(estimate(replace(setup, sequence=found[4 << 20]), small), "planner",
+                       host=4 << 20)
+
+
 def kept_below(model: torch.nn.Module) -> list[tuple[int, list[list[int]]]]:
     """What the engine's block timer saw each layer of ``model`` recomputed below the layer
     would keep each way, on the CPU (its input's bytes, then each kept output's)."""

@@ -99,6 +99,33 @@ def test_a_larger_bound_is_not_taken_where_the_copies_in_flight_pass_the_budget(
     assert chosen.inflight_bytes == 20 * MB and chosen.prediction.held_peak_bytes <= 45 * MB
 
 
+def test_a_host_budget_swaps_only_what_the_host_can_hold_and_recomputes_the_rest():
+    """Swapping the first block holds its 12 MB on the host: under a host budget of 11 MB the
+    mix recomputes it instead (slower, and still within the device's budget)."""
+    w = blocks4()
+    free = mix.choose(w, 20 * MB, LINK, ENGINE)
+    assert free.prediction.d2h_bytes == 12 * MB
+    assert mix.choose(w, 20 * MB, LINK, ENGINE, host_bytes=12 * MB).plan == free.plan
+    for host in (11 * MB, 0):
+        held = mix.choose(w, 20 * MB, LINK, ENGINE, host_bytes=host)
+        assert [d.action for d in held.decisions(w)] == ["recompute"] * 3 + ["keep"]
+        assert held.fits and held.host_bytes == host and held.prediction.d2h_bytes == 0
+        assert held.prediction.peak_bytes <= 20 * MB
+        assert held.prediction.step_s > free.prediction.step_s
+
+
+def test_below_checkpointings_peak_the_host_budget_bounds_the_inputs_swapped():
+    """14 MB needs every block recomputed and the first two inputs (2 MB each) swapped: a host
+    budget of 4 MB holds them, one of 3 MB does not, and the mix says why it does not fit."""
+    w = blocks4()
+    assert predict(w, checkpoint_all(), LINK, ENGINE).peak_bytes > 14 * MB
+    held = mix.choose(w, 14 * MB, LINK, ENGINE, host_bytes=4 * MB)
+    assert held.fits and held.how == "recompute all, swap the earliest 2 inputs or blocks"
+    short = mix.choose(w, 14 * MB, LINK, ENGINE, host_bytes=3 * MB)
+    assert not short.fits and short.prediction.d2h_bytes <= 3 * MB
+    assert short.how == "does not fit (the host budget stops it moving more)"
+
+
 def test_a_budget_no_mix_meets_says_by_how_much():
     w = step([(0.010, 0.010, [10 * MB])] * 4, start=50 * MB)  # 50 MB before any activation
     chosen = mix.choose(w, 40 * MB, LINK, ENGINE)

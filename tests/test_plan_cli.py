@@ -274,3 +274,20 @@ def test_plan_weighs_the_exponent_codec_and_says_its_speeds_are_estimates(config
         return float(re.findall(r"\d+\.\d+", row)[-2])  # peak, step ms, ratio: its step
 
     assert at_checkpointing(out) <= at_checkpointing(plain)
+
+
+def test_host_memory_bounds_what_each_plan_holds_on_the_host(config, capsys):
+    """Without a bound, the mixes swap (host memory held); with --host-memory 0, none does."""
+    row = re.compile(r"(\d+\.\d\d) +(\d+\.\d\d) +(\d+\.\d) +(\d+\.\d\d)x")
+    held = {}
+    for host in (None, "0"):
+        more = [] if host is None else ["--host-memory", host]
+        assert cli.main(["plan", config, "--seq", "2048", "--layers", "8", "--no-search",
+                         *more]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert any("host GiB" in line and "peak GiB" in line for line in lines)
+        held[host] = [float(m[2]) for line in lines if (m := row.search(line))]
+        assert len(held[host]) == 5  # no help, checkpointing and three budgets
+    assert max(held[None]) > 0 and held["0"] == [0.0] * 5
+    assert ("  host GiB: what the swapped blocks hold in host memory (pinned) at the end of "
+            "forward, per GPU process; at most 0 GiB (--host-memory)") in lines

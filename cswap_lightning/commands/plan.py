@@ -71,6 +71,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--dense", action="store_true",
                    help="let the planner's mix send bfloat16 activations through the lossless "
                    "exponent codec too (CSwapConfig.dense_compressor; its speeds estimated)")
+    p.add_argument("--host-memory", type=number(lambda v: v >= 0, "a number of GiB >= 0"),
+                   default=None, metavar="GIB",
+                   help="host memory per GPU process the swapped blocks may hold, in GiB "
+                   "(CSwapConfig.host_budget; default: what they need)")
     p.add_argument("--no-search", dest="search", action="store_false",
                    help="skip the search for the longest sequence that fits")
 
@@ -108,12 +112,13 @@ def _run(args: argparse.Namespace) -> int:
     print(below_the_layer(est), flush=True)
     progress = Progress("cswap plan")
     progress(f"planning at {len(budgets)} budgets (one to two minutes for a 32-layer model)")
+    host = None if args.host_memory is None else int(args.host_memory * GiB)
     ways = base + sizing.mixes(est, budgets, finer=args.finer, lossy=args.lossy,
-                               progress=progress, dense=args.dense)
-    print(plans(ways), flush=True)
+                               progress=progress, dense=args.dense, host=host)
+    print(plans(ways, host), flush=True)
     if args.search:
         ceiling = min(spec.max_sequence or CEILING, CEILING) if spec.sequence else 4096
-        print(longest(est, ceiling, "sequence" if spec.sequence else "batch", progress))
+        print(longest(est, ceiling, "sequence" if spec.sequence else "batch", progress, host))
     print(f"({time.monotonic() - began:.0f} s)")
     return 0
 
@@ -202,7 +207,7 @@ def below_the_layer(est: Estimate) -> str:
         f"(estimated)", WIDTH) + "\n"
 
 
-def plans(ways: list[sizing.Way]) -> str:
+def plans(ways: list[sizing.Way], host: int | None = None) -> str:
     checkpointing = ways[1]
     title = ("plans (the replay of the estimated step; a step is forward and backward, the "
              "optimizer apart)")
@@ -211,12 +216,16 @@ def plans(ways: list[sizing.Way]) -> str:
     width = max(42, *(len(way.how) for way in ways))
     left = max(28, *map(len, labels))
     lines = [title,
-             (f"  {'budget':<{left}} {'plan':<{width}} {'peak GiB':>8} {'step ms':>8} "
-              f"{'vs ckpt':>8}")]
+             (f"  {'budget':<{left}} {'plan':<{width}} {'peak GiB':>8} {'host GiB':>8} "
+              f"{'step ms':>8} {'vs ckpt':>8}")]
     for label, way in zip(labels, ways):
-        lines.append(f"  {label:<{left}} {way.how:<{width}} "
-                     f"{way.prediction.peak_bytes / GiB:>8.2f} {1e3 * way.step_s:>8.1f} "
+        p = way.prediction
+        lines.append(f"  {label:<{left}} {way.how:<{width}} {p.peak_bytes / GiB:>8.2f} "
+                     f"{p.d2h_bytes / GiB:>8.2f} {1e3 * way.step_s:>8.1f} "
                      f"{checkpointing.step_s / way.step_s:>7.2f}x" + ("" if way.fits else " OVER"))
+    lines.append("  host GiB: what the swapped blocks hold in host memory (pinned) at the end of "
+                 "forward, per GPU process" + ("" if host is None else
+                                               f"; at most {host / GiB:g} GiB (--host-memory)"))
     if any(OVER_DEVICE in label for label in labels):
         lines.append(f"  {OVER_DEVICE}: a budget over the device's memory, planned for the "
                      "device's")
@@ -224,13 +233,13 @@ def plans(ways: list[sizing.Way]) -> str:
 
 
 def longest(est: Estimate, ceiling: int, what: str,
-            progress: Callable[[str], None] | None = None) -> str:
+            progress: Callable[[str], None] | None = None, host: int | None = None) -> str:
     parts = []
     for how, label in (("none", "without help"), ("checkpointing", "checkpointing"),
                        ("planner", "the planner")):
         if progress is not None:
             progress(f"the longest {what} that fits {label}")
-        n = sizing.largest(est, how, ceiling)
+        n = sizing.largest(est, how, ceiling, host if how == "planner" else None)
         parts.append(f"{label} {'none' if n is None else n}"
                      + (" (the search's ceiling)" if n == ceiling else ""))
     return f"the longest {what} that fits (estimated): " + ", ".join(parts)

@@ -341,15 +341,17 @@ class Learning:
                   "once: predicted %s, budget %s%s", len(moved), len(plan.decisions),
                   fmt_bytes(sum(d.nbytes for d in moved)), fmt_bytes(plan.predicted_peak),
                   budget, "" if plan.fits else " (does not fit)")
+        host = ("" if self.config.host_budget is None else
+                f" that host_budget={fmt_bytes(self.config.host_budget)} can hold")
         if choice is not None and not choice.mix.fits:
             self._say_over_budget(choice.mix.prediction.peak_bytes, (
-                "whatever it recomputes and moves, the replay of the measured step predicts "
-                "a peak of at least"))
+                f"whatever it recomputes and moves{host}, the replay of the measured step "
+                "predicts a peak of at least"))
         elif not plan.fits:
             beside = (f" ({fmt_bytes(plan.base_bytes)} of it what the step holds beside its "
                       "saved tensors)" if plan.base_bytes else "")
             self._say_over_budget(plan.predicted_peak + plan.base_bytes,
-                                  "whatever it moves, the planner predicts a peak of",
+                                  f"whatever it moves{host}, the planner predicts a peak of",
                                   after=beside)
 
 

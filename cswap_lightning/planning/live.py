@@ -137,7 +137,7 @@ class Recomputation:
         """The choice for a budget ``by`` bytes tighter, from the same replayed step."""
         return choose_recompute(self.workloads or (self.workload,),
                                 max(self.mix.budget_bytes - by, 0), self.link, self.engine,
-                                self.inflight_choices, self.codecs)
+                                self.inflight_choices, self.codecs, self.mix.host_bytes)
 
 
 def candidates(profiles: Sequence[SiteProfile], calls: Sequence[BlockCall],
@@ -195,20 +195,21 @@ def _site(w: Workload, i: int, profiles: Sequence[SiteProfile]) -> SiteProfile:
 
 def choose_recompute(measured: Sequence[Workload], budget_bytes: int, link: replay.Link,
                      engine: replay.Engine, inflight_choices: Sequence[int] = (),
-                     codecs: Sequence[mix.CodecOf] = ()) -> Recomputation:
+                     codecs: Sequence[mix.CodecOf] = (), host_bytes: int | None = None
+                     ) -> Recomputation:
     """The blocks the planner recomputes to meet ``budget_bytes``, from the measured step
     (with each of its candidate units, ``candidates``) replayed under candidate mixes: none
     where keeping or swapping alone is predicted to meet it at least as fast.
     ``inflight_choices``: larger bounds on bytes in flight it may pick (``mix.choose``);
     ``codecs``: ways blocks may travel compressed (``block_codec``), each weighed against
     swapping them raw where it shrinks some block: compression widens what the link carries
-    in its window."""
+    in its window. ``host_bytes``: the host memory what it swaps may hold (None: any)."""
     shrinking = tuple(codec_of for codec_of in codecs
                       if any(codec_of(measured[0], block).ratio < 1
                              for block in measured[0].blocks))
     chosen_workload, chosen = mix.choose_among(
         measured, budget_bytes, link, engine, inflight_choices=inflight_choices,
-        codecs=(None, *shrinking))
+        codecs=(None, *shrinking), host_bytes=host_bytes)
     names = tuple(block.name for block, decision in zip(
         chosen_workload.blocks, chosen.decisions(), strict=True)
         if decision.action == "recompute")

@@ -106,6 +106,7 @@ class Choice:
     candidates: dict[str, Prediction] = field(default_factory=dict)
     engine: Engine = field(default_factory=Engine)  # the settings it was replayed with
     workload: Workload | None = None  # the step the plan is for (its parents made whole)
+    host_bytes: int | None = None  # the host memory its payloads may hold (None: any)
 
     @property
     def inflight_bytes(self) -> int:
@@ -128,8 +129,9 @@ def choose(workload: Workload, budget_bytes: int | None, link: Link | None = Non
            engine: Engine | None = None, codec_of: CodecOf | None = None,
            recompute: bool = True, inflight_choices: Sequence[int] = (),
            replays: Replays | None = None, faster_than: float = math.inf,
-           prune: bool = True) -> Choice:
-    """The fastest plan the replay predicts to fit ``budget_bytes`` (the allocator's peak);
+           prune: bool = True, host_bytes: int | None = None) -> Choice:
+    """The fastest plan the replay predicts to fit ``budget_bytes`` (the allocator's peak)
+    with what it swaps holding at most ``host_bytes`` of host memory (None: any);
     ``codec_of(workload, block)`` is how a swapped block travels (raw by default);
     ``recompute=False``
     only keeps or swaps; ``inflight_choices``: larger bounds on bytes in flight than
@@ -142,36 +144,37 @@ def choose(workload: Workload, budget_bytes: int | None, link: Link | None = Non
     engine, replays = engine or Engine(), replays or Replays()
     faster_than = faster_than if prune else math.inf
     best = _choose(workload, budget_bytes, link or Link(), engine, codec_of, recompute, replays,
-                   faster_than=faster_than, prune=prune)
+                   faster_than=faster_than, prune=prune, host_bytes=host_bytes)
     for bound in sorted(b for b in inflight_choices if b > engine.inflight_bytes):
         if not best.fits or best.how == "keep everything":
             break
         wider = _choose(workload, budget_bytes, link or Link(),
                         replace(engine, inflight_bytes=bound), codec_of, recompute, replays,
                         held=True, faster_than=best.prediction.step_s if prune else math.inf,
-                        prune=prune)
+                        prune=prune, host_bytes=host_bytes)
         if not (wider.fits and wider.prediction.step_s < best.prediction.step_s):
             break  # a wider bound held more than the budget, or gained nothing
         best = wider
-    return best
+    return replace(best, host_bytes=host_bytes)
 
 
 def choose_among(workloads: Sequence[Workload], budget_bytes: int | None,
                  link: Link | None = None, engine: Engine | None = None,
                  inflight_choices: Sequence[int] = (),
                  codecs: Sequence[CodecOf | None] = (None,),
-                 replays: Replays | None = None, prune: bool = True
-                 ) -> tuple[Workload, Choice]:
+                 replays: Replays | None = None, prune: bool = True,
+                 host_bytes: int | None = None) -> tuple[Workload, Choice]:
     """``choose`` for each of the same step's workloads (its units of recomputation cut
     otherwise, ``Workload.with_units``) and each way of swapping (``codecs``: raw, or a
     codec per block): the fastest mix that fits, else the first's. ``replays``: predictions
-    made before, for the same step at other budgets; ``prune``: as ``choose``'s."""
+    made before, for the same step at other budgets; ``prune`` and ``host_bytes``: as
+    ``choose``'s."""
     replays = replays or Replays()
     mixes, fastest = [], math.inf
     for w, codec_of in product(workloads, codecs):
         mixes.append(choose(w, budget_bytes, link, engine, codec_of,
                             inflight_choices=inflight_choices, replays=replays,
-                            faster_than=fastest, prune=prune))
+                            faster_than=fastest, prune=prune, host_bytes=host_bytes))
         if mixes[-1].fits:
             fastest = min(fastest, mixes[-1].prediction.step_s)
     fitting = [m for m in mixes if m.fits]
@@ -205,7 +208,7 @@ def _ways_per_block(base: Workload, chosen: Choice, link: Link, replays: Replays
              if b.selective is not None and decision.action == "recompute"]
     if not order:
         return chosen
-    budget = chosen.budget_bytes
+    budget, host = chosen.budget_bytes, chosen.host_bytes
     held = max(budget, chosen.prediction.held_peak_bytes)  # what it was chosen with
     best, best_way = chosen, way
     for j, cut in product(range(max(len(base.blocks[k].below) for k in order)),
@@ -220,6 +223,7 @@ def _ways_per_block(base: Workload, chosen: Choice, link: Link, replays: Replays
             w = replays.merged(replays.with_below(base, trial), frozenset(whole))
             p = replays.predict(w, chosen.plan, link, chosen.engine)
             if (p.peak_bytes <= budget and p.held_peak_bytes <= held
+                    and (host is None or p.d2h_bytes <= host)
                     and p.step_s < best.prediction.step_s):
                 best = replace(best, prediction=p, workload=w,
                                how=best.how.split(";")[0] + _weighed(w, chosen.plan)
@@ -240,9 +244,12 @@ class _Unit:
 
 def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: Engine,
             codec_of: CodecOf | None, recompute: bool, replays: Replays,
-            held: bool = False, faster_than: float = math.inf, prune: bool = True) -> Choice:
+            held: bool = False, faster_than: float = math.inf, prune: bool = True,
+            host_bytes: int | None = None) -> Choice:
     """``choose`` at one bound on bytes in flight (``held``: the copies in flight count
-    against the budget too; ``faster_than`` and ``prune``: as ``choose``'s)."""
+    against the budget too; ``faster_than``, ``prune`` and ``host_bytes``: as ``choose``'s).
+    What a mix holds on the host grows with the blocks it swaps (or whose inputs it swaps),
+    not with those it recomputes."""
     codec_of = codec_of or (lambda w, block: RAW)
 
     def merged(parents: frozenset[str]) -> Workload:
@@ -262,9 +269,15 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
     rankings = [units] + ([[u for u in units if not u.whole]]
                           if any(u.whole for u in units) else [])
 
-    def fits(chosen: tuple[Workload, Mix]) -> bool:
+    def on_device(chosen: tuple[Workload, Mix]) -> bool:
         p = run(chosen)
         return max(p.peak_bytes, p.held_peak_bytes if held else 0) <= budget_bytes
+
+    def on_host(chosen: tuple[Workload, Mix]) -> bool:
+        return host_bytes is None or run(chosen).d2h_bytes <= host_bytes
+
+    def fits(chosen: tuple[Workload, Mix]) -> bool:
+        return on_device(chosen) and on_host(chosen)
 
     def eligible(ranked: list[_Unit], swapped: int) -> list[_Unit]:
         return [u for u in ranked if min(u.blocks) >= swapped]
@@ -349,6 +362,8 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
         fastest mix below the layer seeds the search for its earliest blocks whole."""
         nonlocal skipped
         for swapped in range(len(names) + 1):
+            if not on_host(mixed(ranked, swapped, 0, below)):
+                return  # swapping more holds more on the host
             try:
                 k = least(ranked, swapped, below)
             except _Beaten as beaten:
@@ -356,9 +371,10 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
                 if not beaten.later:
                     continue
                 if below:
-                    first = _first(len(names) - swapped, lambda i, after=swapped + 1: fits(
+                    first = _first(len(names) - swapped, lambda i, after=swapped + 1: on_device(
                         mixed(ranked, after + i, 0, below)))
-                    if first is not None:
+                    if first is not None and on_host(mixed(ranked, swapped + 1 + first, 0,
+                                                           below)):
                         yield swapped + 1 + first, 0
                 return
             if k is not None:
@@ -409,18 +425,21 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
         return Choice(Mix(), keep, keep, budget_bytes, False, "none faster",
                       engine=engine, workload=workload)
     if not candidates and full:
-        k = _first(len(whole.blocks) + 1, lambda k: fits(moved(k)))
-        if k is not None:
+        k = _first(len(whole.blocks) + 1, lambda k: on_device(moved(k)))
+        if k is not None and on_host(moved(k)):
             candidates[f"recompute all, swap the earliest {k} inputs or blocks"
                        + _through(moved(k)[1])] = (moved(k), run(moved(k)))
     if candidates:
         how, ((w, plan), prediction) = min(candidates.items(), key=lambda kv: kv[1][1].step_s)
         return Choice(plan, prediction, keep, budget_bytes, True, how,
                    {h: p for h, (_, p) in candidates.items()}, engine, w)
-    # nothing fits: the plan that comes closest, and how far off it is
-    w, plan = moved(len(whole.blocks))
-    return Choice(plan, run((w, plan)), keep, budget_bytes, False, "does not fit",
-               engine=engine, workload=w)
+    # nothing fits: the plan that comes closest (moving what the host can hold), and how far
+    # off it is
+    most = _first(len(whole.blocks) + 1, lambda k: not on_host(moved(k)))
+    w, plan = moved(len(whole.blocks) if most is None else max(most - 1, 0))
+    return Choice(plan, run((w, plan)), keep, budget_bytes, False, "does not fit" + (
+        "" if most is None else " (the host budget stops it moving more)"),
+                  engine=engine, workload=w)
 
 
 class _Beaten(Exception):

@@ -21,6 +21,8 @@ from ..records import SiteStats, StepStats, fmt_bytes
 
 # A site the training loop holds too: moving it frees nothing, it stays for the whole step.
 HELD_ELSEWHERE = "held elsewhere"
+# why a site the planner would move is kept: its payload would pass CSwapConfig.host_budget
+HOST_BUDGET = "the host budget"
 
 # What a plan may decide for a site.
 DECISIONS: tuple[str, ...] = ("keep", "raw", *COMPRESSORS, *LOSSY_CODECS)
@@ -101,7 +103,8 @@ class Plan:
                 f"{'host':>9} {'raw ms':>8} {'plan ms':>8} {'saved ms':>8}  why")
         rows = [head, "-" * len(head)]
         shown = [d for d in self.decisions.values()
-                 if every_site or d.decision != "keep" or d.reason == "fits the budget"]
+                 if every_site or d.decision != "keep"
+                 or d.reason in ("fits the budget", HOST_BUDGET)]
         for d in shown:
             rows.append(
                 f"{d.site:>4} {list(d.shape)!s:<20} {fmt_bytes(d.nbytes):>9} "

@@ -30,7 +30,7 @@ from ..records import StepStats
 from . import live, mix
 from . import replay as replayed
 from .advisor import LOSSY_MAX_SPARSITY, Advisor, dense_ok, resolve_budget
-from .plan import Decision, Plan
+from .plan import HOST_BUDGET, Decision, Plan
 from .predictor import CodecTimeModel, calibrate
 from .prefetch import lookahead_bytes
 from .profiler import Link, SiteProfile, measure_link
@@ -104,7 +104,7 @@ class Planner:
         self.recomputation = live.choose_recompute(
             measured, budget, link, self._engine(m, link),
             INFLIGHT_CHOICES if self.config.inflight_bytes == "auto" else (),
-            self._block_codecs(m, model))
+            self._block_codecs(m, model), self.config.host_budget)
         self.inflight_bytes = self.recomputation.inflight_bytes
         return self.recomputation
 
@@ -160,15 +160,26 @@ class Planner:
         moved = len(movable)
         if budget is not None:
             moved, window = self._fewest(replayed_with, len(movable), budget, window)
-        prediction = replayed_with(moved, window)
-        fits = budget is None or prediction.peak_bytes <= budget
-        for k in movable[moved:]:
+        held = self._on_host(replayed_with, moved, window)
+        prediction = replayed_with(held, window)
+        fits = budget is None or (prediction.peak_bytes <= budget and held == moved)
+        for n, k in enumerate(movable[held:], start=held):
             d = decisions[m.profiles[k].site]
             d.decision, d.stored_bytes, d.chosen_s = "keep", 0, 0.0
-            d.reason = "fits the budget" if fits else "keeps the peak lowest"
+            d.reason = (HOST_BUDGET if n < moved else "fits the budget" if fits
+                        else "keeps the peak lowest")
         signature = tuple((p.shape, p.dtype) for p in m.profiles)
         return Plan(decisions, signature, budget, beside,
                     max(prediction.peak_bytes - beside, 0), fits, window)
+
+    def _on_host(self, replayed_with: Callable[[int, int], replayed.Prediction], moved: int,
+                 window: int) -> int:
+        """The most of the ``moved`` earliest sites whose payloads the host budget holds."""
+        host = self.config.host_budget
+        if host is None or replayed_with(moved, window).d2h_bytes <= host:
+            return moved
+        return bisect_left(range(moved + 1), True,
+                           key=lambda k: replayed_with(k, window).d2h_bytes > host) - 1
 
     @staticmethod
     def _fewest(replayed_with: Callable[[int, int], replayed.Prediction], movable: int,

@@ -58,11 +58,23 @@ class Way:
         return self.prediction.step_s - self.prediction.optimizer_s
 
 
-def frugal(w: Workload) -> Mix:
+def frugal(w: Workload, host: int | None = None) -> Mix:
     """The plan that frees the most: every block recomputed from a swapped input, or swapped
-    where it cannot be recomputed (the planner's last resort, ``mix``)."""
-    return Mix(KEEP, {b.name: BlockDecision("recompute", RAW, swap_input=True) if b.recomputable
-                       else BlockDecision("swap") for b in w.blocks})
+    where it cannot be recomputed (the planner's last resort, ``mix``); with ``host`` bytes
+    of host memory, what moves only the earliest blocks whose bytes it holds, in the
+    order the planner moves them, the rest recomputed from a kept input or kept."""
+    decisions, held, full = {}, 0, False
+    for k, b in enumerate(w.blocks):
+        moves = (w.saved[w.block_input(k)].storage_nbytes if b.recomputable
+                 else mix.saved_bytes(w, k))
+        full = full or (host is not None and held + moves > host)
+        if full:
+            decisions[b.name] = BlockDecision("recompute") if b.recomputable else KEEP
+        else:
+            held += moves
+            decisions[b.name] = (BlockDecision("recompute", RAW, swap_input=True)
+                                 if b.recomputable else BlockDecision("swap"))
+    return Mix(KEEP, decisions)
 
 
 def baselines(est: Estimate, engine: Engine | None = None) -> list[Way]:
@@ -81,7 +93,7 @@ def mixes(est: Estimate, budgets: Sequence[tuple[str, int]], finer: bool = False
           lossy: str | None = None, clip: bool = True,
           progress: Callable[[str], None] | None = None,
           replays: mix.Replays | None = None, engine: Engine | None = None,
-          dense: bool = False) -> list[Way]:
+          dense: bool = False, host: int | None = None) -> list[Way]:
     """The planner's mix at each budget (a label and the allocator's bytes it may use; with
     ``clip``, at most the device's), over layers recomputed whole or below the layer as
     units of recomputation, ``finer``: and over their activation modules too (slower to
@@ -89,7 +101,8 @@ def mixes(est: Estimate, budgets: Sequence[tuple[str, int]], finer: bool = False
     ``dense``: and through the lossless exponent codec (``dense_codec``);
     ``progress`` is told each budget's mix as it is chosen; ``replays``: the replay's
     predictions made before for the same estimate (kept across calls); ``engine``: the
-    engine's settings the replay follows (its defaults if None)."""
+    engine's settings the replay follows (its defaults if None); ``host``: the host memory
+    what a mix swaps may hold (None: any)."""
     w, link, limit = est.workload(), est.device.link, usable(est.device)
     units = profiled.unit_candidates(w, activations=finer)
     codecs = (None, *([dense_codec(est.device)] if dense else []),
@@ -98,7 +111,7 @@ def mixes(est: Estimate, budgets: Sequence[tuple[str, int]], finer: bool = False
     for label, budget in budgets:
         _, chosen = mix.choose_among(units, min(budget, limit) if clip else budget, link,
                                      engine, inflight_choices=INFLIGHT_CHOICES, codecs=codecs,
-                                     replays=replays)
+                                     replays=replays, host_bytes=host)
         out.append(Way(label, chosen.how, chosen.prediction,
                        est.optimizer_peak <= limit and chosen.fits))
         if progress is not None:
@@ -206,22 +219,25 @@ def first_layer(est: Estimate) -> Layer | None:
                  tuple((n / kib, seconds) for n, seconds in others))
 
 
-def fits(est: Estimate, how: str, workload: Workload | None = None) -> bool:
+def fits(est: Estimate, how: str, workload: Workload | None = None,
+         host: int | None = None) -> bool:
     """Whether ``est`` (or ``workload``, the same step at another size) fits its device
     without help (``how="none"``), under checkpointing (``"checkpointing"``) or with the
-    planner's most frugal plan (``"planner"``)."""
+    planner's most frugal plan (``"planner"``; with ``host`` bytes of host memory, the
+    most frugal that moves no more)."""
     limit = usable(est.device)
     if est.optimizer_peak > limit:
         return False
     w = workload or est.workload()
-    plan = {"none": Mix(), "checkpointing": checkpoint_all(), "planner": frugal(w)}[how]
-    return predict(w, plan, link=est.device.link).peak_bytes <= limit
+    plan = {"none": Mix(), "checkpointing": checkpoint_all(), "planner": frugal(w, host)}[how]
+    p = predict(w, plan, link=est.device.link)
+    return p.peak_bytes <= limit and (host is None or p.d2h_bytes <= host)
 
 
-def largest(est: Estimate, how: str, ceiling: int) -> int | None:
+def largest(est: Estimate, how: str, ceiling: int, host: int | None = None) -> int | None:
     """The largest sequence (a CNN: batch) at most ``ceiling`` that fits ``how``
-    (``fits``), in steps of ``GRANULE`` tokens (a batch: of 1); None where the smallest does
-    not fit.
+    (``fits``, with ``host``), in steps of ``GRANULE`` tokens (a batch: of 1); None where the
+    smallest does not fit.
 
     A step's saved and allocated bytes grow in proportion to its tokens (the fused attention
     keeps nothing of the sequence squared), so the search scales ``est``'s workload
@@ -236,9 +252,9 @@ def largest(est: Estimate, how: str, ceiling: int) -> int | None:
 
     def traced_fits(n: int) -> bool:
         sized = replace(setup, sequence=n) if sequence else replace(setup, batch=n)
-        return fits(cached(sized, est.device, est.optimizer), how)
+        return fits(cached(sized, est.device, est.optimizer), how, host=host)
 
-    found = _largest(lambda n: fits(est, how, base.scaled(n)), step, ceiling)
+    found = _largest(lambda n: fits(est, how, base.scaled(n), host), step, ceiling)
     if found is None or traced_fits(found):
         return found
     return _largest(traced_fits, step, found - step)  # the scaling was off: search traces
