@@ -140,8 +140,10 @@ class CSwapConfig:
         host_budget: host memory the payloads of one step may hold at once (per process:
             several GPUs of one machine each hold their own), bytes or a size ("32GiB");
             ``None`` (the default): what they need. The planner (``plan="auto"``) swaps no
-            more than that and recomputes instead: the host's memory ends training harder
-            than the device's (the kernel kills the process) and is shared by every process.
+            more than that and recomputes instead, and no step holds more whatever the plan:
+            a tensor that would pass it stays on the device (a compressed payload counts at
+            its tensor's bytes). The host's memory ends training harder than the device's
+            (the kernel kills the process) and is shared by every process.
     """
 
     plan: PlanName = "auto"

@@ -556,8 +556,7 @@ def test_a_host_budget_caps_what_the_plan_moves():
     activations (raw: a payload is its tensor's bytes), the earliest: the rest are kept and
     say why."""
     off, stats = train(CSwapConfig(budget=None, profile_steps=1, host_budget="5MiB"), steps=3)
-    assert 0 < stats[-1].stored_bytes <= 5 * MiB
-    assert stats[-1].stored_bytes == 2 * 2 * MiB
+    assert [s.stored_bytes for s in stats] == [2 * 2 * MiB] * 3  # the measured step's too
     kept = [d for d in off.plan.decisions.values() if d.reason == "the host budget"]
     assert kept and all(d.decision == "keep" for d in kept)
     assert "the host budget" in off.plan.table()
@@ -598,3 +597,28 @@ def test_under_a_host_budget_the_planner_recomputes_instead_of_swapping(host):
     assert off.plan.fits and recomputed
     assert stats[-1].stored_bytes <= limit
     assert stats[-1].peak_resident_bytes <= 1.15 * budget, off.plan.table()
+
+
+@pytest.mark.parametrize("plan", ["raw", "zvc"])
+def test_no_plan_holds_more_than_the_host_budget(plan):
+    """A fixed plan moves what the host budget holds (each step's payloads, counted at their
+    tensors' bytes) and keeps the rest on the device, where training goes on as without it."""
+    model, x = wide_mlp(nn.GELU)
+    plain = copy.deepcopy(model)
+    plain(x).square().mean().backward()
+    off, first = Offloader(CSwapConfig(plan=plan, host_budget="5MiB")), None
+    for _ in range(3):
+        model.zero_grad()
+        with off:
+            loss = model(x).square().mean()
+        loss.backward()
+        last = off.last_step()
+        first = first or last
+        assert 0 < last.offloaded_bytes <= 5 * MiB
+    # two 2 MiB tensors moved, the first two; every other one the plan moves is kept for it
+    moved = [s.site for s in first.sites if s.decision == plan]
+    held = [s for s in first.sites if s.reason == "the host budget"]
+    assert len(moved) == 2 and len(held) > 10
+    assert all(s.decision == "keep" and s.site > max(moved) for s in held)
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)

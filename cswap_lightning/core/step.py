@@ -34,6 +34,7 @@ from ..allocator import peak_allocated_bytes
 from ..codecs import Codec, get_codec
 from ..codecs.lossy import relative_error, seed_of
 from ..config import LOSSY_CODECS
+from ..planning.plan import HOST_BUDGET
 from ..planning.prefetch import resident_window
 from ..planning.profiler import StepTimer
 from ..records import WEIGHTS, SiteStats, StepStats, fmt_bytes
@@ -200,6 +201,9 @@ class Step:
         self.sizes: list[int] = []
         self.transfer = offloader.transfer
         self.min_bytes = offloader.config.min_bytes
+        # the host memory this step's payloads may still take (None: any): a tensor that
+        # would pass it stays on the device, whatever the plan
+        self.host_left: int | None = offloader.config.host_budget
         self.prefetch_bytes = offloader.prefetch_window()
         self.stats = StepStats(index)
         self.residency = Residency(self.stats)
@@ -270,7 +274,7 @@ class Step:
                 self.other_graph = True
             else:
                 storage = t.untyped_storage()
-                if storage.nbytes() == move.nbytes:
+                if storage.nbytes() == move.nbytes and self._host_takes(move.nbytes):
                     return self._move(site, t, storage, move)
         return self._track(saved, t, rebuild)
 
@@ -348,6 +352,8 @@ class Step:
                          rebuild)
         held = self.residency.hold(storage)
         codec = self.offloader.codec_for(site, stats)
+        if codec != "keep" and not self._host_takes(storage.nbytes()):
+            codec, stats.reason = "keep", HOST_BUDGET
         if codec == "keep":
             stats.reason = stats.reason or "plan"
             if self._same_bytes(t, stats):
@@ -360,6 +366,15 @@ class Step:
         self._offload(entry, t, storage, storage.nbytes(), get_codec(codec))
         stats.nbytes = entry.nbytes
         return entry
+
+    def _host_takes(self, nbytes: int) -> bool:
+        """Whether the host budget has room for a payload of at most ``nbytes`` (taken)."""
+        if self.host_left is None:
+            return True
+        if nbytes > self.host_left:
+            return False
+        self.host_left -= nbytes
+        return True
 
     def _same_bytes(self, t: torch.Tensor, stats: SiteStats) -> bool:
         """Whether an earlier kept site of the step holds ``t``'s bytes (the same tensor

@@ -20,6 +20,7 @@ from functools import partial
 import torch
 
 from ..records import StepStats
+from .plan import HOST_BUDGET
 from .replay import Link
 
 _LINKS: dict[torch.device, Link] = {}
@@ -272,7 +273,8 @@ class Profiler:
             self.together = together or []
         plain = all(s.decision in ("keep", "dedup") for s in step.sites)
         for s in step.sites:
-            offloadable = not s.reason or s.reason == "plan"
+            kept = s.reason in ("plan", HOST_BUDGET)  # movable, kept as the step decided
+            offloadable = not s.reason or kept
             profile = self.sites.get(s.site)
             new = (profile is None or profile.dtype != s.dtype
                    or len(profile.shape) != len(s.shape))
@@ -286,7 +288,7 @@ class Profiler:
                 profile.shape = s.shape
             # A site the plan kept tells only its view's size, and not whether it shares its
             # storage with an earlier site: what a swap of it measured stands.
-            if new or s.reason != "plan":
+            if new or not kept:
                 profile.nbytes = s.nbytes if new else max(profile.nbytes, s.nbytes)
                 profile.offloadable = offloadable
                 profile.reason = "" if offloadable else s.reason
