@@ -75,12 +75,22 @@ def test_budgets_are_taken_in_the_forms_people_write(written, meant):
     assert config == CSwapConfig(budget=meant)
 
 
-@pytest.mark.parametrize("field", ["min_bytes", "prefetch_bytes", "inflight_bytes"])
+@pytest.mark.parametrize("field", ["min_bytes", "prefetch_bytes", "inflight_bytes",
+                                   "host_budget"])
 def test_byte_counts_are_taken_as_sizes_too(field):
     # as the budget is: a YAML recipe's `prefetch_bytes: 1GiB` means what `budget: 1GiB` does
     assert getattr(CSwapConfig(**{field: "64KiB"}), field) == 64 << 10
     assert CSwapConfig(**{field: "1.5GB"}) == CSwapConfig(**{field: 1_500_000_000})
     assert getattr(CSwapConfig(**{field: "0B"}), field) == 0
+
+
+def test_the_host_budget_is_none_or_bytes():
+    assert CSwapConfig().host_budget is None
+    with pytest.raises(ValueError, match=r"host_budget must be a number of bytes >= 0 .*"
+                       r"got 'auto'"):
+        CSwapConfig(host_budget="auto")
+    with pytest.raises(ValueError, match=r"host_budget must be >= 0 bytes, got -1"):
+        CSwapConfig(host_budget=-1)
 
 
 def test_the_largest_sizes_are_accepted():
