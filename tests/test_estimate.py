@@ -292,11 +292,11 @@ def test_a_host_budget_bounds_what_the_mixes_swap(tiny_llama):
     _, checkpointing = sizing.baselines(est)
     budget = [("checkpointing's peak", checkpointing.prediction.peak_bytes)]
     (free,) = sizing.mixes(est, budget)
-    host = free.prediction.d2h_bytes // 2
+    host = free.prediction.host_bytes // 2
     (held,) = sizing.mixes(est, budget, host=host)
     (none,) = sizing.mixes(est, budget, host=0)
-    assert free.prediction.d2h_bytes > 4 << 20
-    assert 0 < held.prediction.d2h_bytes <= host and none.prediction.d2h_bytes == 0
+    assert free.prediction.host_bytes > 4 << 20
+    assert 0 < held.prediction.host_bytes <= host and none.prediction.host_bytes == 0
     assert all(w.fits for w in (free, held, none))
     assert free.step_s < held.step_s < none.step_s == pytest.approx(checkpointing.step_s)
 

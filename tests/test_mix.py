@@ -104,12 +104,12 @@ def test_a_host_budget_swaps_only_what_the_host_can_hold_and_recomputes_the_rest
     mix recomputes it instead (slower, and still within the device's budget)."""
     w = blocks4()
     free = mix.choose(w, 20 * MB, LINK, ENGINE)
-    assert free.prediction.d2h_bytes == 12 * MB
+    assert free.prediction.host_bytes == free.prediction.d2h_bytes == 12 * MB
     assert mix.choose(w, 20 * MB, LINK, ENGINE, host_bytes=12 * MB).plan == free.plan
     for host in (11 * MB, 0):
         held = mix.choose(w, 20 * MB, LINK, ENGINE, host_bytes=host)
         assert [d.action for d in held.decisions(w)] == ["recompute"] * 3 + ["keep"]
-        assert held.fits and held.host_bytes == host and held.prediction.d2h_bytes == 0
+        assert held.fits and held.host_bytes == host and held.prediction.host_bytes == 0
         assert held.prediction.peak_bytes <= 20 * MB
         assert held.prediction.step_s > free.prediction.step_s
 
@@ -122,7 +122,7 @@ def test_below_checkpointings_peak_the_host_budget_bounds_the_inputs_swapped():
     held = mix.choose(w, 14 * MB, LINK, ENGINE, host_bytes=4 * MB)
     assert held.fits and held.how == "recompute all, swap the earliest 2 inputs or blocks"
     short = mix.choose(w, 14 * MB, LINK, ENGINE, host_bytes=3 * MB)
-    assert not short.fits and short.prediction.d2h_bytes <= 3 * MB
+    assert not short.fits and short.prediction.host_bytes <= 3 * MB
     assert short.how == "does not fit (the host budget stops it moving more)"
 
 

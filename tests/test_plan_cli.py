@@ -290,4 +290,5 @@ def test_host_memory_bounds_what_each_plan_holds_on_the_host(config, capsys):
         assert len(held[host]) == 5  # no help, checkpointing and three budgets
     assert max(held[None]) > 0 and held["0"] == [0.0] * 5
     assert ("  host GiB: what the swapped blocks hold in host memory (pinned) at the end of "
-            "forward, per GPU process; at most 0 GiB (--host-memory)") in lines
+            "forward, per GPU process (a compressed one at its size: its slot); at most 0 GiB "
+            "(--host-memory)") in lines

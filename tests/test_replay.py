@@ -220,6 +220,8 @@ def test_a_codec_shrinks_the_link_bytes_and_adds_its_time():
     raw = predict(w, swap_all(), LINK, ENGINE)
     p = predict(w, swap_all(half), LINK, ENGINE)
     assert (p.d2h_bytes, p.h2d_bytes) == (20 * MB, 20 * MB)
+    # the host holds a slot as large as the tensor (a compressed length is known late)
+    assert p.host_bytes == raw.host_bytes == 40 * MB
     # each way: 10 ms encode or decode + 20 ms copy instead of 40 ms
     assert raw.step_s - p.step_s == pytest.approx(2 * (0.040 - 0.030))
 

@@ -221,11 +221,11 @@ def plans(ways: list[sizing.Way], host: int | None = None) -> str:
     for label, way in zip(labels, ways):
         p = way.prediction
         lines.append(f"  {label:<{left}} {way.how:<{width}} {p.peak_bytes / GiB:>8.2f} "
-                     f"{p.d2h_bytes / GiB:>8.2f} {1e3 * way.step_s:>8.1f} "
+                     f"{p.host_bytes / GiB:>8.2f} {1e3 * way.step_s:>8.1f} "
                      f"{checkpointing.step_s / way.step_s:>7.2f}x" + ("" if way.fits else " OVER"))
+    bound = "" if host is None else f"; at most {host / GiB:g} GiB (--host-memory)"
     lines.append("  host GiB: what the swapped blocks hold in host memory (pinned) at the end of "
-                 "forward, per GPU process" + ("" if host is None else
-                                               f"; at most {host / GiB:g} GiB (--host-memory)"))
+                 "forward, per GPU process (a compressed one at its size: its slot)" + bound)
     if any(OVER_DEVICE in label for label in labels):
         lines.append(f"  {OVER_DEVICE}: a budget over the device's memory, planned for the "
                      "device's")

@@ -223,7 +223,7 @@ def _ways_per_block(base: Workload, chosen: Choice, link: Link, replays: Replays
             w = replays.merged(replays.with_below(base, trial), frozenset(whole))
             p = replays.predict(w, chosen.plan, link, chosen.engine)
             if (p.peak_bytes <= budget and p.held_peak_bytes <= held
-                    and (host is None or p.d2h_bytes <= host)
+                    and (host is None or p.host_bytes <= host)
                     and p.step_s < best.prediction.step_s):
                 best = replace(best, prediction=p, workload=w,
                                how=best.how.split(";")[0] + _weighed(w, chosen.plan)
@@ -274,7 +274,7 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
         return max(p.peak_bytes, p.held_peak_bytes if held else 0) <= budget_bytes
 
     def on_host(chosen: tuple[Workload, Mix]) -> bool:
-        return host_bytes is None or run(chosen).d2h_bytes <= host_bytes
+        return host_bytes is None or run(chosen).host_bytes <= host_bytes
 
     def fits(chosen: tuple[Workload, Mix]) -> bool:
         return on_device(chosen) and on_host(chosen)

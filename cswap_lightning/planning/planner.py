@@ -176,10 +176,10 @@ class Planner:
                  window: int) -> int:
         """The most of the ``moved`` earliest sites whose payloads the host budget holds."""
         host = self.config.host_budget
-        if host is None or replayed_with(moved, window).d2h_bytes <= host:
+        if host is None or replayed_with(moved, window).host_bytes <= host:
             return moved
         return bisect_left(range(moved + 1), True,
-                           key=lambda k: replayed_with(k, window).d2h_bytes > host) - 1
+                           key=lambda k: replayed_with(k, window).host_bytes > host) - 1
 
     @staticmethod
     def _fewest(replayed_with: Callable[[int, int], replayed.Prediction], movable: int,

@@ -266,6 +266,9 @@ class Prediction:
     held_peak_bytes: int
     d2h_bytes: int
     h2d_bytes: int
+    # the host memory the moved tensors take at the end of forward: their bytes on the device
+    # (a compressed payload's slot is as large until its length is known)
+    host_bytes: int = 0
     # the least bound on bytes in flight under which forward never waits at it: under any
     # bound from there up, the step replays the same
     inflight_needed_bytes: int = 0
@@ -364,7 +367,8 @@ class _Replay:
             recompute_s=self.recompute_s, peak_bytes=self.peak, peak_at=self._peak_at(),
             forward_peak_bytes=forward_peak,
             held_peak_bytes=self.held_peak, inflight_needed_bytes=self.inflight_needed,
-            d2h_bytes=self.d2h_bytes, h2d_bytes=self.h2d_bytes, timeline=tuple(self.timeline))
+            d2h_bytes=self.d2h_bytes, h2d_bytes=self.h2d_bytes, host_bytes=self.out_before[-1],
+            timeline=tuple(self.timeline))
 
     # -- bookkeeping ----------------------------------------------------------------------------
     def _mark(self, lane: str, label: str, start: float, end: float) -> None:

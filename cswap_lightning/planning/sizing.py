@@ -231,7 +231,7 @@ def fits(est: Estimate, how: str, workload: Workload | None = None,
     w = workload or est.workload()
     plan = {"none": Mix(), "checkpointing": checkpoint_all(), "planner": frugal(w, host)}[how]
     p = predict(w, plan, link=est.device.link)
-    return p.peak_bytes <= limit and (host is None or p.d2h_bytes <= host)
+    return p.peak_bytes <= limit and (host is None or p.host_bytes <= host)
 
 
 def largest(est: Estimate, how: str, ceiling: int, host: int | None = None) -> int | None:
