@@ -301,17 +301,26 @@ def test_a_host_budget_bounds_what_the_mixes_swap(tiny_llama):
     assert free.step_s < held.step_s < none.step_s == pytest.approx(checkpointing.step_s)
 
 
-def test_with_no_host_memory_the_longest_sequence_is_checkpointings(tiny_llama):
+@pytest.mark.slow
+def test_the_longest_sequence_the_planner_fits_its_mix_fits_too(tiny_llama):
+    """24 layers on a device with 40 MiB for activations: recomputing every layer and
+    swapping the earliest inputs lowers the peak, swapping the last ones raises it again
+    (backward wants them first): the search finds the longest sequence some count fits, the
+    mix at the device's memory fits it too, with no host memory it is checkpointing's, and
+    with 4 MiB in between."""
     dev = DEVICES["h100-sxm"]
     setup = Setup(tiny_llama, 2048, 1, layers=24)
     est = estimate(setup, dev)
     small = replace(dev, memory_bytes=sizing.CONTEXT_BYTES + est.optimizer_peak + (40 << 20))
     est = estimate(setup, small)
     found = {host: sizing.largest(est, "planner", 1 << 16, host=host)
-             for host in (4 << 20, 0)}
-    assert found[0] == sizing.largest(est, "checkpointing", 1 << 16) < found[4 << 20]
-    assert sizing.fits(estimate(replace(setup, sequence=found[4 << 20]), small), "planner",
-                       host=4 << 20)
+             for host in (None, 4 << 20, 0)}
+    assert found[0] == sizing.largest(est, "checkpointing", 1 << 16)
+    assert found[0] < found[4 << 20] < found[None]
+    for n, fit in ((found[None], True), (found[None] + sizing.GRANULE, False)):
+        at = estimate(replace(setup, sequence=n), small)
+        (way,) = sizing.mixes(at, [("the device", sizing.usable(small))])
+        assert way.fits == fit, (n, way.how)
 
 
 def kept_below(model: torch.nn.Module) -> list[tuple[int, list[list[int]]]]:

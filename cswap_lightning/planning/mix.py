@@ -37,7 +37,7 @@ from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from itertools import product
+from itertools import product, takewhile
 
 from .replay import KEEP, RAW, BlockDecision, Codec, Engine, Link, Mix, Prediction, predict
 from .workload import Block, Workload
@@ -407,39 +407,50 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
     # every unit recomputed is not enough, or nothing is: move inputs too, on the workload
     # whose parents are whole (the most a recomputation frees)
     whole = merged(frozenset(u.name for u in units if u.whole))
-    full = [b for b, block in enumerate(whole.blocks) if block.recomputable] if units else []
 
     def moved(k: int) -> tuple[Workload, Mix]:
-        decisions = {}
-        for b, block in enumerate(whole.blocks):
-            recomputed = b in full
-            if b < k:
-                decisions[block.name] = BlockDecision(
-                    "recompute" if recomputed else "swap", codec_of(whole, block),
-                    swap_input=recomputed)
-            elif recomputed:
-                decisions[block.name] = BlockDecision("recompute")
-        return whole, Mix(KEEP, decisions)
+        return whole, frugal(whole, k, codec_of, bool(units))
 
     if not candidates and skipped:  # none faster than ``faster_than``
         return Choice(Mix(), keep, keep, budget_bytes, False, "none faster",
                       engine=engine, workload=workload)
-    if not candidates and full:
-        k = _first(len(whole.blocks) + 1, lambda k: on_device(moved(k)))
-        if k is not None and on_host(moved(k)):
-            candidates[f"recompute all, swap the earliest {k} inputs or blocks"
-                       + _through(moved(k)[1])] = (moved(k), run(moved(k)))
     if candidates:
         how, ((w, plan), prediction) = min(candidates.items(), key=lambda kv: kv[1][1].step_s)
         return Choice(plan, prediction, keep, budget_bytes, True, how,
                    {h: p for h, (_, p) in candidates.items()}, engine, w)
+    # the counts the host holds, each in turn: not bisected, as the peak falls with the
+    # first inputs moved and may rise with the last (``frugal``)
+    held = list(takewhile(lambda k: on_host(moved(k)), range(len(whole.blocks) + 1)))
+    k = next((k for k in held if on_device(moved(k))), None) if units else None
+    if k is not None:
+        (w, plan), how = moved(k), f"recompute all, swap the earliest {k} inputs or blocks"
+        return Choice(plan, run((w, plan)), keep, budget_bytes, True, how + _through(plan),
+                      {how + _through(plan): run((w, plan))}, engine, w)
     # nothing fits: the plan that comes closest (moving what the host can hold), and how far
     # off it is
-    most = _first(len(whole.blocks) + 1, lambda k: not on_host(moved(k)))
-    w, plan = moved(len(whole.blocks) if most is None else max(most - 1, 0))
+    w, plan = moved(min(held, key=lambda k: run(moved(k)).peak_bytes))
+    stopped = len(held) <= len(whole.blocks)
     return Choice(plan, run((w, plan)), keep, budget_bytes, False, "does not fit" + (
-        "" if most is None else " (the host budget stops it moving more)"),
+        " (the host budget stops it moving more)" if stopped else ""),
                   engine=engine, workload=w)
+
+
+def frugal(w: Workload, k: int, codec_of: CodecOf | None = None,
+           recompute: bool = True) -> Mix:
+    """The last resort: every block that can be recomputed recomputed (with ``recompute``),
+    and the earliest ``k`` swapped, a recomputed one's input, another whole (``codec_of``:
+    how; raw by default). Swapping the last blocks' inputs too need not lower the peak:
+    backward wants them first, and they come back while the later blocks run again."""
+    codec_of = codec_of or (lambda w, block: RAW)
+    decisions = {}
+    for b, block in enumerate(w.blocks):
+        again = recompute and block.recomputable
+        if b < k:
+            decisions[block.name] = BlockDecision("recompute" if again else "swap",
+                                                  codec_of(w, block), swap_input=again)
+        elif again:
+            decisions[block.name] = BlockDecision("recompute")
+    return Mix(KEEP, decisions)
 
 
 class _Beaten(Exception):

@@ -22,9 +22,7 @@ from .advisor import DENSE_RATIO
 from .devices import DEVICES, Device
 from .estimate import Estimate, cached
 from .replay import (
-    KEEP,
     RAW,
-    BlockDecision,
     Codec,
     Engine,
     Mix,
@@ -56,25 +54,6 @@ class Way:
     def step_s(self) -> float:
         """Forward and backward (the optimizer apart)."""
         return self.prediction.step_s - self.prediction.optimizer_s
-
-
-def frugal(w: Workload, host: int | None = None) -> Mix:
-    """The plan that frees the most: every block recomputed from a swapped input, or swapped
-    where it cannot be recomputed (the planner's last resort, ``mix``); with ``host`` bytes
-    of host memory, what moves only the earliest blocks whose bytes it holds, in the
-    order the planner moves them, the rest recomputed from a kept input or kept."""
-    decisions, held, full = {}, 0, False
-    for k, b in enumerate(w.blocks):
-        moves = (w.saved[w.block_input(k)].storage_nbytes if b.recomputable
-                 else mix.saved_bytes(w, k))
-        full = full or (host is not None and held + moves > host)
-        if full:
-            decisions[b.name] = BlockDecision("recompute") if b.recomputable else KEEP
-        else:
-            held += moves
-            decisions[b.name] = (BlockDecision("recompute", RAW, swap_input=True)
-                                 if b.recomputable else BlockDecision("swap"))
-    return Mix(KEEP, decisions)
 
 
 def baselines(est: Estimate, engine: Engine | None = None) -> list[Way]:
@@ -222,16 +201,22 @@ def first_layer(est: Estimate) -> Layer | None:
 def fits(est: Estimate, how: str, workload: Workload | None = None,
          host: int | None = None) -> bool:
     """Whether ``est`` (or ``workload``, the same step at another size) fits its device
-    without help (``how="none"``), under checkpointing (``"checkpointing"``) or with the
-    planner's most frugal plan (``"planner"``; with ``host`` bytes of host memory, the
-    most frugal that moves no more)."""
+    without help (``how="none"``), under checkpointing (``"checkpointing"``) or with one of
+    the planner's most frugal plans (``"planner"``: ``mix.frugal``, the fewest inputs swapped
+    first; with ``host`` bytes of host memory, those that move no more)."""
     limit = usable(est.device)
     if est.optimizer_peak > limit:
         return False
     w = workload or est.workload()
-    plan = {"none": Mix(), "checkpointing": checkpoint_all(), "planner": frugal(w, host)}[how]
-    p = predict(w, plan, link=est.device.link)
-    return p.peak_bytes <= limit and (host is None or p.host_bytes <= host)
+    plans = {"none": [Mix()], "checkpointing": [checkpoint_all()],
+             "planner": (mix.frugal(w, k) for k in range(len(w.blocks) + 1))}[how]
+    for plan in plans:
+        p = predict(w, plan, link=est.device.link)
+        if host is not None and p.host_bytes > host:
+            return False  # the earliest more swapped only hold more
+        if p.peak_bytes <= limit:
+            return True
+    return False
 
 
 def largest(est: Estimate, how: str, ceiling: int, host: int | None = None) -> int | None:
