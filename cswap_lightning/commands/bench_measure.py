@@ -239,7 +239,8 @@ def _engine_summary(m: Method) -> dict:
         p = choice.mix.prediction
         out |= {"engine_how": choice.mix.how, "engine_recomputed": len(choice.names),
                 "engine_predicted_step_s": p.step_s - p.optimizer_s,
-                "engine_predicted_peak_raw": p.peak_bytes, "engine_fits": choice.mix.fits}
+                "engine_predicted_peak_raw": p.peak_bytes, "engine_fits": choice.mix.fits,
+                "engine_predicted_host_bytes": p.host_bytes}
     last = off.last_step()
     out |= {"offloaded_bytes": last.offloaded_bytes, "stored_bytes": last.stored_bytes,
             "hooks_off": bool(getattr(last, "hooks_off", False)),
@@ -347,6 +348,7 @@ def run_model(key: str, dev: torch.device, out_dir: Path, rounds: int, small: bo
         p = chosen.prediction
         rows[label] = {"predicted_step_s": p.step_s - p.optimizer_s,
                        "predicted_peak": p.peak_bytes, "budget_bytes": b,
+                       "predicted_host_bytes": p.host_bytes,
                        "planner_how": chosen.how, "planner_fits": chosen.fits,
                        "planning_s": time.monotonic() - planned}
         log(f"{key}: {label}: planner {chosen.how} (predicted "
