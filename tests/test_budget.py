@@ -9,6 +9,7 @@ the worst case for a budget.
 import contextlib
 import copy
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -164,6 +165,26 @@ def test_auto_is_what_the_process_can_still_have_less_a_margin(monkeypatch):
     assert resolve_budget(0.5, gpu) == 40 << 30
 
 
+def train_lm(model: nn.Module, ids: torch.Tensor, config: CSwapConfig, steps: int,
+             watch: bool = False) -> tuple[Offloader, list, frozenset[str]]:
+    """``steps`` steps of a language model (``watch``: its blocks may be recomputed): the
+    offloader, every step's statistics and the blocks recomputed at the end."""
+    off, stats = Offloader(config), []
+    if watch:
+        off.watch(model)
+    for _ in range(steps):
+        with off:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        del loss
+        stats.append(off.last_step())
+    with off:  # closes the last step
+        pass
+    recomputed = off.recomputed
+    off.close()
+    return off, stats, recomputed
+
+
 def _transformer(kind: str) -> tuple[nn.Module, torch.Tensor]:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -184,23 +205,10 @@ def test_a_budget_is_met_on_transformers_too(kind):
     """Attention, residuals, views and dropout masks: 40% of what keeping everything holds
     is met within 15%, and the plan's prediction is within 15% of the measurement."""
     model, ids = _transformer(kind)
-
-    def run(config: CSwapConfig, steps: int) -> tuple[Offloader, list]:
-        off, stats = Offloader(config), []
-        for _ in range(steps):
-            with off:
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            del loss
-            stats.append(off.last_step())
-        with off:  # closes the last step
-            pass
-        off.close()
-        return off, stats
-
-    _, kept = run(CSwapConfig(plan="keep", min_bytes=0), 1)
+    _, kept, _ = train_lm(model, ids, CSwapConfig(plan="keep", min_bytes=0), 1)
     budget = int(0.4 * kept[-1].peak_resident_bytes)
-    off, stats = run(CSwapConfig(budget=budget, profile_steps=1, min_bytes=0), 3)
+    off, stats, _ = train_lm(model, ids, CSwapConfig(budget=budget, profile_steps=1,
+                                                     min_bytes=0), 3)
     measured = stats[-1].peak_resident_bytes
     assert off.plan.fits, off.plan.table()
     assert 0 < stats[-1].offloaded_bytes < stats[0].offloaded_bytes  # some, not everything
@@ -568,31 +576,13 @@ def test_under_a_host_budget_the_planner_recomputes_instead_of_swapping(host):
     """Half of Llama's peak: without a host budget the planner swaps about 20 MiB; with
     none or 1 MiB of host memory it recomputes layers instead, and still meets the budget."""
     model, ids = _transformer("llama")
-
-    def run(config: CSwapConfig, steps: int, watch: bool = True
-            ) -> tuple[Offloader, list, frozenset[str]]:
-        m = copy.deepcopy(model)
-        off, stats = Offloader(config), []
-        if watch:
-            off.watch(m)
-        for _ in range(steps):
-            with off:
-                loss = m(input_ids=ids, labels=ids).loss
-            loss.backward()
-            del loss
-            stats.append(off.last_step())
-        with off:  # closes the last step
-            pass
-        recomputed = off.recomputed
-        off.close()
-        return off, stats, recomputed
-
-    _, kept, _ = run(CSwapConfig(plan="keep", min_bytes=0), 1, watch=False)
+    _, kept, _ = train_lm(model, ids, CSwapConfig(plan="keep", min_bytes=0), 1)
     budget = int(0.5 * kept[-1].peak_resident_bytes)
-    _, free, _ = run(CSwapConfig(budget=budget, profile_steps=1, min_bytes=0), 4)
+    config = CSwapConfig(budget=budget, profile_steps=1, min_bytes=0)
+    _, free, _ = train_lm(copy.deepcopy(model), ids, config, 4, watch=True)
     assert free[-1].stored_bytes > 8 * MiB
-    off, stats, recomputed = run(CSwapConfig(budget=budget, profile_steps=1, min_bytes=0,
-                                             host_budget=host), 4)
+    off, stats, recomputed = train_lm(copy.deepcopy(model), ids,
+                                      replace(config, host_budget=host), 4, watch=True)
     limit = CSwapConfig(host_budget=host).host_budget
     assert off.plan.fits and recomputed
     assert stats[-1].stored_bytes <= limit
