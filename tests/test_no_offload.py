@@ -1,7 +1,8 @@
 """``no_offload()`` (``core/saved_hooks.py``): torch.func's transforms, which refuse to run under
 saved-tensor hooks, run inside the Offloader's block (a physics-informed model's slopes, in a
-layer and in the loss), training stays bitwise the training without the library, recomputed
-layers included, and the hooks in force are back on leaving."""
+layer and in the loss; a slope in BERT's classifier under the Hugging Face callback), training
+stays bitwise the training without the library, recomputed layers included, and the hooks in
+force are back on leaving."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from test_lightning import assert_same_weights
 from test_recompute import saved_tensors
 from torch import nn
 from torch.func import functional_call, grad, vmap
+from torch.nn import functional as F
 
 import cswap_lightning as cswap
 from cswap_lightning.core.saved_hooks import top_hooks
@@ -118,7 +120,7 @@ def test_the_hooks_in_force_are_back_on_leaving_also_on_an_exception():
     assert top_hooks() is None
 
 
-def test_the_lightning_strategy_trains_a_torch_func_loss_bitwise():
+def test_the_lightning_strategy_trains_a_torch_func_loss_bitwise(tmp_path, monkeypatch):
     import lightning.pytorch as pl
     from test_lightning import train as fit
 
@@ -134,7 +136,33 @@ def test_the_lightning_strategy_trains_a_torch_func_loss_bitwise():
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.05)
 
+    monkeypatch.chdir(tmp_path)  # where the strategy writes its summary
     trainer, model = fit(cswap.CSwapStrategy(config("raw")), PinnModule)
     _, plain = fit(pl.strategies.SingleDeviceStrategy("cpu"), PinnModule)
     assert_same_weights(model, plain)
     assert trainer.strategy.offloader.last_step().offloaded_bytes > 0
+
+
+def test_the_hugging_face_callback_trains_a_torch_func_model_bitwise(tmp_path):
+    """The callback's block holds the model's forward (the Trainer's loss is outside it):
+    BERT's classifier adds its own slope to its logits there."""
+    from test_hf import bert_trainer
+
+    def with_slope(classifier: nn.Module, args: tuple, logits: torch.Tensor) -> torch.Tensor:
+        def f(row: torch.Tensor) -> torch.Tensor:  # not the module: its hook would run again
+            return F.linear(row, classifier.weight, classifier.bias).tanh().sum()
+
+        with cswap.no_offload():
+            slope = vmap(grad(f))(args[0])
+        return logits + slope.square().mean()
+
+    callback = cswap.CSwapCallback(config("raw"))
+    trainers = []
+    for where, callbacks in (("cswap", [callback]), ("plain", [])):
+        trainers.append(bert_trainer(tmp_path / where, callbacks))
+        trainers[-1].model.classifier.register_forward_hook(with_slope)
+        trainers[-1].train()
+    for (name, p), q in zip(trainers[0].model.state_dict().items(),
+                            trainers[1].model.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name
+    assert callback.offloader.last_step().offloaded_bytes > 0
