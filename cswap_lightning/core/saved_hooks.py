@@ -2,10 +2,10 @@
 
 torch's functional transforms (``torch.func.grad``, ``vjp``, ``jacrev``, ``hessian`` and
 ``vmap`` over them) refuse to run while any saved-tensor hooks are in force: inside the
-Offloader's block (a Lightning strategy's or the Hugging Face callback's training step) they
-raise "torch.func... don't yet support saved tensor hooks". ``no_offload()`` takes every
-hook off the stack for its region and puts them back as they were, so that autograd keeps
-what the region saves, as it would without this library.
+Offloader's block (a Lightning strategy's training step, the Hugging Face callback's model
+forward) they raise "torch.func... don't yet support saved tensor hooks". ``no_offload()``
+takes every hook off the stack for its region and puts them back as they were, so that
+autograd keeps what the region saves, as it would without this library.
 """
 
 from __future__ import annotations
