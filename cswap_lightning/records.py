@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass, field
 # Why a weight stays (trained or frozen, a leaf that requires grad, or a view of one): the
 # module holds it, so moving it would copy bytes and free nothing.
 WEIGHTS = ("parameter", "leaf", "view of a leaf")
+# why a site the plan would move is kept: its payload would pass CSwapConfig.host_budget
+HOST_BUDGET = "the host budget"
 
 
 @dataclass(slots=True)
@@ -286,8 +288,10 @@ class StepStats:
         moved, stored = self.offloaded_bytes, self.stored_bytes
         compressed = ("" if not moved else " (not compressed)" if moved == stored
                       else f" ({_ratio(self.ratio)} smaller: {self._moved_by_codec()})")
+        held = sum(s.reason == HOST_BUDGET for s in self.sites)
         lines.append(f"moved out to host memory: {fmt_bytes(moved)}, held there as "
-                     f"{fmt_bytes(stored)}{compressed}; {kept}")
+                     f"{fmt_bytes(stored)}{compressed}; {kept}"
+                     + (f"; {held} saved tensors kept for the host budget" if held else ""))
         lines.append(self._peak_line())
         if self.budget_bytes is not None:
             lines.append(self._budget_line())

@@ -610,5 +610,8 @@ def test_no_plan_holds_more_than_the_host_budget(plan):
     held = [s for s in first.sites if s.reason == "the host budget"]
     assert len(moved) == 2 and len(held) > 10
     assert all(s.decision == "keep" and s.site > max(moved) for s in held)
+    assert any(line.startswith("moved out to host memory: 4.0 MiB")
+               and line.endswith(f"; {len(held)} saved tensors kept for the host budget")
+               for line in first.summary())
     for p, q in zip(model.parameters(), plain.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)

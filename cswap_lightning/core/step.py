@@ -34,10 +34,9 @@ from ..allocator import peak_allocated_bytes
 from ..codecs import Codec, get_codec
 from ..codecs.lossy import relative_error, seed_of
 from ..config import LOSSY_CODECS
-from ..planning.plan import HOST_BUDGET
 from ..planning.prefetch import resident_window
 from ..planning.profiler import StepTimer
-from ..records import WEIGHTS, SiteStats, StepStats, fmt_bytes
+from ..records import HOST_BUDGET, WEIGHTS, SiteStats, StepStats, fmt_bytes
 from .residency import Residency
 from .tensors import (
     _STRIDED,

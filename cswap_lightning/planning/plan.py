@@ -17,12 +17,10 @@ from typing import NoReturn
 import torch
 
 from ..config import COMPRESSORS, LOSSY_CODECS
-from ..records import SiteStats, StepStats, fmt_bytes
+from ..records import HOST_BUDGET, SiteStats, StepStats, fmt_bytes
 
 # A site the training loop holds too: moving it frees nothing, it stays for the whole step.
 HELD_ELSEWHERE = "held elsewhere"
-# why a site the planner would move is kept: its payload would pass CSwapConfig.host_budget
-HOST_BUDGET = "the host budget"
 
 # What a plan may decide for a site.
 DECISIONS: tuple[str, ...] = ("keep", "raw", *COMPRESSORS, *LOSSY_CODECS)

@@ -26,11 +26,11 @@ import torch
 
 from ..codecs import get_codec
 from ..config import AUTO_INFLIGHT_BYTES, INFLIGHT_CHOICES, CSwapConfig
-from ..records import StepStats
+from ..records import HOST_BUDGET, StepStats
 from . import live, mix
 from . import replay as replayed
 from .advisor import LOSSY_MAX_SPARSITY, Advisor, dense_ok, resolve_budget
-from .plan import HOST_BUDGET, Decision, Plan
+from .plan import Decision, Plan
 from .predictor import CodecTimeModel, calibrate
 from .prefetch import lookahead_bytes
 from .profiler import Link, SiteProfile, measure_link

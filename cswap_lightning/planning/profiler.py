@@ -19,8 +19,7 @@ from functools import partial
 
 import torch
 
-from ..records import StepStats
-from .plan import HOST_BUDGET
+from ..records import HOST_BUDGET, StepStats
 from .replay import Link
 
 _LINKS: dict[torch.device, Link] = {}
