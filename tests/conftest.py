@@ -88,6 +88,16 @@ def load_benchmark(name: str, monkeypatch: pytest.MonkeyPatch):
     return script
 
 
+def quick_predictions(name: str, monkeypatch: pytest.MonkeyPatch, out: Path):
+    """``benchmarks/NAME.py --quick --out OUT`` run: the script, and what it wrote to
+    OUT.json, labelled a prediction."""
+    script = load_benchmark(name, monkeypatch)
+    assert script.main(["--quick", "--out", str(out)]) == 0
+    data = json.loads(Path(f"{out}.json").read_text())
+    assert data["meta"]["kind"].startswith("prediction")
+    return script, data
+
+
 def spy_on_moves(session: Offloader, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The addresses of the storages the session moves off the device, as it moves them."""
     moved: list[int] = []

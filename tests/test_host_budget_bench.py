@@ -4,20 +4,15 @@ what it writes predictions, and every plan holds no more on the host than its ho
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from conftest import load_benchmark
+from conftest import quick_predictions
 
 pytest.importorskip("transformers")
 
 
 @pytest.mark.slow
 def test_each_plan_holds_at_most_its_host_budget(tmp_path, monkeypatch):
-    script = load_benchmark("host_budget", monkeypatch)
-    assert script.main(["--quick", "--out", str(tmp_path / "h")]) == 0
-    data = json.loads((tmp_path / "h.json").read_text())
-    assert data["meta"]["kind"].startswith("prediction")
+    script, data = quick_predictions("host_budget", monkeypatch, tmp_path / "h")
     rows = data["rows"]
     assert len(rows) == 2 * 2 * len(script.HOSTS_GIB)  # two sequences, two budgets each
     for r in rows:

@@ -7,17 +7,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import load_benchmark
+from conftest import load_benchmark, quick_predictions
 
 pytest.importorskip("transformers")
 
 
 @pytest.mark.slow
 def test_the_goals_are_predicted_labelled_and_judged(tmp_path, monkeypatch):
-    script = load_benchmark("predict_issue29", monkeypatch)
-    assert script.main(["--quick", "--out", str(tmp_path / "p")]) == 0
-    data = json.loads((tmp_path / "p.json").read_text())
-    assert data["meta"]["kind"].startswith("prediction")
+    script, data = quick_predictions("predict_issue29", monkeypatch, tmp_path / "p")
     cases = data["cases"]
     assert list(cases) == ["Llama-3-8B LoRA", "Llama-3-8B full fine-tuning", "GPT-2 medium"]
     for case in cases.values():
