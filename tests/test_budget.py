@@ -589,11 +589,14 @@ def test_under_a_host_budget_the_planner_recomputes_instead_of_swapping(host):
     assert stats[-1].peak_resident_bytes <= 1.15 * budget, off.plan.table()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("plan", ["raw", "zvc"])
-def test_no_plan_holds_more_than_the_host_budget(plan):
+def test_no_plan_holds_more_than_the_host_budget(plan, device):
     """A fixed plan moves what the host budget holds (each step's payloads, counted at their
-    tensors' bytes) and keeps the rest on the device, where training goes on as without it."""
+    tensors' bytes: on CUDA, pinned) and keeps the rest on the device, where training goes on
+    as without it."""
     model, x = wide_mlp(nn.GELU)
+    model, x = model.to(device), x.to(device)
     plain = copy.deepcopy(model)
     plain(x).square().mean().backward()
     off, first = Offloader(CSwapConfig(plan=plan, host_budget="5MiB")), None
