@@ -362,7 +362,7 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
         fastest mix below the layer seeds the search for its earliest blocks whole."""
         nonlocal skipped
         for swapped in range(len(names) + 1):
-            if not on_host(mixed(ranked, swapped, 0, below)):
+            if host_bytes is not None and not on_host(mixed(ranked, swapped, 0, below)):
                 return  # swapping more holds more on the host
             try:
                 k = least(ranked, swapped, below)
@@ -420,7 +420,9 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
                    {h: p for h, (_, p) in candidates.items()}, engine, w)
     # the counts the host holds, each in turn: not bisected, as the peak falls with the
     # first inputs moved and may rise with the last (``frugal``)
-    held = list(takewhile(lambda k: on_host(moved(k)), range(len(whole.blocks) + 1)))
+    counts = range(len(whole.blocks) + 1)
+    held = counts if host_bytes is None else list(
+        takewhile(lambda k: on_host(moved(k)), counts))
     k = next((k for k in held if on_device(moved(k))), None) if units else None
     if k is not None:
         (w, plan), how = moved(k), f"recompute all, swap the earliest {k} inputs or blocks"
@@ -429,7 +431,7 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
     # nothing fits: the plan that comes closest (moving what the host can hold), and how far
     # off it is
     w, plan = moved(min(held, key=lambda k: run(moved(k)).peak_bytes))
-    stopped = len(held) <= len(whole.blocks)
+    stopped = len(held) < len(counts)
     return Choice(plan, run((w, plan)), keep, budget_bytes, False, "does not fit" + (
         " (the host budget stops it moving more)" if stopped else ""),
                   engine=engine, workload=w)

@@ -210,13 +210,13 @@ class _Ledger(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = _call(func, args, kwargs)
-        self.read.update(t.untyped_storage()._cdata
-                         for t in _tensors(list(args) + list(kwargs.values())))
+        inputs = list(_tensors(list(args) + list(kwargs.values())))
+        self.read.update(t.untyped_storage()._cdata for t in inputs)
         for t in _tensors(out):
             self._allocated(t.untyped_storage())
         kernel = None
         if not (func.is_view or func.overloadpacket in _NO_KERNEL):
-            kernel = self._work(func, args, kwargs, out)
+            kernel = self._work(func, args, kwargs, inputs, out)
         layer = self.layer()
         if layer:
             forward = self.forwards.setdefault(layer, _Forward())
@@ -275,15 +275,14 @@ class _Ledger(TorchDispatchMode):
         self.alive.discard(key)
         self.now -= size
 
-    def _work(self, func, args: tuple, kwargs: dict, out) -> int:
-        """Record the kernel of a call; its index."""
+    def _work(self, func, args: tuple, kwargs: dict, inputs: list[torch.Tensor], out) -> int:
+        """Record the kernel of a call (``inputs``: its tensor arguments); its index."""
         kind = ops.kind(func)
         flops = ops.flops(func, args, kwargs, out) or 0.0
         if kind == "attention":
             named = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
             if named.get("is_causal"):
                 flops /= 2  # the fused kernels skip the masked half
-        inputs = list(_tensors(list(args) + list(kwargs.values())))
         touched = sum(t.numel() * t.element_size() for t in (*inputs, *_tensors(out)))
         dtype = inputs[0].dtype if inputs else torch.float32
         module, backward = self.where()
