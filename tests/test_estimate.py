@@ -200,6 +200,10 @@ def test_lora_trains_only_its_adapters(tiny_llama):
     assert lora.training.trained_elements == sum(adapters)
     assert lora.training.gradients == sum(trace.rounded(2 * n) for n in adapters)
     assert lora.training.optimizer_state == 8 * sum(adapters)  # AdamW, fp32 states
+    eight_bit = estimate(Setup(tiny_llama, 64, 2, lora=models.LoRA(rank=4)), dev,
+                         OPTIMIZERS["adamw-8bit"]).training
+    assert eight_bit.optimizer_state == round(sum(adapters) * (2 + 8 / 256))  # and scales
+    assert eight_bit.optimizer_update == 0  # in place
     frozen = [r for r in lora.profile["saved"] if r["parameter"] and not r["requires_grad"]]
     assert frozen, "the frozen base weights are saved (for the input's gradient)"
     # the workload makes gradients for the adapters only

@@ -213,6 +213,8 @@ def test_a_parameter_of_another_type_keeps_the_block_under_checkpoint():
     block.weight = Special(block.weight.detach().clone())
     assert lean.unfit(None, [block]) == "a parameter of type Special"
     assert lean.unfit(None, [nn.Linear(WIDTH, WIDTH)]) == ""
+    block.weight.requires_grad_(False)  # frozen (QLoRA's 4-bit weights): read alike either way
+    assert lean.unfit(None, [block]) == ""
 
 
 def _steps(model: nn.Module, x: torch.Tensor, grads_of, offloader: cswap.Offloader | None,

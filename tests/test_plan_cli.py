@@ -180,14 +180,32 @@ def test_a_multimodal_config_plans_its_text_path_and_says_what_did_not_run(confi
     assert "without help: FITS" in out
 
 
-def test_a_quantized_config_is_said_not_modelled(config_file, capsys):
-    # a QLoRA snapshot's 4-bit weights: counted in the step's dtype, and the first line says so
-    quantized = {**TINY, "quantization_config": {"quant_method": "bitsandbytes",
-                                                 "load_in_4bit": True}}
-    assert cli.main(["plan", config_file("q", quantized), "--seq", "64", "--lora",
-                     "--no-search"]) == 0
+def test_a_four_bit_config_plans_qlora_and_other_quantizations_are_said_not_modelled(
+        config_file, capsys):
+    """A QLoRA snapshot's config (bitsandbytes, 4 bits): its base planned in 4 bits as
+    ``--qlora`` plans it, adapters only (without ``--lora`` it is refused, saying so); a
+    quantization the estimate does not model (GPTQ) is said on the first line."""
+    nf4 = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+           "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "bfloat16"}
+    wide = {**TINY, "hidden_size": 2048, "intermediate_size": 4096}  # weights in GiB
+    snapshot = config_file("q", {**wide, "quantization_config": nf4})
+    plain = config_file("p", wide)
+    weights = {}
+    for name, path, flag in (("snapshot", snapshot, "--lora"), ("qlora", plain, "--qlora"),
+                             ("lora", plain, "--lora")):
+        assert cli.main(["plan", path, "--seq", "64", flag, "--no-search"]) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert ("their base in 4-bit NF4" in out) == (name != "lora"), name
+        assert "NOT modelled" not in out
+        weights[name] = float(re.search(r"weights (\S+)", out).group(1))
+    assert weights["snapshot"] == weights["qlora"] < weights["lora"]
+    assert cli.main(["plan", snapshot, "--seq", "64", "--no-search"]) == 1
+    assert "trains adapters only: plan it with --qlora" in capsys.readouterr().err
+    gptq = config_file("g", {**TINY, "quantization_config": {"quant_method": "gptq",
+                                                             "bits": 4}})
+    assert cli.main(["plan", gptq, "--seq", "64", "--lora", "--no-search"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert ("(mixed precision); its quantization_config (bitsandbytes) is NOT modelled: "
+    assert ("(mixed precision); its quantization_config (gptq) is NOT modelled: "
             "weights counted in bfloat16 on H100 PCIe") in out
 
 

@@ -50,6 +50,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="LoRA (peft) on every linear layer but the head; the rest frozen")
     tuning.add_argument("--full", dest="lora", action="store_false",
                         help="full fine-tuning (the default)")
+    tuning.add_argument("--qlora", action="store_true",
+                        help="QLoRA: --lora with the base's linear layers in 4-bit NF4 "
+                        "(bitsandbytes, double quantization)")
     p.add_argument("--lora-rank", type=whole(1), default=16)
     p.add_argument("--lora-dropout", type=number(lambda v: 0 <= v < 1, "a number in [0, 1)"),
                    default=0.0, help="peft's dropout before each adapter (a mask saved per "
@@ -93,7 +96,8 @@ def _run(args: argparse.Namespace) -> int:
     # the calibration's profiles include transformers models, a CNN's plan too
     require("transformers", "cswap plan")
     dev = device(args.device)
-    lora = models.LoRA(rank=args.lora_rank, dropout=args.lora_dropout) if args.lora else None
+    lora = (models.LoRA(rank=args.lora_rank, dropout=args.lora_dropout, quantized=args.qlora)
+            if args.lora or args.qlora else None)
     spec = models.model(args.model, lora=lora, layers=args.layers)
     sequence = args.seq or min(DEFAULT_SEQUENCE, spec.max_sequence or DEFAULT_SEQUENCE)
     setup = Setup(args.model, sequence, args.batch, DTYPES[args.dtype], lora,
@@ -128,6 +132,8 @@ def header(est: Estimate, spec: models.Model, lossy: str | None = None,
     s, dev = est.setup, est.device
     tuning = (f"LoRA rank {s.lora.rank} (dropout {s.lora.dropout:g}) on every linear layer "
               "but the head" if s.lora else "full fine-tuning")
+    if spec.four_bit:
+        tuning = f"QLoRA: {tuning}, their base in 4-bit NF4 (bitsandbytes, double quantization)"
     shape = (f"sequence {s.sequence}" if spec.sequence
              else f"{models.IMAGE_SIDE}x{models.IMAGE_SIDE} images")
     low, high = calibration.HELD_OUT_STEP_ERROR

@@ -26,10 +26,11 @@ weight's float32: the step's backward checks that too). The chosen blocks' calls
 watched for these under
 checkpoint, all in one step (:class:`Watch`, :class:`Verdicts`); a block found doing any of
 them stays under checkpoint. So do the blocks of a sharded model (FSDP), compiled blocks,
-and blocks with parameters other than plain ``nn.Parameter`` (DTensor): their parameters are
-not what the ``Function`` would be given in backward (:func:`unfit`). A block recomputed
-below the layer runs first without autograd too, once its choice of what to keep is settled
-(``selective.Lean``): the ``Function``'s backward then gives back what it kept.
+and blocks that train parameters other than plain ``nn.Parameter`` (DTensor): their
+parameters are not what the ``Function`` would be given in backward (:func:`unfit`). A
+block recomputed below the layer runs first without autograd too, once its choice of what
+to keep is settled (``selective.Lean``): the ``Function``'s backward then gives back what it
+kept.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ _TENSOR = object()  # where a tensor goes among a call's values or an output's l
 
 def unfit(model: nn.Module | None, modules: list[nn.Module]) -> str:
     """Why a unit (its ``modules``, in ``model``) must run under checkpoint whatever it does,
-    or ``""``: sharded or compiled, or with parameters that are not plain ``nn.Parameter``."""
+    or ``""``: sharded or compiled, or training parameters that are not plain
+    ``nn.Parameter`` (a frozen one, QLoRA's 4-bit base weights, is read alike either way)."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
     kinds = tuple(k for k in (getattr(fsdp, "FullyShardedDataParallel", None),
                               getattr(fsdp, "FSDPModule", None)) if k is not None)
@@ -79,7 +81,7 @@ def unfit(model: nn.Module | None, modules: list[nn.Module]) -> str:
     if "torch._dynamo" in sys.modules and any(map(is_compiled, modules)):
         return "compiled"
     odd = next((p for m in modules for p in m._parameters.values()
-                if p is not None and type(p) is not nn.Parameter), None)
+                if p is not None and p.requires_grad and type(p) is not nn.Parameter), None)
     if odd is not None:
         return f"a parameter of type {type(odd).__name__}"
     return ""

@@ -47,6 +47,9 @@ OPTIMIZERS = {o.name: o for o in (
     Optimizer("adamw", 8, 4, "AdamW, two fp32 states per trained weight (mixed precision)"),
     Optimizer("adamw-bf16", 4, 2, "AdamW, two states in the weights' 16-bit dtype (torch's "
               "AdamW on bf16 weights)"),
+    # bitsandbytes' blockwise 8-bit states (a float32 scale per 256), updated in place
+    Optimizer("adamw-8bit", 2 + 2 * 4 / 256, 0, "bitsandbytes' AdamW8bit, two 8-bit states "
+              "per trained weight"),
     Optimizer("sgd", 0, 0, "SGD without momentum: no state"),
 )}
 
@@ -153,9 +156,9 @@ def estimate(setup: Setup, device: Device, optimizer: Optimizer = OPTIMIZERS["ad
 
 
 def _unique(net: torch.nn.Module) -> list[torch.Tensor]:
-    """Parameters and buffers, each storage once (tied weights share one)."""
+    """What the model holds (``trace.held``), each storage once (tied weights share one)."""
     out: dict[int, torch.Tensor] = {}
-    for t in (*net.parameters(), *net.buffers()):
+    for t in trace.held(net):
         out.setdefault(t.untyped_storage()._cdata, t)
     return list(out.values())
 

@@ -3,7 +3,8 @@ table, or a ``config.json``), or the package's own CNNs under torchvision's modu
 
 A model here is what one training step needs: the network (random init, shapes only), its
 batch for a sequence length and batch size, and its loss. LoRA (peft's) freezes the base
-weights and trains low-rank adapters on every linear layer but the head.
+weights and trains low-rank adapters on every linear layer but the head; QLoRA holds those
+base layers in 4 bits (bitsandbytes' NF4), as a ``BitsAndBytesConfig`` loads them.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -52,7 +53,7 @@ class Model:
     """How to build a network on the meta device and train it one step."""
 
     name: str
-    build: Callable[[], nn.Module]
+    build: Callable[..., nn.Module]  # (dtype=torch.float32): the network, in that dtype
     # (batch, sequence, dtype) -> the batch's tensors on the meta device, as the loss takes
     # them (images in the weights' dtype, as a loop casts them before the step)
     batch: Callable[[int, int, torch.dtype], dict[str, torch.Tensor]]
@@ -62,6 +63,7 @@ class Model:
     attention: str = ""  # a transformer's attention: "sdpa", or "eager" where it has none
     # the config's quantization (its quant_method), which the estimate leaves out: "" if none
     quantization: str = ""
+    four_bit: bool = False  # the base's linear layers in 4 bits (QLoRA, ``LoRA.quantized``)
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,9 @@ class LoRA:
     rank: int = 16
     alpha: int = 32
     dropout: float = 0.0  # peft's default; above 0 each adapter saves a mask and a copy
+    # QLoRA: the frozen base's linear layers (all but the head) in 4-bit NF4 with double
+    # quantization (bitsandbytes, as transformers loads them with a ``BitsAndBytesConfig``)
+    quantized: bool = False
 
 
 def config_dict(name_or_path: str) -> dict:
@@ -129,7 +134,16 @@ def _head(kind: str) -> str:
 def _transformer(name: str, data: dict, dropout: bool, lora: LoRA | None) -> Model:
     transformers = require("transformers", f"the transformers model {name}")
     peft = require("peft", "LoRA") if lora is not None else None  # said before any work
-    quantization = (data.get("quantization_config") or {}).get("quant_method", "")
+    quantizing = data.get("quantization_config") or {}
+    quantization = quantizing.get("quant_method", "")
+    if quantization == "bitsandbytes" and quantizing.get("load_in_4bit"):
+        if lora is None:
+            raise ValueError(f"{name}: its quantization_config loads the base in 4 bits, "
+                             "which trains adapters only: plan it with --qlora (or --lora)")
+        lora, quantization = replace(lora, quantized=True), ""
+    four_bit = lora is not None and lora.quantized
+    if four_bit:
+        require("bitsandbytes", "QLoRA (4-bit base weights)")
     data = {k: v for k, v in data.items() if k not in ("torch_dtype", "dtype",
                                                          "transformers_version",
                                                          "quantization_config")}
@@ -150,8 +164,13 @@ def _transformer(name: str, data: dict, dropout: bool, lora: LoRA | None) -> Mod
     attention = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
     config._attn_implementation = attention
 
-    def build() -> nn.Module:
+    def build(dtype: torch.dtype = torch.float32) -> nn.Module:
         net = cls(config)
+        if four_bit:  # the config's own, or QLoRA's: computing in the model's dtype
+            net = _four_bit(net.to(dtype), transformers.BitsAndBytesConfig.from_dict(
+                quantizing or {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+                               "bnb_4bit_use_double_quant": True,
+                               "bnb_4bit_compute_dtype": dtype}))
         if lora is not None:
             with warnings.catch_warnings():  # peft reads transformers' deprecated spelling
                 warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated",
@@ -174,13 +193,40 @@ def _transformer(name: str, data: dict, dropout: bool, lora: LoRA | None) -> Mod
     # rotary positions extend past the table's length; learned ones (GPT-2, BERT, OPT) cannot
     rotary = any("rope" in key or "rotary" in key for key in config.to_dict())
     return Model(name, build, batch, loss, True, None if rotary else limit, attention,
-                 str(quantization or ""))
+                 str(quantization or ""), four_bit)
+
+
+def _four_bit(net: nn.Module, config) -> nn.Module:
+    """``net`` with its linear layers but the head in 4 bits (transformers' own replacement
+    and choice of what stays, bitsandbytes' quantization): quantized at once on the meta
+    device and the CPU, by bitsandbytes on its way to a GPU otherwise; as transformers'
+    quantizer leaves it (``is_loaded_in_4bit``: peft wraps its layers as QLoRA's)."""
+    bnb = require("bitsandbytes", "QLoRA (4-bit base weights)")
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    plain = {name: m for name, m in net.named_modules() if type(m) is nn.Linear}
+    net = replace_with_bnb_linear(net, get_keys_to_not_convert(net), config)
+    for name, module in net.named_modules():
+        if name not in plain or not isinstance(module, bnb.nn.Linear4bit):
+            continue
+        weight = plain[name].weight.detach()
+        module.weight = bnb.nn.Params4bit(
+            weight, requires_grad=False, quant_type=config.bnb_4bit_quant_type,
+            compress_statistics=config.bnb_4bit_use_double_quant,
+            quant_storage=config.bnb_4bit_quant_storage, module=module)
+        module.bias = plain[name].bias
+        if weight.device.type in ("meta", "cpu"):
+            with torch.device("cpu"):  # its code books are built on the CPU, then moved
+                module.weight = module.weight._quantize(weight.device)
+    net.is_loaded_in_4bit = True
+    return net
 
 
 def _cnn(name: str) -> Model:
     from ..recipes.nets import resnet50, vgg16
 
-    def build() -> nn.Module:
+    def build(_dtype: torch.dtype = torch.float32) -> nn.Module:
         return _torchvision_names(name, resnet50() if name == "resnet50" else vgg16())
 
     def batch(size: int, _sequence: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -216,4 +262,4 @@ def _torchvision_names(name: str, net: nn.Sequential) -> nn.Sequential:
 def build(m: Model, dtype: torch.dtype) -> nn.Module:
     """``m``'s network on the meta device in ``dtype``, in training mode."""
     with torch.device("meta"):
-        return m.build().to(dtype).train()
+        return m.build(dtype).to(dtype).train()

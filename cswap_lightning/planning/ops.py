@@ -38,6 +38,15 @@ KINDS |= {op: "norm" for op in (
     aten.native_batch_norm, aten.native_batch_norm_backward, aten._native_batch_norm_legit,
     aten._native_batch_norm_legit_functional, aten._batch_norm_with_update,
     aten.batch_norm_backward)}
+# Matrix products of libraries that register their operators on import, by name: those of
+# bitsandbytes' 4-bit and 8-bit linear layers (QLoRA's base weights). Each takes its input
+# first and returns its product first ([..., K] by a [N, K] weight: [..., N]).
+NAMED_PRODUCTS = frozenset({
+    "bitsandbytes::gemm_4bit", "bitsandbytes::gemv_4bit", "bitsandbytes::int8_linear_matmul",
+    "bitsandbytes::int8_scaled_mm", "bitsandbytes::int8_mixed_scaled_mm"})
+# Those that dequantize their whole weight into a temporary in the input's dtype first
+# (bitsandbytes' 4-bit product on CUDA: a kernel of its own, then cuBLAS's product).
+DEQUANTIZING = frozenset({"bitsandbytes::gemm_4bit"})
 # What recomputation below the layer keeps: the outputs of the operators that cost compute.
 KEPT_KINDS = ("matmul", "attention", "conv")
 
@@ -63,7 +72,8 @@ class Facts(NamedTuple):
 def facts(func: torch._ops.OpOverload) -> Facts:
     """An operator's ``Facts``: dispatch modes run on every operator call, where asking its
     schema, tags and packet again each time costs more than many kernels do."""
-    kind_ = KINDS.get(func.overloadpacket, "memory")
+    kind_ = KINDS.get(func.overloadpacket) or (
+        "matmul" if func._schema.name in NAMED_PRODUCTS else "memory")
     return Facts(kind_, kind_ in KEPT_KINDS, func.is_view, func._schema.is_mutable,
                  torch.Tag.nondeterministic_seeded in func.tags, func.overloadpacket in CASTS,
                  func in SAC_IGNORED_OPS)
@@ -80,6 +90,15 @@ def uncounted(f: Facts, args: Sequence[Any]) -> bool:
     operators like any other, their outputs kept or run again. Whether grad mode is on does
     not change the answer (a view of a weight is a leaf without it)."""
     return f.cast and args[0].is_leaf and args[0].requires_grad and not args[0]._is_view()
+
+
+def dequantized_bytes(func: torch._ops.OpOverload, args: tuple, out) -> int:
+    """The bytes of the temporary weight a call of a ``DEQUANTIZING`` product makes (its
+    output's last dimension by its input's, in the input's dtype); 0 for other operators."""
+    if func._schema.name not in DEQUANTIZING:
+        return 0
+    a = args[0]
+    return tensors(out)[0].shape[-1] * a.shape[-1] * a.element_size()
 
 
 def kind(func: torch._ops.OpOverload) -> str:
@@ -156,9 +175,12 @@ def flops(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out) -> float 
     """Floating-point operations of a call by ``torch.utils.flop_counter``'s formulas (None
     for an operator without one). Grouped-query attention (fewer key and value heads than
     query heads, as Llama's on CUDA) counts as attention with the query's heads: the formulas
-    reject it, and its kernels do that work."""
+    reject it, and its kernels do that work. A product of ``NAMED_PRODUCTS`` counts two
+    operations per multiply-add of its output and its input's last dimension."""
     formula = flop_registry.get(func.overloadpacket)
     if formula is None:
+        if func._schema.name in NAMED_PRODUCTS:
+            return 2.0 * tensors(out)[0].numel() * args[0].shape[-1]
         return None
     if kind(func) == "attention":
         args = _query_heads(args)
@@ -188,7 +210,7 @@ def work_per_byte(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out) -
     other values of its arguments and outputs, all a formula reads: the formulas walk their
     arguments with pytree, which costs more than the host time of a matrix product."""
     if flop_registry.get(func.overloadpacket) is None:
-        return math.inf
+        return math.inf  # kept (and a named product is kept by its kind anyway)
     key = (func, _signature(args), _signature(kwargs), _signature(out))
     try:
         cost = _COSTS.get(key)

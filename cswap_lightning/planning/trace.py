@@ -216,7 +216,11 @@ class _Ledger(TorchDispatchMode):
             self._allocated(t.untyped_storage())
         kernel = None
         if not (func.is_view or func.overloadpacket in _NO_KERNEL):
-            kernel = self._work(func, args, kwargs, inputs, out)
+            scratch = ops.dequantized_bytes(func, args, out)
+            if scratch:  # made, read and freed inside the call
+                self.trace.peak_bytes = max(self.trace.peak_bytes, self.now + rounded(scratch))
+                self._dequantize(inputs, scratch)
+            kernel = self._work(func, args, kwargs, inputs, out, scratch)
         layer = self.layer()
         if layer:
             forward = self.forwards.setdefault(layer, _Forward())
@@ -275,15 +279,27 @@ class _Ledger(TorchDispatchMode):
         self.alive.discard(key)
         self.now -= size
 
-    def _work(self, func, args: tuple, kwargs: dict, inputs: list[torch.Tensor], out) -> int:
-        """Record the kernel of a call (``inputs``: its tensor arguments); its index."""
+    def _dequantize(self, inputs: list[torch.Tensor], scratch: int) -> None:
+        """Record the kernel a 4-bit product runs first (``ops.DEQUANTIZING``): it reads the
+        packed weight and its statistics (every tensor argument but the input) and writes
+        ``scratch`` bytes."""
+        module, backward = self.where()
+        packed = sum(t.nbytes for t in inputs[1:])
+        self.trace.kernels.append(Kernel(module, backward, "memory", 0.0, packed + scratch,
+                                         inputs[0].dtype, "" if backward else self.layer()))
+
+    def _work(self, func, args: tuple, kwargs: dict, inputs: list[torch.Tensor], out,
+              scratch: int = 0) -> int:
+        """Record the kernel of a call (``inputs``: its tensor arguments; ``scratch``: the
+        bytes of a dequantized weight it reads beside them); its index."""
         kind = ops.kind(func)
         flops = ops.flops(func, args, kwargs, out) or 0.0
         if kind == "attention":
             named = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
             if named.get("is_causal"):
                 flops /= 2  # the fused kernels skip the masked half
-        touched = sum(t.numel() * t.element_size() for t in (*inputs, *_tensors(out)))
+        read = inputs[:1] if scratch else inputs  # a dequantized weight in place of its own
+        touched = scratch + sum(t.numel() * t.element_size() for t in (*read, *_tensors(out)))
         dtype = inputs[0].dtype if inputs else torch.float32
         module, backward = self.where()
         self.trace.kernels.append(Kernel(module, backward, kind, flops, touched, dtype,
@@ -347,7 +363,7 @@ def trace(model: nn.Module, step: Callable[[], torch.Tensor], batch: Sequence[to
     def layer() -> str:
         return "" if backward.module is not None or not inside else inside[-1]
 
-    present = [*model.parameters(), *model.buffers(), *batch]
+    present = [*held(model), *batch]
     ledger = _Ledger(out, where, layer, present)
 
     def pack(t: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -412,6 +428,19 @@ def trace(model: nn.Module, step: Callable[[], torch.Tensor], batch: Sequence[to
                              "on shapes only") from err
         del loss
     out.unread = _unread(model, ledger.read)
+    return out
+
+
+def held(model: nn.Module) -> list[torch.Tensor]:
+    """What a model holds on its device: its parameters and buffers, and the statistics a
+    quantized weight keeps beside it, which are neither (bitsandbytes' ``quant_state``: its
+    scales, their own nested scales, the code books)."""
+    out = [*model.parameters(), *model.buffers()]
+    for p in model.parameters():
+        state = getattr(p, "quant_state", None)
+        while state is not None:
+            out += [t for t in vars(state).values() if isinstance(t, torch.Tensor)]
+            state = getattr(state, "state2", None)
     return out
 
 

@@ -1,0 +1,172 @@
+"""QLoRA as people load it: a Llama saved with random weights, loaded back through
+transformers with a ``BitsAndBytesConfig`` (bitsandbytes' 4-bit NF4, double quantization; its
+CPU kernels run here), peft's adapters on top. The 4-bit products save nothing through
+autograd's hooks (bitsandbytes keeps its weight on the autograd context), the adapters' path
+saves as LoRA's does; under the engine the adapters' gradients stay plain training's, and
+recomputation below the layer keeps the 4-bit products (``ops.NAMED_PRODUCTS``) instead of
+running them again: a 4-bit product is a matrix product and a dequantization, no elementwise
+work."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+
+from cswap_lightning import CSwapConfig, Offloader
+from cswap_lightning.core import selective
+from cswap_lightning.core.recompute import below, units
+
+FOUR_BIT = "bitsandbytes::gemm_4bit"
+
+
+@pytest.fixture(scope="module")
+def saved_llama(tmp_path_factory) -> str:
+    """A 2-layer Llama's random weights, saved as a checkpoint to load in 4 bits."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64)
+    path = tmp_path_factory.mktemp("llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+def qlora(path: str, targets: list[str] | str = "all-linear") -> torch.nn.Module:
+    """The checkpoint loaded in 4 bits as the QLoRA recipe loads it, adapters on ``targets``."""
+    quantized = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                   bnb_4bit_use_double_quant=True,
+                                   bnb_4bit_compute_dtype=torch.bfloat16)
+    model = LlamaForCausalLM.from_pretrained(path, quantization_config=quantized,
+                                             dtype=torch.bfloat16, device_map="cpu")
+    torch.manual_seed(1)  # the adapters' initialisation
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+
+
+IDS = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(2))
+
+
+def adapter_grads(model: torch.nn.Module, offloader: Offloader | None,
+                  steps: int = 3) -> dict[str, torch.Tensor]:
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        with offloader if offloader is not None else contextlib.nullcontext():
+            loss = model(input_ids=IDS, labels=IDS).loss
+        loss.backward()
+    return {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+
+
+def assert_same(plain: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
+    assert plain and plain.keys() == got.keys()
+    for name, grad in plain.items():
+        assert torch.equal(grad, got[name]), name
+
+
+def test_the_checkpoint_loads_in_four_bits_with_peft_s_qlora_layers(saved_llama):
+    model = qlora(saved_llama)
+    proj = model.base_model.model.model.layers[0].mlp.gate_proj
+    assert type(proj).__module__ == "peft.tuners.lora.bnb"
+    assert proj.base_layer.weight.dtype == torch.uint8  # packed: two weights a byte
+    assert_same(adapter_grads(qlora(saved_llama), None), adapter_grads(model, None))
+
+
+@pytest.mark.parametrize("plan", ["raw", "zvc", pytest.param("auto", marks=pytest.mark.slow),
+                                  pytest.param("rle", marks=pytest.mark.slow)])
+def test_qlora_adapters_get_bitwise_gradients_and_the_four_bit_weights_are_not_saved(
+        saved_llama, plan):
+    plain = adapter_grads(qlora(saved_llama), None)
+    offloader = Offloader(CSwapConfig(plan=plan, min_bytes=0, budget=None))
+    swapped = adapter_grads(qlora(saved_llama), offloader)
+    step = offloader.tracked_step()
+    offloader.close()
+    assert_same(plain, swapped)
+    assert step.offloaded_bytes > 0
+    # autograd saved no packed weight: bitsandbytes keeps it on its context, not as a saved
+    # tensor (the weights saved are the adapters' and the norms', in bfloat16)
+    assert not any(s.dtype == torch.uint8 for s in step.sites), \
+        Counter(str(s.dtype) for s in step.sites)
+
+
+def ops_run_again(monkeypatch) -> list[str]:
+    """The operators recomputations below the layer run again, as they run them."""
+    ran: list[str] = []
+    real = selective.Recomputing._run
+
+    def run(self, func, args, kwargs):
+        ran.append(func._schema.name)
+        return real(self, func, args, kwargs)
+
+    monkeypatch.setattr(selective.Recomputing, "_run", run)
+    return ran
+
+
+def test_below_the_layer_keeps_the_four_bit_products_and_runs_the_elementwise_work(
+        saved_llama, monkeypatch):
+    """Adapters on the attention's query and value only (the QLoRA paper's first recipe): the
+    MLP's three projections and the key and output projections are 4-bit products alone.
+    Recomputed below the layer, each layer runs its norms and its MLP's activation again and
+    none of the products; the adapters' gradients are plain training's."""
+    targets = ["q_proj", "v_proj"]
+    plain = adapter_grads(qlora(saved_llama, targets), None, steps=4)
+    ran = ops_run_again(monkeypatch)
+    offloader = Offloader(CSwapConfig(plan="raw", min_bytes=0, budget=None, profile_steps=1))
+    model = qlora(saved_llama, targets)
+    chosen = list(below(units(model)))
+    assert len(chosen) == 2 and not offloader.watch(model).recompute(chosen)
+    swapped = adapter_grads(model, offloader, steps=4)
+    offloader.close()
+    assert_same(plain, swapped)
+    assert "aten::silu" in ran and "aten::rsqrt" in ran, Counter(ran)
+    assert FOUR_BIT not in ran and "aten::mm" not in ran, Counter(ran)
+
+
+def test_layers_recomputed_whole_stay_under_checkpoint_and_bitwise(saved_llama):
+    """Layers recomputed whole run their 4-bit products again. They stay under checkpoint
+    (no first run without autograd, ``core/lean.py``): bitsandbytes' product reads its
+    input's ``requires_grad`` (a single token without autograd takes another kernel), which
+    the watched step sees; the frozen 4-bit weights themselves do not keep them there."""
+    plain = adapter_grads(qlora(saved_llama), None, steps=4)
+    offloader = Offloader(CSwapConfig(plan="raw", min_bytes=0, budget=None, profile_steps=1))
+    model = qlora(saved_llama)
+    layers = [n for n in units(model) if n.rsplit(".", 1)[-1].isdigit()]
+    assert len(layers) == 2 and not offloader.watch(model).recompute(layers)
+    swapped = adapter_grads(model, offloader, steps=4)
+    assert offloader.recomputer.verdicts.why == dict.fromkeys(
+        layers, "its forward reads a tensor's .requires_grad")
+    offloader.close()
+    assert_same(plain, swapped)
+
+
+def test_the_estimate_holds_the_base_in_four_bits_and_saves_what_lora_saves():
+    """``cswap plan --qlora``'s trace (meta device, bitsandbytes' fake kernels): one
+    Llama-3-8B layer saves the activations LoRA's saves, its products count as matrix
+    products with LoRA's operations, and its linear layers hold half a byte a weight and
+    the scales of double quantization (one 8-bit scale per 64 weights, a float32 one per
+    256 of those), against bfloat16's two bytes."""
+    from cswap_lightning.planning import models
+    from cswap_lightning.planning.devices import device
+    from cswap_lightning.planning.estimate import Setup, estimate, saved_bytes, traced
+
+    dev = device("h100-pcie")
+    steps = {}
+    for quantized in (False, True):
+        setup = Setup("llama-3-8b", 64, 1, lora=models.LoRA(quantized=quantized), layers=1)
+        step = traced(setup, dev.attention)
+        products = {backward: sum(k.flops for k in step[0].kernels
+                                  if k.kind == "matmul" and k.backward == backward)
+                    for backward in (False, True)}
+        steps[quantized] = estimate(setup, dev, step=step), products
+    (lora, lora_flops), (four_bit, four_bit_flops) = steps[False], steps[True]
+    assert saved_bytes(four_bit.profile) == saved_bytes(lora.profile) > 0
+    assert four_bit_flops == lora_flops and lora_flops[False] > 0
+    assert four_bit.training.trained_elements == lora.training.trained_elements
+    linear = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336  # the layer's seven
+    per_weight = (lora.training.weights - four_bit.training.weights) / linear
+    assert per_weight == pytest.approx(2 - 0.5 - 1 / 64 - 4 / (64 * 256), rel=1e-3)
+    # the dequantized weights are made and dropped in the step: the peak is higher
+    assert (four_bit.profile["peak_allocated"] - four_bit.profile["allocated_before_step"]
+            > lora.profile["peak_allocated"] - lora.profile["allocated_before_step"])
