@@ -49,6 +49,8 @@ def test_plan_prints_labelled_estimates_of_every_way(config, capsys):
     for row in ("weights", "gradients", "optimizer state", "saved activations",
                 "peak without help (step)", "peak of the optimizer's update",
                 "without help: FITS", "none (no help)", "none (checkpointing)",
+                "none (ckpt, inputs offloaded) recompute every block, swap its input",
+                "ckpt, inputs offloaded: Unsloth's offloaded checkpointing",
                 "the device (23.0 GiB)", "0.5 GiB", "half the peak without help",
                 "checkpointing's peak", "the longest sequence that fits (estimated): "):
         assert row in out, row
@@ -305,8 +307,10 @@ def test_host_memory_bounds_what_each_plan_holds_on_the_host(config, capsys):
         lines = capsys.readouterr().out.splitlines()
         assert any("host GiB" in line and "peak GiB" in line for line in lines)
         held[host] = [float(m[2]) for line in lines if (m := row.search(line))]
-        assert len(held[host]) == 5  # no help, checkpointing and three budgets
-    assert max(held[None]) > 0 and held["0"] == [0.0] * 5
+        # no help, checkpointing, the peers' offloaded checkpointing and three budgets
+        assert len(held[host]) == 6
+    assert max(held[None][3:]) > 0 and held["0"][3:] == [0.0] * 3
+    assert held["0"][:2] == [0.0] * 2 and held["0"][2] == held[None][2]  # the peers' own
     assert ("  host GiB: what the swapped blocks hold in host memory (pinned) at the end of "
             "forward, per GPU process (a compressed one at its size: its slot); at most 0 GiB "
             "(--host-memory)") in lines

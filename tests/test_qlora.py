@@ -170,3 +170,67 @@ def test_the_estimate_holds_the_base_in_four_bits_and_saves_what_lora_saves():
     # the dequantized weights are made and dropped in the step: the peak is higher
     assert (four_bit.profile["peak_allocated"] - four_bit.profile["allocated_before_step"]
             > lora.profile["peak_allocated"] - lora.profile["allocated_before_step"])
+
+
+class RandomText(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 128, (32,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
+def recipe_trainer(path: str, out, callbacks: list) -> object:
+    """The QLoRA recipe in the Hugging Face Trainer: the checkpoint in 4 bits, peft's
+    ``prepare_model_for_kbit_training`` (norms and head in float32, the model's gradient
+    checkpointing on), adapters on every linear layer."""
+    from peft import prepare_model_for_kbit_training
+    from transformers import Trainer, TrainingArguments
+
+    quantized = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                   bnb_4bit_use_double_quant=True,
+                                   bnb_4bit_compute_dtype=torch.bfloat16)
+    model = LlamaForCausalLM.from_pretrained(path, quantization_config=quantized,
+                                             dtype=torch.bfloat16, device_map="cpu")
+    model = prepare_model_for_kbit_training(model)
+    torch.manual_seed(1)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    args = TrainingArguments(output_dir=str(out), use_cpu=True, seed=0, report_to=[],
+                             max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3,
+                             logging_steps=1, save_strategy="no", dataloader_num_workers=0,
+                             disable_tqdm=True)
+    return Trainer(model, args, train_dataset=RandomText(), callbacks=callbacks)
+
+
+def test_the_qlora_recipe_in_the_trainer_trains_bitwise_with_the_callback(saved_llama,
+                                                                          tmp_path):
+    from cswap_lightning import CSwapCallback
+
+    offloading = recipe_trainer(saved_llama, tmp_path / "cswap",
+                                [CSwapCallback(CSwapConfig(plan="raw", min_bytes=0))])
+    offloading.train()
+    plain = recipe_trainer(saved_llama, tmp_path / "plain", [])
+    plain.train()
+    moved = [h["cswap/offloaded_bytes"] for h in offloading.state.log_history
+             if "cswap/offloaded_bytes" in h]
+    assert len(moved) == 2 and moved[0] > 0
+    trained = [(n, p) for n, p in offloading.model.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n for n, _ in trained)
+    others = dict(plain.model.named_parameters())
+    for name, p in trained:
+        assert torch.equal(p, others[name]), name
+
+
+def test_a_plan_of_qlora_leaves_bitsandbytes_able_to_load_a_model(saved_llama, monkeypatch):
+    """``cswap plan --qlora`` quantizes on the meta device; bitsandbytes keeps the code book
+    of double quantization where it first moved it, so a plan made first in a process (a
+    notebook) must not leave it there for the real load that follows."""
+    import bitsandbytes
+
+    from cswap_lightning.planning import models
+
+    monkeypatch.setattr(bitsandbytes.functional, "name2qmap", {})  # a fresh process's
+    spec = models.model("llama-3-8b", lora=models.LoRA(quantized=True), layers=1)
+    models.build(spec, torch.bfloat16)
+    adapter_grads(qlora(saved_llama), None, steps=1)  # loads, quantizes, trains

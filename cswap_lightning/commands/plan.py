@@ -117,8 +117,9 @@ def _run(args: argparse.Namespace) -> int:
     progress = Progress("cswap plan")
     progress(f"planning at {len(budgets)} budgets (one to two minutes for a 32-layer model)")
     host = None if args.host_memory is None else int(args.host_memory * GiB)
-    ways = base + sizing.mixes(est, budgets, finer=args.finer, lossy=args.lossy,
-                               progress=progress, dense=args.dense, host=host)
+    ways = base + [sizing.offloaded_checkpointing(est)] + sizing.mixes(
+        est, budgets, finer=args.finer, lossy=args.lossy, progress=progress, dense=args.dense,
+        host=host)
     print(plans(ways, host), flush=True)
     if args.search:
         ceiling = min(spec.max_sequence or CEILING, CEILING) if spec.sequence else 4096
@@ -217,7 +218,8 @@ def plans(ways: list[sizing.Way], host: int | None = None) -> str:
     checkpointing = ways[1]
     title = ("plans (the replay of the estimated step; a step is forward and backward, the "
              "optimizer apart)")
-    labels = [{"no help": "none (no help)", "checkpointing": "none (checkpointing)"}.get(
+    labels = [{"no help": "none (no help)", "checkpointing": "none (checkpointing)",
+               "checkpointing, inputs offloaded": "none (ckpt, inputs offloaded)"}.get(
         way.label, way.label) for way in ways]
     width = max(42, *(len(way.how) for way in ways))
     left = max(28, *map(len, labels))
@@ -230,6 +232,8 @@ def plans(ways: list[sizing.Way], host: int | None = None) -> str:
                      f"{p.host_bytes / GiB:>8.2f} {1e3 * way.step_s:>8.1f} "
                      f"{checkpointing.step_s / way.step_s:>7.2f}x" + ("" if way.fits else " OVER"))
     bound = "" if host is None else f"; at most {host / GiB:g} GiB (--host-memory)"
+    lines.append("  ckpt, inputs offloaded: Unsloth's offloaded checkpointing (Hugging Face's "
+                 "offload=True), as this engine would run it")
     lines.append("  host GiB: what the swapped blocks hold in host memory (pinned) at the end of "
                  "forward, per GPU process (a compressed one at its size: its slot)" + bound)
     if any(OVER_DEVICE in label for label in labels):

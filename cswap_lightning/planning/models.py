@@ -205,6 +205,11 @@ def _four_bit(net: nn.Module, config) -> nn.Module:
     from transformers.integrations.bitsandbytes import replace_with_bnb_linear
     from transformers.quantizers.base import get_keys_to_not_convert
 
+    with torch.device("cpu"):
+        # bitsandbytes keeps the code book of double quantization where it first moved it,
+        # for every later quantization: on the meta device, a real QLoRA model loaded after
+        # a plan in the same process would fail. Kept on the CPU, as a CPU load keeps it.
+        bnb.functional.name2qmap.setdefault("dynamic", bnb.functional.create_dynamic_map())
     plain = {name: m for name, m in net.named_modules() if type(m) is nn.Linear}
     net = replace_with_bnb_linear(net, get_keys_to_not_convert(net), config)
     for name, module in net.named_modules():

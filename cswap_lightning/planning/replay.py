@@ -171,9 +171,12 @@ def no_offload() -> Mix:
     return Mix()
 
 
-def checkpoint_all() -> Mix:
-    """Activation checkpointing around every block that can be recomputed, inputs kept."""
-    return Mix(RECOMPUTE)
+def checkpoint_all(offload_inputs: bool = False) -> Mix:
+    """Activation checkpointing around every block that can be recomputed, inputs kept
+    (``offload_inputs``: each swapped raw, as Unsloth's offloaded checkpointing and Hugging
+    Face's ``offload=True`` do)."""
+    return Mix(BlockDecision("recompute", RAW, swap_input=True) if offload_inputs
+               else RECOMPUTE)
 
 
 def swap_all(codec: Codec = RAW) -> Mix:

@@ -68,6 +68,16 @@ def baselines(est: Estimate, engine: Engine | None = None) -> list[Way]:
                 optimizer_fits and checkpointed.peak_bytes <= limit)]
 
 
+def offloaded_checkpointing(est: Estimate) -> Way:
+    """Checkpointing every block with its input swapped (the peers' offloaded checkpointing:
+    Unsloth's, Hugging Face's ``offload=True``), replayed on ``est``'s device as this engine
+    would run it."""
+    w, limit = est.workload(), usable(est.device)
+    p = predict(w, checkpoint_all(offload_inputs=True), link=est.device.link)
+    return Way("checkpointing, inputs offloaded", "recompute every block, swap its input", p,
+               est.optimizer_peak <= limit and p.peak_bytes <= limit)
+
+
 def mixes(est: Estimate, budgets: Sequence[tuple[str, int]], finer: bool = False,
           lossy: str | None = None, clip: bool = True,
           progress: Callable[[str], None] | None = None,
