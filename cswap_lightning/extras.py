@@ -10,7 +10,7 @@ from types import ModuleType
 # an extra's top-level module -> (what pip installs, the extra that brings it); DALI's is said
 # by the image recipes' module itself (``recipes/images.py``)
 EXTRAS = {"transformers": ("transformers", "hf"), "accelerate": ("accelerate", "hf"),
-          "peft": ("peft", "hf"), "bitsandbytes": ("bitsandbytes", "hf")}
+          "peft": ("peft", "hf"), "bitsandbytes": ("bitsandbytes", "qlora")}
 
 
 class MissingExtra(ModuleNotFoundError):

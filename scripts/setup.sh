@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds a virtual environment once: by default .venv, with everything the demo, the examples
-# and the tests need (the dev, hf and dali extras). `make bench` builds .venv-bench with the
+# and the tests need (the dev, hf, qlora and dali extras). `make bench` builds .venv-bench with the
 # bench extra instead (VENV=.venv-bench EXTRAS=bench,dali): torchtune, the peer the
 # benchmarks compare with, pins torchao below 0.10, which peft (LoRA, in the hf extra) refuses
 # to import with, so it stays out of the environment people train in, and peft out of that one.
@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
-EXTRAS=${EXTRAS:-dev,hf,dali}
+EXTRAS=${EXTRAS:-dev,hf,qlora,dali}
 if [ ! -x "$VENV/bin/python" ]; then
   echo "setup: creating $VENV"
   "${PYTHON:-python3}" -m venv --system-site-packages "$VENV"

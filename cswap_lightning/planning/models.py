@@ -10,9 +10,11 @@ base layers in 4 bits (bitsandbytes' NF4), as a ``BitsAndBytesConfig`` loads the
 from __future__ import annotations
 
 import json
+import logging
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -133,7 +135,8 @@ def _head(kind: str) -> str:
 
 def _transformer(name: str, data: dict, dropout: bool, lora: LoRA | None) -> Model:
     transformers = require("transformers", f"the transformers model {name}")
-    peft = require("peft", "LoRA") if lora is not None else None  # said before any work
+    with _quiet_bitsandbytes():  # peft imports it where installed
+        peft = require("peft", "LoRA") if lora is not None else None  # said before any work
     quantizing = data.get("quantization_config") or {}
     quantization = quantizing.get("quant_method", "")
     if quantization == "bitsandbytes" and quantizing.get("load_in_4bit"):
@@ -194,6 +197,20 @@ def _transformer(name: str, data: dict, dropout: bool, lora: LoRA | None) -> Mod
     rotary = any("rope" in key or "rotary" in key for key in config.to_dict())
     return Model(name, build, batch, loss, True, None if rotary else limit, attention,
                  str(quantization or ""), four_bit)
+
+
+@contextmanager
+def _quiet_bitsandbytes() -> Iterator[None]:
+    """bitsandbytes' import without the warning its CPU backend logs on CPUs with AVX512-BF16
+    where the ``kernels`` package (a download of faster CPU kernels) is missing: a plan runs
+    none of its CPU kernels, and downloads nothing."""
+    log = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _four_bit(net: nn.Module, config) -> nn.Module:
