@@ -124,6 +124,31 @@ def test_below_checkpointings_peak_the_host_budget_bounds_the_inputs_swapped():
     assert short.how == "does not fit (the host budget stops it moving more)"
 
 
+def test_at_offloaded_checkpointings_peak_the_earliest_blocks_swap_whole():
+    """Where only every layer recomputed with its input swapped fits (the peers' offloaded
+    checkpointing), the earliest layers are swapped whole instead while that fits and is
+    faster: the link carries them inside forward, and they run nothing again. Llama-3-8B's
+    shapes, 8 layers, LoRA, 4096 tokens on an H100 PCIe, 4 MiB over offloaded
+    checkpointing's peak (at it exactly, what a swapped layer keeps under ``min_bytes``
+    passes it: its norms' statistics and LoRA's rank-16 products; the peers' own plan is the
+    one that fits)."""
+    from cswap_lightning.planning import models, sizing
+    from cswap_lightning.planning.devices import device
+    from cswap_lightning.planning.estimate import Setup, estimate
+
+    est = estimate(Setup("llama-3-8b", 4096, 1, lora=models.LoRA(), layers=8),
+                   device("h100-pcie"))
+    offloaded = sizing.offloaded_checkpointing(est).prediction
+    w = est.workload()
+    at = mix.choose(w, offloaded.peak_bytes, est.device.link)
+    assert at.how == "recompute all, swap the earliest 8 inputs or blocks"
+    assert at.prediction.step_s == pytest.approx(offloaded.step_s)
+    above = mix.choose(w, offloaded.peak_bytes + 4 * 2**20, est.device.link)
+    assert above.fits and above.how.startswith("swap the earliest 4 blocks, recompute the "
+                                               "others, the inputs of those up to block 8")
+    assert above.prediction.step_s < 0.9 * offloaded.step_s
+
+
 def test_a_budget_no_mix_meets_says_by_how_much():
     w = step([(0.010, 0.010, [10 * MB])] * 4, start=50 * MB)  # 50 MB before any activation
     chosen = mix.choose(w, 40 * MB, LINK, ENGINE)

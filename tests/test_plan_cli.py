@@ -34,11 +34,12 @@ def test_plan_prints_labelled_estimates_of_every_way(config, capsys):
     out = " ".join(printed.out.split())  # the header is wrapped
     # the long parts say what they did as they go, on stderr
     said = [line.split(" (")[0] for line in printed.err.splitlines()]
-    assert said[0] == "cswap plan: planning at 4 budgets"
-    assert [line.split(":")[1] for line in said[1:5]] == [
+    assert said[0] == "cswap plan: planning at 5 budgets"
+    assert [line.split(":")[1] for line in said[1:6]] == [
         " planned at the device", " planned at 0.5 GiB",
-        " planned at half the peak without help", " planned at checkpointing's peak"]
-    assert said[5:] == [f"cswap plan: the longest sequence that fits {how}"
+        " planned at half the peak without help", " planned at checkpointing's peak",
+        " planned at offloaded checkpointing's peak"]
+    assert said[6:] == [f"cswap plan: the longest sequence that fits {how}"
                         for how in ("without help", "checkpointing", "the planner")]
     assert "cswap plan: tiny-qwen2, sequence 512, batch 2, bfloat16, full fine-tuning" in out
     assert "GeForce RTX 4090" in out and "measured by this project: nothing" in out
@@ -307,9 +308,9 @@ def test_host_memory_bounds_what_each_plan_holds_on_the_host(config, capsys):
         lines = capsys.readouterr().out.splitlines()
         assert any("host GiB" in line and "peak GiB" in line for line in lines)
         held[host] = [float(m[2]) for line in lines if (m := row.search(line))]
-        # no help, checkpointing, the peers' offloaded checkpointing and three budgets
-        assert len(held[host]) == 6
-    assert max(held[None][3:]) > 0 and held["0"][3:] == [0.0] * 3
+        # no help, checkpointing, the peers' offloaded checkpointing and four budgets
+        assert len(held[host]) == 7
+    assert max(held[None][3:]) > 0 and held["0"][3:] == [0.0] * 4
     assert held["0"][:2] == [0.0] * 2 and held["0"][2] == held[None][2]  # the peers' own
     assert ("  host GiB: what the swapped blocks hold in host memory (pinned) at the end of "
             "forward, per GPU process (a compressed one at its size: its slot); at most 0 GiB "

@@ -105,11 +105,13 @@ def _run(args: argparse.Namespace) -> int:
     began = time.monotonic()
     est = estimate(setup, dev, OPTIMIZERS[args.optimizer])
     base = sizing.baselines(est)
+    offloaded = sizing.offloaded_checkpointing(est)
     limit = sizing.usable(dev)
     budgets = [(f"the device ({limit / GiB:.1f} GiB)", limit)]
     budgets += [(f"{b:g} GiB", int(b * GiB)) for b in args.budgets]
     budgets += [("half the peak without help", base[0].prediction.peak_bytes // 2),
-                ("checkpointing's peak", base[1].prediction.peak_bytes)]
+                ("checkpointing's peak", base[1].prediction.peak_bytes),
+                ("offloaded checkpointing's peak", offloaded.prediction.peak_bytes)]
     budgets = [(label if b <= limit else f"{label} {OVER_DEVICE}", b) for label, b in budgets]
     print(header(est, spec, args.lossy, args.dense))
     print(memory(est, base[0]))
@@ -117,7 +119,7 @@ def _run(args: argparse.Namespace) -> int:
     progress = Progress("cswap plan")
     progress(f"planning at {len(budgets)} budgets (one to two minutes for a 32-layer model)")
     host = None if args.host_memory is None else int(args.host_memory * GiB)
-    ways = base + [sizing.offloaded_checkpointing(est)] + sizing.mixes(
+    ways = base + [offloaded] + sizing.mixes(
         est, budgets, finer=args.finer, lossy=args.lossy, progress=progress, dense=args.dense,
         host=host)
     print(plans(ways, host), flush=True)

@@ -425,9 +425,17 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
         takewhile(lambda k: on_host(moved(k)), counts))
     k = next((k for k in held if on_device(moved(k))), None) if units else None
     if k is not None:
-        (w, plan), how = moved(k), f"recompute all, swap the earliest {k} inputs or blocks"
+        # and the earliest of those blocks swapped whole instead, each count in turn (the
+        # peak need not fall or rise with it): they cost the link's time, no forward again
+        found = {f"recompute all, swap the earliest {k} inputs or blocks": moved(k)}
+        for n in range(1, k + 1):
+            chosen = whole, frugal(whole, k, codec_of, bool(units), whole=n)
+            if fits(chosen):
+                found[f"swap the earliest {n} blocks, recompute the others, the inputs of "
+                      f"those up to block {k} swapped"] = chosen
+        how, (w, plan) = min(found.items(), key=lambda kv: run(kv[1]).step_s)
         return Choice(plan, run((w, plan)), keep, budget_bytes, True, how + _through(plan),
-                      {how + _through(plan): run((w, plan))}, engine, w)
+                      {h + _through(c[1]): run(c) for h, c in found.items()}, engine, w)
     # nothing fits: the plan that comes closest (moving what the host can hold), and how far
     # off it is
     w, plan = moved(min(held, key=lambda k: run(moved(k)).peak_bytes))
@@ -438,15 +446,16 @@ def _choose(workload: Workload, budget_bytes: int | None, link: Link, engine: En
 
 
 def frugal(w: Workload, k: int, codec_of: CodecOf | None = None,
-           recompute: bool = True) -> Mix:
+           recompute: bool = True, whole: int = 0) -> Mix:
     """The last resort: every block that can be recomputed recomputed (with ``recompute``),
     and the earliest ``k`` swapped, a recomputed one's input, another whole (``codec_of``:
-    how; raw by default). Swapping the last blocks' inputs too need not lower the peak:
-    backward wants them first, and they come back while the later blocks run again."""
+    how; raw by default), the first ``whole`` of them whole in any case. Swapping the last
+    blocks' inputs too need not lower the peak: backward wants them first, and they come
+    back while the later blocks run again."""
     codec_of = codec_of or (lambda w, block: RAW)
     decisions = {}
     for b, block in enumerate(w.blocks):
-        again = recompute and block.recomputable
+        again = recompute and block.recomputable and b >= whole
         if b < k:
             decisions[block.name] = BlockDecision("recompute" if again else "swap",
                                                   codec_of(w, block), swap_input=again)
