@@ -36,7 +36,9 @@
 #   7. pytest-gpu: `pytest -m gpu -v` with what time is left, but tests/test_exit.py (step 6
 #      ran it; each test named in the log as it ends, so a step cut short still says which
 #      failed);
-#   8. measure-more: BERT-large and VGG-16, measured like the others, if time remains.
+#   8. measure-more: BERT-large and VGG-16, measured like the others, if time remains;
+#   9. finetune-qlora: the finetune step's setup with QLoRA's 4-bit base (bitsandbytes, from
+#      .whl), if time remains (or ONLY=finetune-qlora in a second call).
 #
 # How to call it (from a session whose device `status` says a machine is lent):
 #   once, here, in the repository root (the wheels the image lacks, and the codec library built
@@ -45,7 +47,8 @@
 #     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
 #       -d .whl hyperopt==0.3.0 jsonargparse==4.53.0 docstring-parser==0.18.0 \
-#       typeshed-client==2.14.0 peft==0.21.2 accelerate==1.15.0 psutil==7.2.2
+#       typeshed-client==2.14.0 peft==0.21.2 accelerate==1.15.0 psutil==7.2.2 \
+#       bitsandbytes==0.50.2
 #     CSWAP_CACHE_DIR=$PWD/.devcache .venv/bin/python -m cswap_lightning build-ext
 #   then: run(command="bash benchmarks/gpu_check.sh", carry=[".whl", ".devcache"],
 #             timeout_s=500)
@@ -176,6 +179,9 @@ step pytest-gpu 150 python3 -m pytest -v -p no:cacheprovider -m gpu --timeout 60
     --ignore tests/test_exit.py --junitxml="$WORK/pytest-gpu.xml"  # the exit-codes step ran it
 step measure-more 200 "${ENGINE[@]}" bench measure --models bert-large vgg16 --rounds 10 \
     --trace --out "$WORK/measure-more-$TAG"
+step finetune-qlora 240 "${ENGINE[@]}" bench finetune llama-3-8b --qlora --seq ${FT_SEQ:-8192} \
+    --steps 5 --peers --out "$WORK/finetune-qlora-$TAG"
+[[ -f $WORK/finetune-qlora-$TAG.md ]] && grep "^|" "$WORK/finetune-qlora-$TAG.md" >>"$SUMMARY"
 pack
 echo "done in $SECONDS s; in $OUT:"
 ls -la "$OUT"

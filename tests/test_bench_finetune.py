@@ -191,3 +191,21 @@ def test_selective_checkpointing_trains_bitwise_as_plain_saving_matmuls_only(mon
     saved = {name for name, decision in decided if decision == "MUST_SAVE"}
     assert "mm.default" in saved and len(saved) <= 4  # matmuls and attention only
     assert any(decision == "PREFER_RECOMPUTE" for _, decision in decided)
+
+
+def test_the_dry_run_of_qlora_measures_every_method_on_a_four_bit_base(tmp_path, monkeypatch):
+    from cswap_lightning.planning import models
+
+    quantized, four_bit = [], models._four_bit
+    monkeypatch.setattr(models, "_four_bit", lambda net, config: quantized.append(
+        config.bnb_4bit_quant_type) or four_bit(net, config))
+    out = tmp_path / "q"
+    assert main(["bench", "finetune", "llama-3-8b", "--qlora", "--small", "--device", "cpu",
+                 "--seq", "32", "--steps", "1", "--out", str(out)]) == 0
+    rows = _rows(out)
+    assert list(rows) == [bench_finetune.NO_OFFLOAD, bench_finetune.CHECKPOINTING, *ENGINES,
+                          bench_finetune.NO_OFFLOAD_AGAIN]
+    assert all("failed" not in row for row in rows.values()), rows
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert data["setup"]["tuning"] == "QLoRA" and quantized == ["nf4"]  # one model, built once
+    assert "cswap plan llama-3-8b --seq 32 --batch 1 --qlora" in out.with_suffix(".md").read_text()

@@ -11,7 +11,8 @@ from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh"
 STEPS = ["environment", "build-ext", "kernels", "tests", "finetune", "measure", "measure-llama",
-         "codec", "selective", "overhead", "exit-codes", "pytest-gpu", "measure-more"]
+         "codec", "selective", "overhead", "exit-codes", "pytest-gpu", "measure-more",
+         "finetune-qlora"]
 
 
 def dry_run(tmp_path: Path, **env: str) -> list[tuple[str, int]]:

@@ -81,6 +81,9 @@ def add_parser(bench_kinds) -> argparse.ArgumentParser:
                         help="LoRA (peft) on every linear layer but the head; the rest frozen")
     tuning.add_argument("--full", dest="lora", action="store_false",
                         help="full fine-tuning (the default)")
+    tuning.add_argument("--qlora", action="store_true",
+                        help="QLoRA: --lora with the base's linear layers in 4-bit NF4 "
+                        "(bitsandbytes, double quantization)")
     p.add_argument("--layers", type=whole(1), default=None,
                    help="that many of the model's layers instead of its config's")
     p.add_argument("--steps", type=whole(1), default=5, help="timed steps per method")
@@ -118,10 +121,10 @@ def run_finetune(args: argparse.Namespace, log: Callable[[str], None] = print) -
 
     rows: dict[str, dict] = {}
     setup = {"model": spec.name, "sequence": args.seq, "batch": args.batch,
-             "tuning": "LoRA" if args.lora else "full", "dtype": str(_dtype(dev)),
+             "tuning": _tuning(args), "dtype": str(_dtype(dev)),
              "saved_activations_bytes": None, "start_bytes": start}
     plan = (f"cswap plan {args.model} --seq {args.seq} --batch {args.batch} "
-            f"{'--lora' if args.lora else '--full'}"
+            f"--{_tuning(args).lower()}"
             + (f" --layers {args.layers}" if args.layers else ""))
     meta = result_meta(dev, kind="measurement" if dev.type == "cuda" and not args.small
                        else "dry run (CPU or a tiny model: the figures mean nothing)")
@@ -217,6 +220,10 @@ def run_finetune(args: argparse.Namespace, log: Callable[[str], None] = print) -
     return rows
 
 
+def _tuning(args: argparse.Namespace) -> str:
+    return "QLoRA" if args.qlora else "LoRA" if args.lora else "full"
+
+
 def _dtype(dev: torch.device) -> torch.dtype:
     return torch.bfloat16 if dev.type == "cuda" else torch.float32
 
@@ -224,7 +231,7 @@ def _dtype(dev: torch.device) -> torch.dtype:
 def _build(args: argparse.Namespace, dev: torch.device) -> tuple[nn.Module, models.Model]:
     """The model of the setup, its weights random, made on ``dev`` in its dtype (a 7-8B model
     made on the host first would take minutes)."""
-    lora = models.LoRA() if args.lora else None
+    lora = models.LoRA(quantized=args.qlora) if args.lora or args.qlora else None
     spec = models.model(args.model, lora=lora, layers=args.layers or (
         SMALL_LAYERS if args.small else None), overrides=SMALL if args.small else None)
     if not spec.sequence:
@@ -235,7 +242,7 @@ def _build(args: argparse.Namespace, dev: torch.device) -> tuple[nn.Module, mode
     try:
         with torch.device(dev):
             torch.manual_seed(0)
-            model = spec.build()
+            model = spec.build(dtype)
     finally:
         torch.set_default_dtype(default)
     return model.to(dtype).train(), spec

@@ -215,9 +215,9 @@ def _quiet_bitsandbytes() -> Iterator[None]:
 
 def _four_bit(net: nn.Module, config) -> nn.Module:
     """``net`` with its linear layers but the head in 4 bits (transformers' own replacement
-    and choice of what stays, bitsandbytes' quantization): quantized at once on the meta
-    device and the CPU, by bitsandbytes on its way to a GPU otherwise; as transformers'
-    quantizer leaves it (``is_loaded_in_4bit``: peft wraps its layers as QLoRA's)."""
+    and choice of what stays, bitsandbytes' quantization, where the weights are: the meta
+    device, the CPU, a GPU), as transformers' quantizer leaves it (``is_loaded_in_4bit``:
+    peft wraps its layers as QLoRA's)."""
     bnb = require("bitsandbytes", "QLoRA (4-bit base weights)")
     from transformers.integrations.bitsandbytes import replace_with_bnb_linear
     from transformers.quantizers.base import get_keys_to_not_convert
@@ -238,9 +238,7 @@ def _four_bit(net: nn.Module, config) -> nn.Module:
             compress_statistics=config.bnb_4bit_use_double_quant,
             quant_storage=config.bnb_4bit_quant_storage, module=module)
         module.bias = plain[name].bias
-        if weight.device.type in ("meta", "cpu"):
-            with torch.device("cpu"):  # its code books are built on the CPU, then moved
-                module.weight = module.weight._quantize(weight.device)
+        module.weight = module.weight._quantize(weight.device)
     net.is_loaded_in_4bit = True
     return net
 
