@@ -138,7 +138,7 @@ def test_at_offloaded_checkpointings_peak_the_earliest_blocks_swap_whole():
 
     est = estimate(Setup("llama-3-8b", 4096, 1, lora=models.LoRA(), layers=8),
                    device("h100-pcie"))
-    offloaded = sizing.offloaded_checkpointing(est).prediction
+    offloaded = sizing.peers(est)[0].prediction
     w = est.workload()
     at = mix.choose(w, offloaded.peak_bytes, est.device.link)
     assert at.how == "recompute all, swap the earliest 8 inputs or blocks"

@@ -51,7 +51,9 @@ def test_plan_prints_labelled_estimates_of_every_way(config, capsys):
                 "peak without help (step)", "peak of the optimizer's update",
                 "without help: FITS", "none (no help)", "none (checkpointing)",
                 "none (ckpt, inputs offloaded) recompute every block, swap its input",
+                "none (every tensor offloaded) swap every block",
                 "ckpt, inputs offloaded: Unsloth's offloaded checkpointing",
+                "every tensor offloaded: torchtune's activation offloading",
                 "the device (23.0 GiB)", "0.5 GiB", "half the peak without help",
                 "checkpointing's peak", "the longest sequence that fits (estimated): "):
         assert row in out, row
@@ -308,10 +310,10 @@ def test_host_memory_bounds_what_each_plan_holds_on_the_host(config, capsys):
         lines = capsys.readouterr().out.splitlines()
         assert any("host GiB" in line and "peak GiB" in line for line in lines)
         held[host] = [float(m[2]) for line in lines if (m := row.search(line))]
-        # no help, checkpointing, the peers' offloaded checkpointing and four budgets
-        assert len(held[host]) == 7
-    assert max(held[None][3:]) > 0 and held["0"][3:] == [0.0] * 4
-    assert held["0"][:2] == [0.0] * 2 and held["0"][2] == held[None][2]  # the peers' own
+        # no help, checkpointing, the peers' two ways and four budgets
+        assert len(held[host]) == 8
+    assert max(held[None][4:]) > 0 and held["0"][4:] == [0.0] * 4
+    assert held["0"][:2] == [0.0] * 2 and held["0"][2:4] == held[None][2:4]  # the peers' own
     assert ("  host GiB: what the swapped blocks hold in host memory (pinned) at the end of "
             "forward, per GPU process (a compressed one at its size: its slot); at most 0 GiB "
             "(--host-memory)") in lines

@@ -105,13 +105,13 @@ def _run(args: argparse.Namespace) -> int:
     began = time.monotonic()
     est = estimate(setup, dev, OPTIMIZERS[args.optimizer])
     base = sizing.baselines(est)
-    offloaded = sizing.offloaded_checkpointing(est)
+    peers = sizing.peers(est)
     limit = sizing.usable(dev)
     budgets = [(f"the device ({limit / GiB:.1f} GiB)", limit)]
     budgets += [(f"{b:g} GiB", int(b * GiB)) for b in args.budgets]
     budgets += [("half the peak without help", base[0].prediction.peak_bytes // 2),
                 ("checkpointing's peak", base[1].prediction.peak_bytes),
-                ("offloaded checkpointing's peak", offloaded.prediction.peak_bytes)]
+                ("offloaded checkpointing's peak", peers[0].prediction.peak_bytes)]
     budgets = [(label if b <= limit else f"{label} {OVER_DEVICE}", b) for label, b in budgets]
     print(header(est, spec, args.lossy, args.dense))
     print(memory(est, base[0]))
@@ -119,7 +119,7 @@ def _run(args: argparse.Namespace) -> int:
     progress = Progress("cswap plan")
     progress(f"planning at {len(budgets)} budgets (one to two minutes for a 32-layer model)")
     host = None if args.host_memory is None else int(args.host_memory * GiB)
-    ways = base + [offloaded] + sizing.mixes(
+    ways = base + peers + sizing.mixes(
         est, budgets, finer=args.finer, lossy=args.lossy, progress=progress, dense=args.dense,
         host=host)
     print(plans(ways, host), flush=True)
@@ -221,7 +221,8 @@ def plans(ways: list[sizing.Way], host: int | None = None) -> str:
     title = ("plans (the replay of the estimated step; a step is forward and backward, the "
              "optimizer apart)")
     labels = [{"no help": "none (no help)", "checkpointing": "none (checkpointing)",
-               "checkpointing, inputs offloaded": "none (ckpt, inputs offloaded)"}.get(
+               "checkpointing, inputs offloaded": "none (ckpt, inputs offloaded)",
+               "every tensor offloaded": "none (every tensor offloaded)"}.get(
         way.label, way.label) for way in ways]
     width = max(42, *(len(way.how) for way in ways))
     left = max(28, *map(len, labels))
@@ -234,8 +235,9 @@ def plans(ways: list[sizing.Way], host: int | None = None) -> str:
                      f"{p.host_bytes / GiB:>8.2f} {1e3 * way.step_s:>8.1f} "
                      f"{checkpointing.step_s / way.step_s:>7.2f}x" + ("" if way.fits else " OVER"))
     bound = "" if host is None else f"; at most {host / GiB:g} GiB (--host-memory)"
-    lines.append("  ckpt, inputs offloaded: Unsloth's offloaded checkpointing (Hugging Face's "
-                 "offload=True), as this engine would run it")
+    lines.append("  the peers, as this engine would run them: ckpt, inputs offloaded: Unsloth's "
+                 "offloaded checkpointing (Hugging Face's offload=True); every tensor "
+                 "offloaded: torchtune's activation offloading (torch's save_on_cpu)")
     lines.append("  host GiB: what the swapped blocks hold in host memory (pinned) at the end of "
                  "forward, per GPU process (a compressed one at its size: its slot)" + bound)
     if any(OVER_DEVICE in label for label in labels):

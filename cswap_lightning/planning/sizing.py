@@ -29,6 +29,7 @@ from .replay import (
     Prediction,
     checkpoint_all,
     predict,
+    swap_all,
 )
 from .workload import Block, Saved, Workload
 
@@ -68,14 +69,20 @@ def baselines(est: Estimate, engine: Engine | None = None) -> list[Way]:
                 optimizer_fits and checkpointed.peak_bytes <= limit)]
 
 
-def offloaded_checkpointing(est: Estimate) -> Way:
-    """Checkpointing every block with its input swapped (the peers' offloaded checkpointing:
-    Unsloth's, Hugging Face's ``offload=True``), replayed on ``est``'s device as this engine
-    would run it."""
+def peers(est: Estimate) -> list[Way]:
+    """The peers' offloading, replayed on ``est``'s device as this engine would run it:
+    checkpointing every block with its input swapped (offloaded checkpointing: Unsloth's,
+    Hugging Face's ``offload=True``), and every saved tensor swapped (torchtune's activation
+    offloading, torch's ``save_on_cpu``)."""
     w, limit = est.workload(), usable(est.device)
-    p = predict(w, checkpoint_all(offload_inputs=True), link=est.device.link)
-    return Way("checkpointing, inputs offloaded", "recompute every block, swap its input", p,
-               est.optimizer_peak <= limit and p.peak_bytes <= limit)
+    out = []
+    for label, how, plan in (
+            ("checkpointing, inputs offloaded", "recompute every block, swap its input",
+             checkpoint_all(offload_inputs=True)),
+            ("every tensor offloaded", "swap every block", swap_all())):
+        p = predict(w, plan, link=est.device.link)
+        out.append(Way(label, how, p, est.optimizer_peak <= limit and p.peak_bytes <= limit))
+    return out
 
 
 def mixes(est: Estimate, budgets: Sequence[tuple[str, int]], finer: bool = False,
