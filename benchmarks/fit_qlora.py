@@ -17,9 +17,7 @@ import argparse
 import sys
 import time
 
-import torch
-
-from cswap_lightning.commands.bench_step import result_meta, write_results
+from cswap_lightning.commands.bench_step import PREDICTED, report, script_meta
 from cswap_lightning.planning import models, sizing
 from cswap_lightning.planning.devices import device
 from cswap_lightning.planning.estimate import OPTIMIZERS, Setup, estimate
@@ -90,14 +88,8 @@ def main(argv: list[str] | None = None) -> int:
              f"searched up to {CEILING} tokens in steps of {sizing.GRANULE} (-: none fits). "
              "PREDICTIONS: no GPU ran any of it; bitsandbytes' kernels are timed by the "
              "roofline, which they may not reach.")
-    text = intro + "\n\n" + table(found)
-    print(text)
-    if args.out:
-        meta = result_meta(torch.device("cpu"), command=" ".join(
-            ["python", *sys.argv] if argv is None else ["python", __file__, *argv]),
-            kind="prediction (meta-device trace, roofline calibrated on the H100 and H200 "
-            "profiles, replay of the step; estimates, not measurements)")
-        write_results(args.out, TITLE, meta, {"rows": found}, text)
+    report(intro + "\n\n" + table(found), args.out, TITLE,
+           script_meta(__file__, argv, kind=PREDICTED), {"rows": found})
     return 0
 
 

@@ -17,9 +17,7 @@ import argparse
 import sys
 import time
 
-import torch
-
-from cswap_lightning.commands.bench_step import result_meta, write_results
+from cswap_lightning.commands.bench_step import PREDICTED, report, script_meta
 from cswap_lightning.planning import mix, models, sizing
 from cswap_lightning.planning.devices import device
 from cswap_lightning.planning.estimate import Setup, estimate
@@ -81,14 +79,8 @@ def main(argv: list[str] | None = None) -> int:
              f"{device(args.device).name}: the planner's mix at two budgets under each host "
              "budget (per GPU process), replayed on the estimated step. host GiB: what the "
              "mix's swapped blocks hold in pinned host memory at the end of forward.")
-    text = intro + "\n\n" + table(found)
-    print(text)
-    if args.out:
-        meta = result_meta(torch.device("cpu"), command=" ".join(
-            ["python", *sys.argv] if argv is None else ["python", __file__, *argv]),
-            kind="prediction (meta-device trace, roofline calibrated on the H100 and H200 "
-            "profiles, replay of the step; estimates, not measurements)")
-        write_results(args.out, TITLE, meta, {"rows": found}, text)
+    report(intro + "\n\n" + table(found), args.out, TITLE,
+           script_meta(__file__, argv, kind=PREDICTED), {"rows": found})
     return 0
 
 

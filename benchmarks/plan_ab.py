@@ -22,9 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
-from cswap_lightning.commands.bench_step import result_meta, write_results
+from cswap_lightning.commands.bench_step import script_meta, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,10 +77,8 @@ def main(argv: list[str] | None = None) -> None:
          f"(median {statistics.median(ratios):.3f})."),
         ("Outputs (but the line of the command's own seconds): "
          f"{'the same, every run' if same else 'DIFFERENT'}.")])
-    meta = result_meta(torch.device("cpu"), command=" ".join(
-        ["python", *sys.argv] if argv is None else ["python", __file__, *argv]),
-        kind="measurement (process time on this CPU)", base=args.base, head=head,
-        runs=args.runs)
+    meta = script_meta(__file__, argv, kind="measurement (process time on this CPU)",
+                       base=args.base, head=head, runs=args.runs)
     write_results(args.out, "cswap plan: one checkout against another", meta,
                   {"seconds": times, "ratios": ratios, "same": same}, markdown)
 

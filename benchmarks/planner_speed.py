@@ -27,7 +27,7 @@ import torch
 
 import cswap_lightning as cswap
 from cswap_lightning.commands.bench_finetune import SMALL, _saved_bytes
-from cswap_lightning.commands.bench_step import result_meta, write_results
+from cswap_lightning.commands.bench_step import script_meta, write_results
 from cswap_lightning.planning import mix, models, sizing
 from cswap_lightning.planning.devices import device
 from cswap_lightning.planning.estimate import Setup, estimate
@@ -143,9 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                      + (f" --layers {layers}" if layers else ""), plan_calls(layers))]
     table = markdown(cases)
     print(table)
-    meta = result_meta(torch.device("cpu"), command=" ".join(
-        ["python", *sys.argv] if argv is None else ["python", __file__, *argv]),
-        kind="measurement (process time on this CPU)")
+    meta = script_meta(__file__, argv, kind="measurement (process time on this CPU)")
     write_results(args.out, "The planner's search: skipping what cannot win", meta,
                   {"cases": cases}, table)
     return 0

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from cswap_lightning.commands.bench_step import result_meta, write_results
+from cswap_lightning.commands.bench_step import PREDICTED, script_meta, write_results
 from cswap_lightning.planning import calibration, mix, models, sizing
 from cswap_lightning.planning.devices import DEVICES, device
 from cswap_lightning.planning.estimate import Estimate, Setup, estimate
@@ -333,10 +333,7 @@ def main(argv: list[str] | None = None) -> int:
              False)):
         cases[case] = predict(case, setup, codecs, lower, 1 if args.quick else args.steps,
                               engine, on=args.device, dense=args.dense)
-    meta = result_meta(torch.device("cpu"), command=" ".join(
-        ["python", *sys.argv] if argv is None else ["python", __file__, *argv]),
-        kind="prediction (meta-device trace, roofline calibrated on the H100 and H200 "
-        "profiles, replay of the step; estimates, not measurements)")
+    meta = script_meta(__file__, argv, kind=PREDICTED)
     check = None if args.quick else measured_check(engine)
     table = markdown(cases, check)
     print(table)

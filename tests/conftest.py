@@ -98,6 +98,22 @@ def quick_predictions(name: str, monkeypatch: pytest.MonkeyPatch, out: Path):
     return script, data
 
 
+def ops_run_again(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The operators (``aten::silu``) recomputations below the layer run again, as they run
+    them."""
+    from cswap_lightning.core import selective
+
+    ran: list[str] = []
+    real = selective.Recomputing._run
+
+    def run(self, func, args, kwargs):
+        ran.append(func._schema.name)
+        return real(self, func, args, kwargs)
+
+    monkeypatch.setattr(selective.Recomputing, "_run", run)
+    return ran
+
+
 def spy_on_moves(session: Offloader, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The addresses of the storages the session moves off the device, as it moves them."""
     moved: list[int] = []

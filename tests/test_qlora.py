@@ -9,16 +9,16 @@ work."""
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 
 import pytest
 import torch
+from conftest import ops_run_again
 from peft import LoraConfig, get_peft_model
+from test_peft import adapter_grads as lora_adapter_grads
 from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
 from cswap_lightning import CSwapConfig, Offloader
-from cswap_lightning.core import selective
 from cswap_lightning.core.recompute import below, units
 
 FOUR_BIT = "bitsandbytes::gemm_4bit"
@@ -36,13 +36,16 @@ def saved_llama(tmp_path_factory) -> str:
     return str(path)
 
 
-def qlora(path: str, targets: list[str] | str = "all-linear") -> torch.nn.Module:
-    """The checkpoint loaded in 4 bits as the QLoRA recipe loads it, adapters on ``targets``."""
+def qlora(path: str, targets: list[str] | str = "all-linear", bits: int = 4) -> torch.nn.Module:
+    """The checkpoint loaded in 4 bits as the QLoRA recipe loads it (``bits=8``: in 8 bits,
+    LLM.int8's, in float32), adapters on ``targets``."""
     quantized = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                    bnb_4bit_use_double_quant=True,
-                                   bnb_4bit_compute_dtype=torch.bfloat16)
-    model = LlamaForCausalLM.from_pretrained(path, quantization_config=quantized,
-                                             dtype=torch.bfloat16, device_map="cpu")
+                                   bnb_4bit_compute_dtype=torch.bfloat16) if bits == 4 else (
+        BitsAndBytesConfig(load_in_8bit=True))
+    model = LlamaForCausalLM.from_pretrained(
+        path, quantization_config=quantized,
+        dtype=torch.bfloat16 if bits == 4 else torch.float32, device_map="cpu")
     torch.manual_seed(1)  # the adapters' initialisation
     return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
 
@@ -52,12 +55,8 @@ IDS = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(2))
 
 def adapter_grads(model: torch.nn.Module, offloader: Offloader | None,
                   steps: int = 3) -> dict[str, torch.Tensor]:
-    for _ in range(steps):
-        model.zero_grad(set_to_none=True)
-        with offloader if offloader is not None else contextlib.nullcontext():
-            loss = model(input_ids=IDS, labels=IDS).loss
-        loss.backward()
-    return {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+    """``model``'s adapters' gradients after ``steps`` steps on ``IDS``."""
+    return lora_adapter_grads(offloader, IDS, steps, model)
 
 
 def assert_same(plain: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
@@ -91,19 +90,6 @@ def test_qlora_adapters_get_bitwise_gradients_and_the_four_bit_weights_are_not_s
         Counter(str(s.dtype) for s in step.sites)
 
 
-def ops_run_again(monkeypatch) -> list[str]:
-    """The operators recomputations below the layer run again, as they run them."""
-    ran: list[str] = []
-    real = selective.Recomputing._run
-
-    def run(self, func, args, kwargs):
-        ran.append(func._schema.name)
-        return real(self, func, args, kwargs)
-
-    monkeypatch.setattr(selective.Recomputing, "_run", run)
-    return ran
-
-
 def test_below_the_layer_keeps_the_four_bit_products_and_runs_the_elementwise_work(
         saved_llama, monkeypatch):
     """Adapters on the attention's query and value only (the QLoRA paper's first recipe): the
@@ -122,6 +108,29 @@ def test_below_the_layer_keeps_the_four_bit_products_and_runs_the_elementwise_wo
     assert_same(plain, swapped)
     assert "aten::silu" in ran and "aten::rsqrt" in ran, Counter(ran)
     assert FOUR_BIT not in ran and "aten::mm" not in ran, Counter(ran)
+
+
+def test_an_eight_bit_base_trains_bitwise_swapped_and_below_the_layer(saved_llama,
+                                                                      monkeypatch):
+    """LoRA on LLM.int8's 8-bit base (bitsandbytes' ``Linear8bitLt``): bitwise with every
+    tensor swapped, and recomputed below the layer without its 8-bit products again (each
+    returns an empty tensor beside its product, which its autograd context keeps: no bytes
+    to change, so no reason to run the product again)."""
+    targets = ["q_proj", "v_proj"]
+    plain = adapter_grads(qlora(saved_llama, targets, bits=8), None, steps=4)
+    offloader = Offloader(CSwapConfig(plan="raw", min_bytes=0, budget=None))
+    assert_same(plain, adapter_grads(qlora(saved_llama, targets, bits=8), offloader, steps=4))
+    assert offloader.tracked_step().offloaded_bytes > 0
+    offloader.close()
+    ran = ops_run_again(monkeypatch)
+    offloader = Offloader(CSwapConfig(plan="raw", min_bytes=0, budget=None, profile_steps=1))
+    model = qlora(saved_llama, targets, bits=8)
+    assert not offloader.watch(model).recompute(list(below(units(model))))
+    assert_same(plain, adapter_grads(model, offloader, steps=4))
+    offloader.close()
+    assert "aten::silu" in ran, Counter(ran)
+    assert not [op for op in ran if op.startswith("bitsandbytes::int8_")
+                and op.endswith(("matmul", "_mm"))], Counter(ran)
 
 
 def test_layers_recomputed_whole_stay_under_checkpoint_and_bitwise(saved_llama):

@@ -222,6 +222,26 @@ def result_meta(dev: torch.device, **details) -> dict:
             "command": " ".join(["cswap"] + sys.argv[1:]), **details}
 
 
+# The kind of a result the benchmarks predict with `cswap plan`'s machinery.
+PREDICTED = ("prediction (meta-device trace, roofline calibrated on the H100 and H200 "
+             "profiles, replay of the step; estimates, not measurements)")
+
+
+def script_meta(script: str, argv: list[str] | None, **details) -> dict:
+    """``result_meta`` of a benchmark script run on the CPU, its command as run (``argv``:
+    the arguments given to its ``main``; None: the process's)."""
+    return result_meta(torch.device("cpu"), command=" ".join(
+        ["python", *sys.argv] if argv is None else ["python", script, *argv]), **details)
+
+
+def report(text: str, out: str | None, title: str, meta: dict, data: dict) -> None:
+    """Print a result's text, and where ``out`` names a stem write it there too
+    (``write_results``)."""
+    print(text)
+    if out:
+        write_results(out, title, meta, data, text)
+
+
 def write_results(out: str, title: str, meta: dict, data: dict, markdown: str,
                   quiet: bool = False) -> None:
     """``out``.json (``meta`` and ``data``) and ``out``.md (``meta`` as a list, then

@@ -129,9 +129,12 @@ class _Kept:
         change the kept bytes after the block returned, unseen by the version the engine
         checks or seen where plain PyTorch, which saved nothing of them, runs on. (Where
         autograd saved a tensor on them, their holder is likely the block's cache, whose
-        changes plain PyTorch's version check sees as the engine's does.)"""
-        return not self.saved and any(_use_count(key) > self.owners[key]
-                                      for key in {storage_key(t) for t, _ in self.tensors()})
+        changes plain PyTorch's version check sees as the engine's does.) An output of no
+        bytes holds nothing to change (bitsandbytes' 8-bit product returns an empty one its
+        autograd context keeps)."""
+        return not self.saved and any(
+            _use_count(key) > self.owners[key]
+            for key in {storage_key(t) for t, _ in self.tensors() if _has_bytes(t)})
 
     def tensors(self) -> list[tuple[torch.Tensor, int]]:
         """Its output tensors, each with its version when made."""
@@ -205,6 +208,10 @@ class Tainted:
         return bool(self.keys) and any(storage_key(t) in self.keys for t in tensors)
 
 
+def _has_bytes(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() > 0
+
+
 def _use_count(key: int) -> int:
     """The owners of a storage (``storage_key``): the tensors on it and its Python object."""
     return torch._C._storage_Use_Count(key)
@@ -220,8 +227,8 @@ def staying(made: Sequence[_Kept], returned: Iterable[torch.Tensor], changed: Co
     rest (``ops.dear``)."""
     returned = {t.untyped_storage()._cdata for t in returned}
     fresh = [k.index not in changed and not any(
-        t._version != v or t.untyped_storage()._cdata in returned for t, v in k.tensors())
-        and not k.held_elsewhere() for k in made]
+        _has_bytes(t) and (t._version != v or t.untyped_storage()._cdata in returned)
+        for t, v in k.tensors()) and not k.held_elsewhere() for k in made]
     dear = iter(ops.dear([k.cost for k, ok in zip(made, fresh, strict=True) if ok]))
     return [ok and next(dear) for ok in fresh]
 
