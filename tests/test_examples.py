@@ -44,8 +44,9 @@ def test_the_lightning_example_trains_and_lowers_the_peak(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_hugging_face_example_fine_tunes_lora_adapters(tmp_path):
-    output = run_example("hf_trainer.py", tmp_path / "run", "--steps", "10", "--lora")
+@pytest.mark.parametrize("tuning", ["--lora", "--qlora"])
+def test_the_hugging_face_example_fine_tunes_lora_adapters(tmp_path, tuning):
+    output = run_example("hf_trainer.py", tmp_path / "run", "--steps", "10", tuning)
     first, last = map(float, re.search(r"loss: first logged ([\d.]+), last ([\d.]+)",
                                        output).groups())
     assert last < first
