@@ -50,8 +50,8 @@ def test_plan_prints_labelled_estimates_of_every_way(config, capsys):
     for row in ("weights", "gradients", "optimizer state", "saved activations",
                 "peak without help (step)", "peak of the optimizer's update",
                 "without help: FITS", "none (no help)", "none (checkpointing)",
-                "none (ckpt, inputs offloaded) recompute every block, swap its input",
-                "none (every tensor offloaded) swap every block",
+                "none (ckpt, inputs offloaded)", "recompute every block, swap its input",
+                "none (every tensor offloaded)", "swap every block",
                 "ckpt, inputs offloaded: Unsloth's offloaded checkpointing",
                 "every tensor offloaded: torchtune's activation offloading",
                 "the device (23.0 GiB)", "0.5 GiB", "half the peak without help",
@@ -314,6 +314,6 @@ def test_host_memory_bounds_what_each_plan_holds_on_the_host(config, capsys):
         assert len(held[host]) == 8
     assert max(held[None][4:]) > 0 and held["0"][4:] == [0.0] * 4
     assert held["0"][:2] == [0.0] * 2 and held["0"][2:4] == held[None][2:4]  # the peers' own
-    assert ("  host GiB: what the swapped blocks hold in host memory (pinned) at the end of "
+    assert ("host GiB: what the swapped blocks hold in host memory (pinned) at the end of "
             "forward, per GPU process (a compressed one at its size: its slot); at most 0 GiB "
-            "(--host-memory)") in lines
+            "(--host-memory)") in " ".join(" ".join(lines).split())

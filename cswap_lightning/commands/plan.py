@@ -224,25 +224,30 @@ def plans(ways: list[sizing.Way], host: int | None = None) -> str:
                "checkpointing, inputs offloaded": "none (ckpt, inputs offloaded)",
                "every tensor offloaded": "none (every tensor offloaded)"}.get(
         way.label, way.label) for way in ways]
-    width = max(42, *(len(way.how) for way in ways))
     left = max(28, *map(len, labels))
+    # the figures first, the plan's words last: the rows' figures line up in a narrow terminal
     lines = [title,
-             (f"  {'budget':<{left}} {'plan':<{width}} {'peak GiB':>8} {'host GiB':>8} "
-              f"{'step ms':>8} {'vs ckpt':>8}")]
+             (f"  {'budget':<{left}} {'peak GiB':>8} {'host GiB':>8} {'step ms':>8} "
+              f"{'vs ckpt':>8}       plan")]
     for label, way in zip(labels, ways):
         p = way.prediction
-        lines.append(f"  {label:<{left}} {way.how:<{width}} {p.peak_bytes / GiB:>8.2f} "
+        lines.append(f"  {label:<{left}} {p.peak_bytes / GiB:>8.2f} "
                      f"{p.host_bytes / GiB:>8.2f} {1e3 * way.step_s:>8.1f} "
-                     f"{checkpointing.step_s / way.step_s:>7.2f}x" + ("" if way.fits else " OVER"))
+                     f"{checkpointing.step_s / way.step_s:>7.2f}x "
+                     f"{'' if way.fits else 'OVER':<5} {way.how}")
     bound = "" if host is None else f"; at most {host / GiB:g} GiB (--host-memory)"
-    lines.append("  the peers, as this engine would run them: ckpt, inputs offloaded: Unsloth's "
-                 "offloaded checkpointing (Hugging Face's offload=True); every tensor "
-                 "offloaded: torchtune's activation offloading (torch's save_on_cpu)")
-    lines.append("  host GiB: what the swapped blocks hold in host memory (pinned) at the end of "
-                 "forward, per GPU process (a compressed one at its size: its slot)" + bound)
+    notes = [("the peers, as this engine would run them: ckpt, inputs offloaded: Unsloth's "
+              "offloaded checkpointing (Hugging Face's offload=True); every tensor offloaded: "
+              "torchtune's activation offloading (torch's save_on_cpu)"),
+             ("host GiB: what the swapped blocks hold in host memory (pinned) at the end of "
+              "forward, per GPU process (a compressed one at its size: its slot)" + bound)]
+    if not all(way.fits for way in ways):
+        notes.append("OVER: the plan does not fit (the device's memory, or its budget)")
     if any(OVER_DEVICE in label for label in labels):
-        lines.append(f"  {OVER_DEVICE}: a budget over the device's memory, planned for the "
+        notes.append(f"{OVER_DEVICE}: a budget over the device's memory, planned for the "
                      "device's")
+    lines += [textwrap.fill(note, WIDTH, initial_indent="  ", subsequent_indent="    ")
+              for note in notes]
     return "\n".join(lines) + "\n"
 
 
