@@ -109,3 +109,14 @@ def test_the_engine_needs_no_extra():
                          timeout=300, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     assert int(run.stdout) == 2  # the input and the ReLU's output (the second layer's input)
+
+
+def test_cswap_plan_qlora_without_bitsandbytes_names_its_extra(monkeypatch, capsys):
+    from cswap_lightning.commands import cli
+
+    hide(monkeypatch, "bitsandbytes")
+    assert cli.main(["plan", "llama-3-8b", "--qlora", "--layers", "1", "--seq", "64",
+                     "--no-search"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "cswap: QLoRA (4-bit base weights) needs bitsandbytes, which is not installed: "
+        "pip install 'cswap-lightning[qlora]'")
