@@ -34,6 +34,7 @@ def row(tuning: str, setup: Setup, dev: str) -> dict:
     """One tuning on one device: the figures of the table."""
     est = estimate(setup, device(dev), OPTIMIZERS["adamw"])
     keep, checkpointing = sizing.baselines(est)
+    offloaded = sizing.peers(est)[0]  # checkpointing with its inputs offloaded (Unsloth's)
     (planned,) = sizing.mixes(est, [("the device", sizing.usable(est.device))])
     longest = {how: sizing.largest(est, how, CEILING) for how in WAYS}
     return {"tuning": tuning, "device": est.device.name, "sequence": setup.sequence,
@@ -41,6 +42,8 @@ def row(tuning: str, setup: Setup, dev: str) -> dict:
             "keep_peak_gib": keep.prediction.peak_bytes / GiB,
             "checkpointing_peak_gib": checkpointing.prediction.peak_bytes / GiB,
             "checkpointing_ms": 1e3 * checkpointing.step_s,
+            "offloaded_checkpointing_peak_gib": offloaded.prediction.peak_bytes / GiB,
+            "offloaded_checkpointing_host_gib": offloaded.prediction.host_bytes / GiB,
             "plan": planned.how, "plan_fits": planned.fits,
             "plan_peak_gib": planned.prediction.peak_bytes / GiB,
             "plan_host_gib": planned.prediction.host_bytes / GiB,
@@ -50,16 +53,19 @@ def row(tuning: str, setup: Setup, dev: str) -> dict:
 
 
 def table(found: list[dict]) -> str:
-    lines = [("| tuning | device | weights GiB | peak GiB: none / ckpt / planner | planner vs "
-              "ckpt | planner's host GiB | longest sequence: none / ckpt / planner |"),
+    lines = [("| tuning | device | weights GiB | peak GiB: none / ckpt / offloaded ckpt / "
+              "planner | planner vs ckpt | host GiB: offloaded ckpt / planner | longest "
+              "sequence: none / ckpt / planner |"),
              "|---|---|---:|---:|---:|---:|---:|"]
     for r in found:
         fits = "" if r["plan_fits"] else " (does not fit)"
         longest = " / ".join("-" if n is None else str(n) for n in r["longest"].values())
         lines.append(f"| {r['tuning']} | {r['device']} | {r['weights_gib']:.1f} | "
                      f"{r['keep_peak_gib']:.1f} / {r['checkpointing_peak_gib']:.1f} / "
+                     f"{r['offloaded_checkpointing_peak_gib']:.1f} / "
                      f"{r['plan_peak_gib']:.1f}{fits} | {r['plan_vs_checkpointing']:.2f}x | "
-                     f"{r['plan_host_gib']:.1f} | {longest} |")
+                     f"{r['offloaded_checkpointing_host_gib']:.1f} / {r['plan_host_gib']:.1f} | "
+                     f"{longest} |")
     return "\n".join(lines)
 
 
@@ -84,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
              "the head (AdamW), the base in bfloat16 (LoRA) or in 4-bit NF4 with double "
              "quantization (QLoRA, bitsandbytes). The planner's mix is planned at the "
              "device's memory (less 1 GiB for the CUDA context); its step is forward and "
-             "backward, against checkpointing every layer. The longest sequences are "
-             f"searched up to {CEILING} tokens in steps of {sizing.GRANULE} (-: none fits). "
+             "backward, against checkpointing every layer (offloaded checkpointing, "
+             "Unsloth's, every layer's input swapped, is predicted as fast as it). The "
+             f"longest sequences are searched up to {CEILING} tokens in steps of "
+             f"{sizing.GRANULE} (-: none fits). "
              "PREDICTIONS: no GPU ran any of it; bitsandbytes' kernels are timed by the "
              "roofline, which they may not reach.")
     report(intro + "\n\n" + table(found), args.out, TITLE,
