@@ -403,3 +403,31 @@ def test_skipping_what_cannot_win_chooses_what_searching_everything_does(model):
         assert (chosen[True].how, chosen[True].prediction) == (
             chosen[False].how, chosen[False].prediction), share
     assert len(replays[True]._predictions) <= len(replays[False]._predictions)
+
+
+@pytest.mark.slow
+def test_the_fewest_recomputations_that_fit_are_found_by_bisection_on_the_profiles(
+        monkeypatch):
+    """What the main sweep's bisection assumes (``mix._first``): with the earliest blocks
+    swapped, once recomputing the best k units fits, recomputing more fits too. Checked at
+    every count on the four H100 profiles' workloads (their units cut each way) at two
+    budgets; the last resort's count of inputs swapped is not bisected (its peak falls,
+    then rises)."""
+    broken, checked, first = [], [], mix._first
+
+    def every_count(n, ok):
+        fits = [ok(k) for k in range(n)]
+        checked.append(n)
+        if fits != sorted(fits):
+            broken.append(fits)
+        return first(n, ok)
+
+    monkeypatch.setattr(mix, "_first", every_count)
+    for model in ("gpt2-medium", "bert-large", "resnet50", "vgg16"):
+        workloads = evidence.candidates(model)
+        keep = predict(workloads[0], link=LINK, engine=ENGINE).peak_bytes
+        for share in (0.3, 0.6):
+            mix.choose_among(workloads, int(share * keep), LINK, ENGINE,
+                             inflight_choices=INFLIGHT_CHOICES, prune=False)
+    assert len(checked) > 20 and max(checked) > 10  # searches of many counts ran
+    assert not broken, broken[:3]
