@@ -243,3 +243,39 @@ def test_a_plan_of_qlora_leaves_bitsandbytes_able_to_load_a_model(saved_llama, m
     spec = models.model("llama-3-8b", lora=models.LoRA(quantized=True), layers=1)
     models.build(spec, torch.bfloat16)
     adapter_grads(qlora(saved_llama), None, steps=1)  # loads, quantizes, trains
+
+
+def test_qlora_in_lightning_trains_bitwise_under_the_strategy(saved_llama, tmp_path):
+    """The same model in a LightningModule: ``CSwapStrategy`` against Lightning's own
+    single-device strategy, the adapters' weights after three steps bitwise alike (Lightning
+    moves the model to its device: 4-bit weights already there stay quantized)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    from cswap_lightning import CSwapStrategy
+
+    class Tuned(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = qlora(saved_llama)
+
+        def training_step(self, batch, _index):
+            return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+    def fit(strategy) -> dict[str, torch.Tensor]:
+        module = Tuned()
+        data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(IDS.repeat(3, 1)),
+                                           batch_size=2)
+        pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=3, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, default_root_dir=tmp_path).fit(module, data)
+        return {n: p.detach() for n, p in module.named_parameters() if p.requires_grad}
+
+    strategy = CSwapStrategy(CSwapConfig(plan="raw", min_bytes=0))
+    offloaded = fit(strategy)
+    assert strategy.offloader.last_step().offloaded_bytes > 0
+    assert any(p.abs().sum() > 0 for n, p in offloaded.items() if "lora_B" in n)  # trained
+    assert_same(fit(SingleDeviceStrategy("cpu")), offloaded)
