@@ -235,7 +235,9 @@ def plans(ways: list[sizing.Way], host: int | None = None) -> str:
                      f"{p.host_bytes / GiB:>8.2f} {1e3 * way.step_s:>8.1f} "
                      f"{checkpointing.step_s / way.step_s:>7.2f}x "
                      f"{'' if way.fits else 'OVER':<5} {way.how}")
-    bound = "" if host is None else f"; at most {host / GiB:g} GiB (--host-memory)"
+    bound = (f"; at most {host / GiB:g} GiB (--host-memory)" if host is not None else
+             "; where the machine cannot pin that much, plan with --host-memory GIB"
+             if any(way.prediction.host_bytes for way in ways) else "")
     notes = [("the peers, as this engine would run them: ckpt, inputs offloaded: Unsloth's "
               "offloaded checkpointing (Hugging Face's offload=True); every tensor offloaded: "
               "torchtune's activation offloading (torch's save_on_cpu)"),
