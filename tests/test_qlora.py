@@ -36,18 +36,26 @@ def saved_llama(tmp_path_factory) -> str:
     return str(path)
 
 
-def qlora(path: str, targets: list[str] | str = "all-linear", bits: int = 4) -> torch.nn.Module:
+def loaded(path: str, bits: int = 4) -> torch.nn.Module:
     """The checkpoint loaded in 4 bits as the QLoRA recipe loads it (``bits=8``: in 8 bits,
-    LLM.int8's, in float32), adapters on ``targets``."""
+    LLM.int8's, in float32)."""
     quantized = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                    bnb_4bit_use_double_quant=True,
                                    bnb_4bit_compute_dtype=torch.bfloat16) if bits == 4 else (
         BitsAndBytesConfig(load_in_8bit=True))
-    model = LlamaForCausalLM.from_pretrained(
+    return LlamaForCausalLM.from_pretrained(
         path, quantization_config=quantized,
         dtype=torch.bfloat16 if bits == 4 else torch.float32, device_map="cpu")
+
+
+def adapted(model: torch.nn.Module, targets: list[str] | str = "all-linear") -> torch.nn.Module:
     torch.manual_seed(1)  # the adapters' initialisation
     return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+
+
+def qlora(path: str, targets: list[str] | str = "all-linear", bits: int = 4) -> torch.nn.Module:
+    """``loaded(path, bits)`` with adapters on ``targets``."""
+    return adapted(loaded(path, bits), targets)
 
 
 IDS = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(2))
@@ -197,14 +205,7 @@ def recipe_trainer(path: str, out, callbacks: list) -> object:
     from peft import prepare_model_for_kbit_training
     from transformers import Trainer, TrainingArguments
 
-    quantized = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                   bnb_4bit_use_double_quant=True,
-                                   bnb_4bit_compute_dtype=torch.bfloat16)
-    model = LlamaForCausalLM.from_pretrained(path, quantization_config=quantized,
-                                             dtype=torch.bfloat16, device_map="cpu")
-    model = prepare_model_for_kbit_training(model)
-    torch.manual_seed(1)
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    model = adapted(prepare_model_for_kbit_training(loaded(path)))
     args = TrainingArguments(output_dir=str(out), use_cpu=True, seed=0, report_to=[],
                              max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3,
                              logging_steps=1, save_strategy="no", dataloader_num_workers=0,
