@@ -280,3 +280,24 @@ def test_qlora_in_lightning_trains_bitwise_under_the_strategy(saved_llama, tmp_p
     assert strategy.offloader.last_step().offloaded_bytes > 0
     assert any(p.abs().sum() > 0 for n, p in offloaded.items() if "lora_B" in n)  # trained
     assert_same(fit(SingleDeviceStrategy("cpu")), offloaded)
+
+
+def test_the_readmes_qlora_snippet_trains_under_the_callback(saved_llama, tmp_path):
+    """The README's QLoRA lines as written, on the saved Llama: they train, and the
+    callback moved the step's activations (the CPU fits everything, so ``budget=None``)."""
+    from test_readme import python_block
+    from transformers import TrainingArguments
+
+    from cswap_lightning import CSwapCallback
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                             max_steps=2, per_device_train_batch_size=4, logging_steps=1,
+                             save_strategy="no", disable_tqdm=True)
+    names = {"checkpoint": saved_llama, "args": args, "data": RandomText(),
+             "CSwapCallback": CSwapCallback,
+             "CSwapConfig": lambda: CSwapConfig(budget=None, min_bytes=0)}
+    exec(python_block("prepare_model_for_kbit_training(model"), names)  # noqa: S102 - as written
+    names["trainer"].train()
+    moved = [h["cswap/offloaded_bytes"] for h in names["trainer"].state.log_history
+             if "cswap/offloaded_bytes" in h]
+    assert len(moved) == 2 and moved[0] > 0
