@@ -242,8 +242,12 @@ def test_a_plan_of_qlora_leaves_bitsandbytes_able_to_load_a_model(saved_llama, m
 
     monkeypatch.setattr(bitsandbytes.functional, "name2qmap", {})  # a fresh process's
     spec = models.model("llama-3-8b", lora=models.LoRA(quantized=True), layers=1)
-    models.build(spec, torch.bfloat16)
-    adapter_grads(qlora(saved_llama), None, steps=1)  # loads, quantizes, trains
+    planned = models.build(spec, torch.bfloat16)
+    gate = planned.base_model.model.model.layers[0].mlp.gate_proj.base_layer.weight
+    assert gate.device.type == "meta" and gate.dtype == torch.uint8  # quantized on meta
+    assert bitsandbytes.functional.name2qmap["dynamic"].device.type == "cpu"
+    grads = adapter_grads(qlora(saved_llama), None, steps=1)  # loads, quantizes, trains
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads.values())
 
 
 def test_qlora_in_lightning_trains_bitwise_under_the_strategy(saved_llama, tmp_path):
